@@ -1,0 +1,12 @@
+// Linked instead of the CUDA backend when the build found no nvcc/cuBLAS (METALATTN_CUDA=OFF or AUTO).
+#include "metalattn/backend.h"
+
+namespace metalattn {
+
+bool cuda_compiled() { return false; }
+int cuda_device_count() { return 0; }
+std::unique_ptr<Backend> make_cuda_backend(const ModelSpec&, const ModelWeights&, bool) {
+  throw EngineError("this build of metalattn has no CUDA backend (rebuild with nvcc and cuBLAS on PATH)");
+}
+
+}  // namespace metalattn

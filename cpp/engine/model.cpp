@@ -1,0 +1,54 @@
+#include "metalattn/model.h"
+
+#include <string>
+
+namespace metalattn {
+
+const char* type_name(GgmlType t) {
+  switch (t) {
+    case GgmlType::F32: return "F32";
+    case GgmlType::F16: return "F16";
+    case GgmlType::BF16: return "BF16";
+    case GgmlType::Q4_0: return "Q4_0";
+    case GgmlType::Q4_1: return "Q4_1";
+    case GgmlType::Q8_0: return "Q8_0";
+  }
+  return "unknown";
+}
+
+static void check_matrix(const WeightView& w, const std::string& name, int64_t rows, int64_t cols) {
+  if (w.data == nullptr) throw EngineError("missing tensor " + name);
+  if (w.rows != rows || w.cols != cols)
+    throw EngineError("tensor " + name + " has shape [" + std::to_string(w.rows) + " x " + std::to_string(w.cols) +
+                      "], expected [" + std::to_string(rows) + " x " + std::to_string(cols) + "]");
+  if (row_bytes(w.type, w.cols) == 0) throw EngineError("tensor " + name + " has an unsupported type");
+  if (is_quantized(w.type) && w.cols % kQuantBlock != 0)
+    throw EngineError("tensor " + name + ": quantized rows need a multiple of 32 columns");
+}
+
+void validate_model(const ModelSpec& s, const ModelWeights& w) {
+  if (s.n_layers <= 0 || s.d_model <= 0 || s.d_ff <= 0 || s.n_heads <= 0 || s.n_kv_heads <= 0 || s.vocab <= 0 ||
+      s.n_ctx <= 0)
+    throw EngineError("model spec has a non-positive dimension");
+  if (s.n_heads % s.n_kv_heads != 0) throw EngineError("n_heads must be a multiple of n_kv_heads");
+  if (s.head_dim <= 0 || s.head_dim % 2 != 0) throw EngineError("head_dim must be positive and even");
+  if (static_cast<int>(w.layers.size()) != s.n_layers) throw EngineError("layer count does not match the spec");
+  check_matrix(w.tok_embd, "token_embd.weight", s.vocab, s.d_model);
+  check_matrix(w.output, "output.weight", s.vocab, s.d_model);
+  if (w.output_norm == nullptr) throw EngineError("missing tensor output_norm.weight");
+  for (int l = 0; l < s.n_layers; ++l) {
+    const LayerWeights& L = w.layers[l];
+    const std::string p = "blk." + std::to_string(l) + ".";
+    if (L.attn_norm == nullptr) throw EngineError("missing tensor " + p + "attn_norm.weight");
+    if (L.ffn_norm == nullptr) throw EngineError("missing tensor " + p + "ffn_norm.weight");
+    check_matrix(L.wq, p + "attn_q.weight", s.q_dim(), s.d_model);
+    check_matrix(L.wk, p + "attn_k.weight", s.kv_dim(), s.d_model);
+    check_matrix(L.wv, p + "attn_v.weight", s.kv_dim(), s.d_model);
+    check_matrix(L.wo, p + "attn_output.weight", s.d_model, s.q_dim());
+    check_matrix(L.w_gate, p + "ffn_gate.weight", s.d_ff, s.d_model);
+    check_matrix(L.w_up, p + "ffn_up.weight", s.d_ff, s.d_model);
+    check_matrix(L.w_down, p + "ffn_down.weight", s.d_model, s.d_ff);
+  }
+}
+
+}  // namespace metalattn

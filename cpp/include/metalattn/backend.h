@@ -1,0 +1,49 @@
+// The seam between the engine (positions, validation) and a device (cpu, cuda; a Metal one would slot in here).
+#pragma once
+#include <cstdint>
+#include <memory>
+#include <string>
+
+#include "metalattn/model.h"
+
+namespace metalattn {
+
+// What a greedy step hands back: 8 bytes, token id and its logit.
+struct ArgmaxResult {
+  uint32_t token;
+  float value;
+};
+
+struct MemoryInfo {
+  size_t weights = 0;  // bytes the backend holds for weights (0 for the CPU: it reads the mmap)
+  size_t kv_cache = 0;
+  size_t scratch = 0;  // activations, logits, staging
+};
+
+class Backend {
+ public:
+  virtual ~Backend() = default;
+  virtual const char* name() const = 0;
+
+  // One token at position `pos` (0 <= pos < n_ctx); appends its K/V to the cache.
+  virtual ArgmaxResult forward_token_greedy(int32_t token, int pos) = 0;
+  // As above but copies the full logits row (vocab floats) to `logits`.
+  virtual void forward_token(int32_t token, int pos, float* logits) = 0;
+  // Debug path: also writes the residual stream after the embedding and after every layer,
+  // (n_layers + 1) x d_model floats, into `hidden`.
+  virtual void forward_token_debug(int32_t token, int pos, float* hidden, float* logits) = 0;
+
+  // n prompt tokens starting at position `pos`, layer by layer. lm_head only for the last token unless
+  // `all_logits` is non-null (n x vocab, for perplexity). `last_logits` (vocab) may be null.
+  virtual ArgmaxResult forward_prompt(const int32_t* tokens, int n, int pos, float* last_logits,
+                                      float* all_logits) = 0;
+
+  virtual MemoryInfo memory_info() const = 0;
+};
+
+std::unique_ptr<Backend> make_cpu_backend(const ModelSpec& spec, const ModelWeights& w, int n_threads);
+bool cuda_compiled();
+int cuda_device_count();  // 0 when not compiled or no device
+std::unique_ptr<Backend> make_cuda_backend(const ModelSpec& spec, const ModelWeights& w, bool debug);
+
+}  // namespace metalattn
