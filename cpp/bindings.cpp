@@ -1,0 +1,197 @@
+// nanobind glue: translates types only. Weights arrive as numpy views of the memory-mapped GGUF and are
+// borrowed (kept alive here), never copied; logits go out as fresh numpy arrays.
+#include <nanobind/nanobind.h>
+#include <nanobind/ndarray.h>
+#include <nanobind/stl/string.h>
+#include <nanobind/stl/tuple.h>
+
+#include <map>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "cpu/kernels.h"
+#include "cpu/thread_pool.h"
+#include "engine/engine.h"
+
+namespace nb = nanobind;
+using namespace nb::literals;
+using metalattn::EngineError;
+
+namespace {
+
+using ByteMatrix = nb::ndarray<const uint8_t, nb::ndim<2>, nb::c_contig, nb::device::cpu>;
+using FloatVector = nb::ndarray<const float, nb::ndim<1>, nb::c_contig, nb::device::cpu>;
+using TokenArray = nb::ndarray<const int32_t, nb::ndim<1>, nb::c_contig, nb::device::cpu>;
+using FloatArray = nb::ndarray<nb::numpy, float>;
+
+FloatArray new_float_array(std::initializer_list<size_t> shape) {
+  size_t n = 1;
+  for (size_t s : shape) n *= s;
+  float* data = new float[n];
+  nb::capsule owner(data, [](void* p) noexcept { delete[] static_cast<float*>(p); });
+  return FloatArray(data, shape.size(), shape.begin(), owner);
+}
+
+// Owns the engine plus references to every numpy array it borrows.
+class PyEngine {
+ public:
+  PyEngine(nb::dict config, nb::dict matrices, nb::dict norms, const std::string& device, int n_threads, bool debug) {
+    metalattn::ModelSpec s;
+    s.n_layers = nb::cast<int>(config["n_layers"]);
+    s.d_model = nb::cast<int>(config["d_model"]);
+    s.d_ff = nb::cast<int>(config["d_ff"]);
+    s.n_heads = nb::cast<int>(config["n_heads"]);
+    s.n_kv_heads = nb::cast<int>(config["n_kv_heads"]);
+    s.head_dim = nb::cast<int>(config["head_dim"]);
+    s.vocab = nb::cast<int>(config["vocab_size"]);
+    s.n_ctx = nb::cast<int>(config["n_ctx"]);
+    s.rope_base = nb::cast<float>(config["rope_base"]);
+    s.rms_eps = nb::cast<float>(config["rms_eps"]);
+
+    metalattn::ModelWeights w;
+    w.layers.resize(s.n_layers);
+    auto matrix = [&](const std::string& name) {
+      if (!matrices.contains(name.c_str())) throw EngineError("missing tensor " + name);
+      nb::tuple t = nb::cast<nb::tuple>(matrices[name.c_str()]);  // (ggml_type, rows, cols, uint8 array)
+      ByteMatrix a = nb::cast<ByteMatrix>(t[3]);
+      metalattn::WeightView v;
+      v.type = static_cast<metalattn::GgmlType>(nb::cast<uint32_t>(t[0]));
+      v.rows = nb::cast<int64_t>(t[1]);
+      v.cols = nb::cast<int64_t>(t[2]);
+      if (a.shape(0) != static_cast<size_t>(v.rows) || a.shape(1) != metalattn::row_bytes(v.type, v.cols))
+        throw EngineError("tensor " + name + ": byte array shape does not match its type and dimensions");
+      v.data = a.data();
+      matrices_.push_back(a);
+      return v;
+    };
+    auto norm = [&](const std::string& name) {
+      if (!norms.contains(name.c_str())) throw EngineError("missing tensor " + name);
+      FloatVector a = nb::cast<FloatVector>(norms[name.c_str()]);
+      if (a.shape(0) != static_cast<size_t>(s.d_model)) throw EngineError("tensor " + name + " must have d_model floats");
+      norms_.push_back(a);
+      return a.data();
+    };
+    w.tok_embd = matrix("token_embd.weight");
+    w.output = matrix("output.weight");
+    w.output_norm = norm("output_norm.weight");
+    for (int l = 0; l < s.n_layers; ++l) {
+      const std::string p = "blk." + std::to_string(l) + ".";
+      metalattn::LayerWeights& L = w.layers[l];
+      L.attn_norm = norm(p + "attn_norm.weight");
+      L.ffn_norm = norm(p + "ffn_norm.weight");
+      L.wq = matrix(p + "attn_q.weight");
+      L.wk = matrix(p + "attn_k.weight");
+      L.wv = matrix(p + "attn_v.weight");
+      L.wo = matrix(p + "attn_output.weight");
+      L.w_gate = matrix(p + "ffn_gate.weight");
+      L.w_up = matrix(p + "ffn_up.weight");
+      L.w_down = matrix(p + "ffn_down.weight");
+    }
+    nb::gil_scoped_release release;  // uploading weights to a GPU can take a while
+    engine_ = std::make_unique<metalattn::Engine>(s, w, device, n_threads, debug);
+  }
+
+  metalattn::Engine& e() { return *engine_; }
+
+ private:
+  std::vector<ByteMatrix> matrices_;
+  std::vector<FloatVector> norms_;
+  std::unique_ptr<metalattn::Engine> engine_;
+};
+
+}  // namespace
+
+NB_MODULE(_core, m) {
+  m.doc() = "metalattn C++ core: the CPU and CUDA inference backends";
+  nb::register_exception_translator([](const std::exception_ptr& p, void*) {
+    try {
+      std::rethrow_exception(p);
+    } catch (const EngineError& e) {
+      PyErr_SetString(PyExc_ValueError, e.what());
+    }
+  });
+
+  m.def("cuda_compiled", &metalattn::cuda_compiled, "True when this build contains the CUDA backend.");
+  m.def("cuda_device_count", &metalattn::cuda_device_count, "Number of usable CUDA devices (0 without CUDA).");
+  m.def("cpu_isa", [] { return std::string(metalattn::cpu::isa_name(metalattn::cpu::selected_isa())); },
+        "The CPU kernel path in use: avx512, avx2 or scalar (METALATTN_CPU_ISA forces one).");
+  m.def("physical_cores", &metalattn::cpu::ThreadPool::physical_cores);
+
+  nb::class_<PyEngine>(m, "Engine")
+      .def(nb::init<nb::dict, nb::dict, nb::dict, const std::string&, int, bool>(), "config"_a, "matrices"_a,
+           "norms"_a, "device"_a = "cpu", "n_threads"_a = 0, "debug"_a = false)
+      .def_prop_ro("device", [](PyEngine& p) { return std::string(p.e().device()); })
+      .def_prop_ro("pos", [](PyEngine& p) { return p.e().pos(); })
+      .def_prop_ro("n_ctx", [](PyEngine& p) { return p.e().spec().n_ctx; })
+      .def_prop_ro("vocab_size", [](PyEngine& p) { return p.e().spec().vocab; })
+      .def("reset", [](PyEngine& p) { p.e().reset(); })
+      .def("forward_token_greedy",
+           [](PyEngine& p, int32_t token) {
+             nb::gil_scoped_release release;
+             return p.e().forward_token_greedy(token).token;
+           },
+           "token"_a, "Runs one token; returns the argmax token id computed on the device.")
+      .def("forward_token_greedy_value",
+           [](PyEngine& p, int32_t token) {
+             metalattn::ArgmaxResult r;
+             {
+               nb::gil_scoped_release release;
+               r = p.e().forward_token_greedy(token);
+             }
+             return std::make_tuple(r.token, r.value);
+           },
+           "token"_a, "As forward_token_greedy, returning (token id, its logit).")
+      .def("forward_token",
+           [](PyEngine& p, int32_t token) {
+             FloatArray out = new_float_array({static_cast<size_t>(p.e().spec().vocab)});
+             {
+               nb::gil_scoped_release release;
+               p.e().forward_token(token, out.data());
+             }
+             return out;
+           },
+           "token"_a, "Runs one token; returns its logits (float32, vocab).")
+      .def("forward_token_debug",
+           [](PyEngine& p, int32_t token) {
+             const auto& s = p.e().spec();
+             FloatArray hidden = new_float_array({static_cast<size_t>(s.n_layers + 1), static_cast<size_t>(s.d_model)});
+             FloatArray logits = new_float_array({static_cast<size_t>(s.vocab)});
+             {
+               nb::gil_scoped_release release;
+               p.e().forward_token_debug(token, hidden.data(), logits.data());
+             }
+             return std::make_tuple(hidden, logits);
+           },
+           "token"_a, "Runs one token; returns (residual stream after embedding and each layer, logits).")
+      .def("forward_prompt",
+           [](PyEngine& p, TokenArray tokens) {
+             nb::gil_scoped_release release;
+             return p.e().forward_prompt(tokens.data(), static_cast<int>(tokens.shape(0)), nullptr, nullptr).token;
+           },
+           "tokens"_a, "Runs a prompt layer by layer; returns the argmax after the last token.")
+      .def("forward_prompt_logits",
+           [](PyEngine& p, TokenArray tokens, bool all) {
+             const int n = static_cast<int>(tokens.shape(0));
+             const size_t vocab = static_cast<size_t>(p.e().spec().vocab);
+             FloatArray out = all ? new_float_array({static_cast<size_t>(n > 0 ? n : 0), vocab}) : new_float_array({vocab});
+             {
+               nb::gil_scoped_release release;
+               if (all)
+                 p.e().forward_prompt(tokens.data(), n, nullptr, out.data());
+               else
+                 p.e().forward_prompt(tokens.data(), n, out.data(), nullptr);
+             }
+             return out;
+           },
+           "tokens"_a, "all"_a = false,
+           "Runs a prompt; returns the last token's logits (vocab) or, with all=True, every token's (n x vocab).")
+      .def("memory_info", [](PyEngine& p) {
+        const metalattn::MemoryInfo m = p.e().memory_info();
+        nb::dict d;
+        d["weights"] = m.weights;
+        d["kv_cache"] = m.kv_cache;
+        d["scratch"] = m.scratch;
+        return d;
+      });
+}

