@@ -91,11 +91,13 @@ class GGUFModel:
 
     def dequantized(self, name: str) -> np.ndarray:
         """float32 copy of a weight, cached on this object (the float64 reference and tests reuse it)."""
-        if name not in self._dequant_cache:
-            arr = self.tensors[name].dequantize()
+        tensor = self.tensors[name]
+        key = tensor.name  # 'output.weight' of a tied model shares token_embd's entry
+        if key not in self._dequant_cache:
+            arr = tensor.dequantize()
             arr.flags.writeable = False
-            self._dequant_cache[name] = arr
-        return self._dequant_cache[name]
+            self._dequant_cache[key] = arr
+        return self._dequant_cache[key]
 
     @property
     def tokenizer_metadata(self) -> Dict[str, Any]:

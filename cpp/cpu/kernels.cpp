@@ -1,0 +1,145 @@
+#include "kernels.h"
+
+#include <cmath>
+#include <cstdlib>
+#include <cstring>
+#include <string>
+
+#include "kernels_isa.h"
+#include "reference.h"
+
+namespace metalattn::cpu {
+
+namespace {
+
+Isa detect_best_isa() {
+#ifdef METALATTN_X86
+  __builtin_cpu_init();
+  // kernels_avx512.cpp is compiled with -mavx512dq -mavx2 -mfma -mf16c as well, so those are required too.
+  const bool avx2 = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c");
+  const bool avx512 = avx2 && __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+                      __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq") &&
+                      __builtin_cpu_supports("avx512vnni");
+  if (avx512) return Isa::Avx512;
+  if (avx2) return Isa::Avx2;
+#endif
+  return Isa::Scalar;
+}
+
+void check_isa(Isa isa, const char* what) {
+  if (!isa_supported(isa))
+    throw EngineError(std::string(what) + ": ISA " + isa_name(isa) + " is not supported by this CPU or build");
+}
+
+void check_args(const WeightView& w, const block_q8_act* xq, Isa isa, int64_t r0, int64_t r1, const char* what) {
+  if (r0 < 0 || r1 > w.rows || r0 > r1) throw EngineError(std::string(what) + ": row range out of bounds");
+  if (is_quantized(w.type) && w.cols % kQuantBlock != 0)
+    throw EngineError(std::string(what) + ": quantized weights need cols % 32 == 0");
+  if (uses_quantized_acts(isa, w.type) && xq == nullptr)
+    throw EngineError(std::string(what) + ": quantized activations are required for this ISA and weight type");
+}
+
+}  // namespace
+
+namespace scalar {
+
+void quantize_acts(const float* x, int64_t n, block_q8_act* out) {
+  for (int64_t b = 0; b < n / kQuantBlock; ++b) {
+    const float* xb = x + b * kQuantBlock;
+    float amax = 0.f;
+    for (int j = 0; j < kQuantBlock; ++j) amax = std::fmax(amax, std::fabs(xb[j]));
+    const float d = amax / 127.f;
+    int sum = 0;
+    for (int j = 0; j < kQuantBlock; ++j) {
+      // nearbyint rounds half to even, as the SIMD conversions do, so every ISA produces the same bytes.
+      const int q = d == 0.f ? 0 : static_cast<int>(std::nearbyint(xb[j] / d));
+      out[b].qs[j] = static_cast<int8_t>(q);
+      sum += q;
+    }
+    out[b].d = d;
+    out[b].s = d * static_cast<float>(sum);
+  }
+}
+
+}  // namespace scalar
+
+Isa best_isa() {
+  static const Isa best = detect_best_isa();
+  return best;
+}
+
+bool isa_supported(Isa isa) { return static_cast<int>(isa) <= static_cast<int>(best_isa()); }
+
+const char* isa_name(Isa isa) {
+  switch (isa) {
+    case Isa::Scalar: return "scalar";
+    case Isa::Avx2: return "avx2";
+    case Isa::Avx512: return "avx512";
+  }
+  return "unknown";
+}
+
+Isa selected_isa() {
+  // Read on every call (cheap) so tests and callers can change the override at run time.
+  const char* env = std::getenv("METALATTN_CPU_ISA");
+  if (env == nullptr || env[0] == '\0') return best_isa();
+  Isa isa;
+  if (std::strcmp(env, "scalar") == 0) {
+    isa = Isa::Scalar;
+  } else if (std::strcmp(env, "avx2") == 0) {
+    isa = Isa::Avx2;
+  } else if (std::strcmp(env, "avx512") == 0) {
+    isa = Isa::Avx512;
+  } else {
+    throw EngineError(std::string("METALATTN_CPU_ISA='") + env + "' is not one of: scalar, avx2, avx512");
+  }
+  if (!isa_supported(isa))
+    throw EngineError(std::string("METALATTN_CPU_ISA=") + env + " is not supported by this CPU or build (best: " +
+                      isa_name(best_isa()) + ")");
+  return isa;
+}
+
+void quantize_acts(Isa isa, const float* x, int64_t n, block_q8_act* out) {
+  if (n % kQuantBlock != 0) throw EngineError("quantize_acts: n must be a multiple of 32");
+  check_isa(isa, "quantize_acts");
+  switch (isa) {
+#ifdef METALATTN_X86
+    case Isa::Avx512: return avx512::quantize_acts(x, n, out);
+    case Isa::Avx2: return avx2::quantize_acts(x, n, out);
+#endif
+    default: return scalar::quantize_acts(x, n, out);
+  }
+}
+
+bool uses_quantized_acts(Isa isa, GgmlType weight_type) {
+  return isa != Isa::Scalar && is_quantized(weight_type);
+}
+
+void matvec(Isa isa, const WeightView& w, const float* x, const block_q8_act* xq, float* y, int64_t r0, int64_t r1) {
+  check_isa(isa, "matvec");
+  check_args(w, xq, isa, r0, r1, "matvec");
+  switch (isa) {
+#ifdef METALATTN_X86
+    case Isa::Avx512: return avx512::matmul(w, x, xq, 1, y, 0, r0, r1);
+    case Isa::Avx2: return avx2::matmul(w, x, xq, 1, y, 0, r0, r1);
+#endif
+    default: return ref::matvec(w, x, y, r0, r1);
+  }
+}
+
+void matmul(Isa isa, const WeightView& w, const float* X, const block_q8_act* Xq, int n_tok, float* Y, int64_t ldy,
+            int64_t r0, int64_t r1) {
+  check_isa(isa, "matmul");
+  check_args(w, Xq, isa, r0, r1, "matmul");
+  if (n_tok <= 0) return;
+  switch (isa) {
+#ifdef METALATTN_X86
+    case Isa::Avx512: return avx512::matmul(w, X, Xq, n_tok, Y, ldy, r0, r1);
+    case Isa::Avx2: return avx2::matmul(w, X, Xq, n_tok, Y, ldy, r0, r1);
+#endif
+    default:
+      for (int t = 0; t < n_tok; ++t) ref::matvec(w, X + t * w.cols, Y + t * ldy, r0, r1);
+  }
+}
+
+}  // namespace metalattn::cpu

@@ -1,0 +1,28 @@
+// Internal: the per-ISA entry points behind kernels.cpp's dispatch. Each x86 ISA lives in its own
+// translation unit compiled with its own -m flags, so nothing here may be called unless best_isa() allows it.
+#pragma once
+#include <cstdint>
+
+#include "kernels.h"
+
+namespace metalattn::cpu {
+
+namespace scalar {
+void quantize_acts(const float* x, int64_t n, block_q8_act* out);
+}
+
+#ifdef METALATTN_X86
+// matvec is matmul with n_tok = 1: one code path, so the two agree bit for bit.
+namespace avx2 {
+void quantize_acts(const float* x, int64_t n, block_q8_act* out);
+void matmul(const WeightView& w, const float* X, const block_q8_act* Xq, int n_tok, float* Y, int64_t ldy,
+            int64_t r0, int64_t r1);
+}  // namespace avx2
+namespace avx512 {
+void quantize_acts(const float* x, int64_t n, block_q8_act* out);
+void matmul(const WeightView& w, const float* X, const block_q8_act* Xq, int n_tok, float* Y, int64_t ldy,
+            int64_t r0, int64_t r1);
+}  // namespace avx512
+#endif
+
+}  // namespace metalattn::cpu

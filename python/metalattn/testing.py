@@ -1,0 +1,250 @@
+"""Test support: a synthetic Llama GGUF writer and a float64 numpy reference forward pass.
+
+`write_synthetic_gguf` makes a small (or SmolLM2-135M-shaped) model with random weights and a valid byte-level BPE
+tokenizer, so kernels, the engine and the tokenizer can be tested anywhere, including the GPU machine, which has no
+models. `reference_forward` is the slow, obviously-correct forward pass every backend is compared against.
+"""
+from __future__ import annotations
+
+import itertools
+import math
+import os
+from typing import Dict, List, Optional, Sequence
+
+import numpy as np
+
+from . import quants
+from .gguf_model import GGUFModel
+
+# The real SmolLM2-135M's dimensions, in the layout our benchmarks use (layers Q4_0, token_embd Q8_0, tied lm_head).
+SMOLLM2_135M: Dict[str, object] = dict(
+    n_layers=30, d_model=576, d_ff=1536, n_heads=9, n_kv_heads=3, vocab_size=49152, n_ctx=8192,
+    rope_base=100000.0, rms_eps=1e-5, quant="q4_0", embd_quant="q8_0", tied=True)
+
+SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
+TOKEN_TYPE_NORMAL, TOKEN_TYPE_CONTROL = 1, 3
+
+CHATML_TEMPLATE = (
+    "{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + "
+    "'<|im_end|>' + '\n' }}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}")
+
+_FILE_TYPES = {"f32": 0, "f16": 1, "q4_0": 2, "q4_1": 3, "q8_0": 7, "bf16": 32}  # gguf.LlamaFileType values
+
+# Common English words first, so short prompts in tests tokenize into whole words.
+_COMMON_WORDS = """the of and to in is was for that on with as by at from it his an were are which this be or
+has had not first one their its new after but who they have her she two been other when there all during into
+school time may years more most only over city some world would where later up such used many can state about
+national out known university united then made french france paris capital country people also while
+between through year before government part three well under still since high many game family life any day
+team these war film music work both american each however area him series because south group called same
+back use these own early best did each end long good around large number around history great small king great
+name found every what hello how you your we our me my do does go going come here now very much thank please
+yes no model token text language learn data quick brown fox jumps lazy dog cat sun moon water fire earth
+""".split()
+_ONSETS = ("b", "c", "d", "f", "g", "h", "j", "k", "l", "m", "n", "p", "r", "s", "t", "v", "w", "z",
+           "br", "ch", "cl", "cr", "dr", "fl", "gr", "pl", "pr", "sh", "st", "str", "th", "tr", "wh")
+_VOWELS = ("a", "e", "i", "o", "u", "ai", "ea", "ee", "oo", "ou", "y")
+_CODAS = ("", "n", "r", "s", "t", "l", "m", "nd", "ng", "st", "ck", "rt", "nt", "x")
+
+
+def bytes_to_unicode() -> Dict[int, str]:
+    """GPT-2's byte -> printable character table: printable Latin-1 bytes map to themselves, the rest to 256+."""
+    printable = list(range(ord("!"), ord("~") + 1)) + list(range(0xA1, 0xAC + 1)) + list(range(0xAE, 0xFF + 1))
+    table = {b: chr(b) for b in printable}
+    extra = 0
+    for b in range(256):
+        if b not in table:
+            table[b] = chr(256 + extra)
+            extra += 1
+    return table
+
+
+def _english_ish_words():
+    """Deterministic, unbounded stream: common words, then pronounceable syllable words of growing length."""
+    yield from _COMMON_WORDS
+    syllables = [o + v + c for o in _ONSETS for v in _VOWELS for c in _CODAS]
+    for n_syll in itertools.count(1):
+        for combo in itertools.product(syllables, repeat=n_syll):
+            yield "".join(combo)
+
+
+def build_bpe_vocab(vocab_size: int):
+    """(tokens, token_types, merges) of a valid byte-level BPE vocabulary of exactly `vocab_size` tokens.
+
+    Each word's merges build it left to right (' ' + 'c' -> 'Ġc', 'Ġc' + 'a' -> 'Ġca', ...), so both halves of every
+    merge exist before it and every merge result is the token with the next id: the order a BPE trainer produces.
+    Words are added with and without the leading space symbol.
+    """
+    byte_symbols = [bytes_to_unicode()[b] for b in range(256)]
+    n_base = len(SPECIAL_TOKENS) + len(byte_symbols)
+    if vocab_size < n_base:
+        raise ValueError(f"vocab_size must be at least {n_base} (3 specials + 256 byte symbols), got {vocab_size}")
+    tokens = list(SPECIAL_TOKENS) + byte_symbols
+    token_types = [TOKEN_TYPE_CONTROL] * len(SPECIAL_TOKENS) + [TOKEN_TYPE_NORMAL] * len(byte_symbols)
+    merges: List[str] = []
+    known = set(tokens)
+    space = bytes_to_unicode()[ord(" ")]
+    for word in _english_ish_words():
+        for spelled in (space + word, word):
+            piece = spelled[0]
+            for ch in spelled[1:]:
+                merged = piece + ch
+                if merged not in known:
+                    if len(tokens) == vocab_size:
+                        return tokens, token_types, merges
+                    merges.append(f"{piece} {ch}")
+                    tokens.append(merged)
+                    token_types.append(TOKEN_TYPE_NORMAL)
+                    known.add(merged)
+                piece = merged
+    raise AssertionError("unreachable: the word stream is infinite")
+
+
+def write_synthetic_gguf(path, n_layers: int = 2, d_model: int = 64, d_ff: int = 128, n_heads: int = 4,
+                         n_kv_heads: int = 2, vocab_size: int = 512, n_ctx: int = 256, quant: str = "q4_0",
+                         embd_quant: Optional[str] = None, tied: bool = True, seed: int = 0,
+                         rope_base: float = 10000.0, rms_eps: float = 1e-5, name: str = "synthetic-llama"):
+    """Write a Llama GGUF with random weights and a working gpt2-style tokenizer; returns `path`.
+
+    Scales keep activations O(1) through many layers: matrices are N(0, 1/fan_in) (unit gain), norm weights are
+    uniform in [0.9, 1.1], and the embedding has std 4/sqrt(d_model) so that tied logits have std about 4
+    (peaked enough for stable greedy decoding, not so peaked that sampling is trivial).
+    """
+    import gguf
+
+    if d_model % n_heads or n_heads % n_kv_heads:
+        raise ValueError("d_model must be a multiple of n_heads, and n_heads of n_kv_heads")
+    head_dim = d_model // n_heads
+    layer_type = quants.parse_type(quant)
+    embd_type = quants.parse_type(embd_quant or quant)
+    rng = np.random.default_rng(seed)
+
+    tokens, token_types, merges = build_bpe_vocab(vocab_size)
+
+    w = gguf.GGUFWriter(os.fspath(path), "llama")
+    w.add_name(name)
+    w.add_uint32("general.file_type", _FILE_TYPES[quants.type_name(layer_type).lower()])
+    w.add_uint32("general.quantization_version", 2)
+    w.add_uint32("llama.block_count", n_layers)
+    w.add_uint32("llama.context_length", n_ctx)
+    w.add_uint32("llama.embedding_length", d_model)
+    w.add_uint32("llama.feed_forward_length", d_ff)
+    w.add_uint32("llama.attention.head_count", n_heads)
+    w.add_uint32("llama.attention.head_count_kv", n_kv_heads)
+    w.add_float32("llama.rope.freq_base", float(rope_base))
+    w.add_float32("llama.attention.layer_norm_rms_epsilon", float(rms_eps))
+    w.add_uint32("llama.vocab_size", vocab_size)
+    w.add_uint32("llama.rope.dimension_count", head_dim)
+    w.add_bool("tokenizer.ggml.add_space_prefix", False)
+    w.add_bool("tokenizer.ggml.add_bos_token", False)
+    w.add_string("tokenizer.ggml.model", "gpt2")
+    w.add_string("tokenizer.ggml.pre", "smollm")
+    w.add_key_value("tokenizer.ggml.tokens", tokens, gguf.GGUFValueType.ARRAY, gguf.GGUFValueType.STRING)
+    w.add_key_value("tokenizer.ggml.token_type", token_types, gguf.GGUFValueType.ARRAY, gguf.GGUFValueType.INT32)
+    if merges:
+        w.add_key_value("tokenizer.ggml.merges", merges, gguf.GGUFValueType.ARRAY, gguf.GGUFValueType.STRING)
+    w.add_uint32("tokenizer.ggml.bos_token_id", 1)
+    w.add_uint32("tokenizer.ggml.eos_token_id", 2)
+    w.add_uint32("tokenizer.ggml.unknown_token_id", 0)
+    w.add_uint32("tokenizer.ggml.padding_token_id", 2)
+    w.add_string("tokenizer.chat_template", CHATML_TEMPLATE)
+
+    def matrix(name: str, rows: int, cols: int, std: float, ggml_type: int):
+        x = rng.standard_normal((rows, cols), dtype=np.float32)
+        x *= np.float32(std)
+        # uint8 rows with raw_dtype: the writer derives the element shape (rows, cols) from the byte shape.
+        w.add_tensor(name, quants.quantize(x, ggml_type), raw_dtype=gguf.GGMLQuantizationType(ggml_type))
+
+    def norm(name: str):
+        w.add_tensor(name, rng.uniform(0.9, 1.1, d_model).astype(np.float32))
+
+    embd_std = 4.0 / math.sqrt(d_model)
+    matrix("token_embd.weight", vocab_size, d_model, embd_std, embd_type)
+    q_dim, kv_dim = n_heads * head_dim, n_kv_heads * head_dim
+    for layer in range(n_layers):
+        p = f"blk.{layer}."
+        norm(p + "attn_norm.weight")
+        matrix(p + "attn_q.weight", q_dim, d_model, d_model ** -0.5, layer_type)
+        matrix(p + "attn_k.weight", kv_dim, d_model, d_model ** -0.5, layer_type)
+        matrix(p + "attn_v.weight", kv_dim, d_model, d_model ** -0.5, layer_type)
+        matrix(p + "attn_output.weight", d_model, q_dim, q_dim ** -0.5, layer_type)
+        norm(p + "ffn_norm.weight")
+        matrix(p + "ffn_gate.weight", d_ff, d_model, d_model ** -0.5, layer_type)
+        matrix(p + "ffn_up.weight", d_ff, d_model, d_model ** -0.5, layer_type)
+        matrix(p + "ffn_down.weight", d_model, d_ff, d_ff ** -0.5, layer_type)
+    norm("output_norm.weight")
+    if not tied:
+        matrix("output.weight", vocab_size, d_model, embd_std, embd_type)
+
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path
+
+
+# ---------------------------------------------------------------------------------------------- reference forward
+
+def _rmsnorm(x: np.ndarray, weight: np.ndarray, eps: float) -> np.ndarray:
+    return x / np.sqrt(np.mean(x * x, axis=-1, keepdims=True) + eps) * weight
+
+
+def _rope(x: np.ndarray, positions: np.ndarray, base: float) -> np.ndarray:
+    """x: [n, heads, head_dim]. GGUF llama convention: adjacent pairs (2i, 2i+1) rotate by pos * base^(-2i/head_dim)
+    (the HF -> GGUF converter permutes the Q/K rows so that this equals HF's rotate-half form)."""
+    head_dim = x.shape[-1]
+    inv_freq = base ** (-np.arange(0, head_dim, 2, dtype=np.float64) / head_dim)
+    angle = positions[:, None].astype(np.float64) * inv_freq[None, :]        # [n, head_dim/2]
+    cos, sin = np.cos(angle)[:, None, :], np.sin(angle)[:, None, :]
+    even, odd = x[..., 0::2], x[..., 1::2]
+    out = np.empty_like(x)
+    out[..., 0::2] = even * cos - odd * sin
+    out[..., 1::2] = even * sin + odd * cos
+    return out
+
+
+def _w64(model: GGUFModel, name: str) -> np.ndarray:
+    # The float32 dequantized weights are cached on the model; the upcast is per call to halve resident memory.
+    return model.dequantized(name).astype(np.float64)
+
+
+def reference_forward(model: GGUFModel, tokens: Sequence[int], positions: Optional[Sequence[int]] = None) -> np.ndarray:
+    """Logits float64 [len(tokens), vocab] of the full Llama forward pass over `tokens` (positions 0..n-1 unless
+    given), computed in float64 from the dequantized weights. Slow and plain on purpose: it is the yardstick."""
+    cfg = model.config
+    ids = np.asarray(tokens, dtype=np.int64)
+    if ids.ndim != 1 or ids.size == 0:
+        raise ValueError("reference_forward needs a non-empty 1-D token list")
+    if ids.min() < 0 or ids.max() >= cfg.vocab_size:
+        raise ValueError(f"token ids must lie in [0, {cfg.vocab_size})")
+    n = ids.size
+    pos = np.arange(n) if positions is None else np.asarray(positions, dtype=np.int64)
+    hd, n_h, n_kv = cfg.head_dim, cfg.n_heads, cfg.n_kv_heads
+    group = n_h // n_kv
+
+    x = model.dequantized("token_embd.weight")[ids].astype(np.float64)           # [n, d]
+    causal = np.triu(np.ones((n, n), dtype=bool), k=1)                            # True above the diagonal = future
+    for layer in range(cfg.n_layers):
+        p = f"blk.{layer}."
+        h = _rmsnorm(x, _w64(model, p + "attn_norm.weight"), cfg.rms_eps)
+        q = (h @ _w64(model, p + "attn_q.weight").T).reshape(n, n_h, hd)
+        k = (h @ _w64(model, p + "attn_k.weight").T).reshape(n, n_kv, hd)
+        v = (h @ _w64(model, p + "attn_v.weight").T).reshape(n, n_kv, hd)
+        q, k = _rope(q, pos, cfg.rope_base), _rope(k, pos, cfg.rope_base)
+        kv_of_head = np.arange(n_h) // group                                       # GQA: query head -> kv head
+        k_h, v_h = k[:, kv_of_head, :], v[:, kv_of_head, :]                       # [n, n_h, hd]
+        scores = np.einsum("qhd,khd->hqk", q, k_h) / math.sqrt(hd)                # [n_h, n, n]
+        scores[:, causal] = -np.inf
+        scores -= scores.max(axis=-1, keepdims=True)
+        probs = np.exp(scores)
+        probs /= probs.sum(axis=-1, keepdims=True)
+        attn = np.einsum("hqk,khd->qhd", probs, v_h).reshape(n, n_h * hd)
+        x = x + attn @ _w64(model, p + "attn_output.weight").T
+
+        h = _rmsnorm(x, _w64(model, p + "ffn_norm.weight"), cfg.rms_eps)
+        gate = h @ _w64(model, p + "ffn_gate.weight").T
+        up = h @ _w64(model, p + "ffn_up.weight").T
+        x = x + (gate / (1.0 + np.exp(-gate)) * up) @ _w64(model, p + "ffn_down.weight").T
+
+    h = _rmsnorm(x, _w64(model, "output_norm.weight"), cfg.rms_eps)
+    return h @ _w64(model, "output.weight").T

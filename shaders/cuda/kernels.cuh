@@ -1,0 +1,163 @@
+// Device code interface of the CUDA backend: the GPU weight layout, the small structs kernels share with the
+// host, and host-callable launch helpers (each launches one kernel on the given stream and checks the launch).
+//
+// Decode step, per token (all kernels read the token id and position from DecodeIO in device memory):
+//   embed  ->  L x [ norm+QKV matvec (+RoPE +KV append) -> attention partials -> combine+O matvec+residual
+//                    -> norm+gate/up matvec -> SiLU*up+down matvec+residual ]  ->  final norm+lm_head+argmax
+// that is 5 kernels per layer and 2 more: 5L + 2 launches, captured once as one CUDA graph.
+#pragma once
+#include <cuda_fp16.h>
+#include <cuda_runtime.h>
+
+#include <cstdint>
+#include <vector>
+
+#include "metalattn/backend.h"
+#include "metalattn/model.h"
+#include "metalattn/quant.h"
+
+namespace metalattn::cuda {
+
+// Activations are staged in shared memory in 32-float blocks padded to 36 floats: the threads of a row group
+// read consecutive weight blocks, and the padding spreads their 16-byte reads over all 32 banks.
+constexpr int kSmemBlockStride = 36;
+
+// GPU layout of a weight matrix: per row, nb = ceil(cols/32) blocks. Block payloads (the quants, or the raw
+// F16/BF16/F32 values) lie contiguous and 16-byte aligned so each thread reads them with 16-byte loads; the fp16
+// scales (d, or d and m for Q4_1) lie in a separate array. Float rows are zero-padded to a multiple of 32.
+struct DevMatrix {
+  GgmlType type = GgmlType::F32;
+  int rows = 0;
+  int cols = 0;
+  int nb = 0;
+  const uint8_t* payload = nullptr;  // rows * nb * payload_bytes(type)
+  const uint16_t* scales = nullptr;  // rows * nb * scale_count(type) fp16 values; null for float types
+};
+
+inline int payload_bytes(GgmlType t) {
+  switch (t) {
+    case GgmlType::Q4_0:
+    case GgmlType::Q4_1: return 16;
+    case GgmlType::Q8_0: return 32;
+    case GgmlType::F16:
+    case GgmlType::BF16: return 64;
+    case GgmlType::F32: return 128;
+  }
+  return 0;
+}
+inline int scale_count(GgmlType t) {
+  return t == GgmlType::Q4_1 ? 2 : (t == GgmlType::Q4_0 || t == GgmlType::Q8_0) ? 1 : 0;
+}
+
+// Host-side packed image of a DevMatrix, ready to copy to the device.
+struct PackedMatrix {
+  GgmlType type = GgmlType::F32;
+  int rows = 0, cols = 0, nb = 0;
+  std::vector<uint8_t> payload;
+  std::vector<uint16_t> scales;
+};
+
+// The type that holds every part exactly: their common type, Q8_0 for a mix of Q4_0 and Q8_0, F32 otherwise.
+GgmlType common_exact_type(const std::vector<const WeightView*>& parts);
+// Stacks the rows of `parts` (equal cols) into one matrix of type `target` (from common_exact_type).
+PackedMatrix pack_matrix(const std::vector<const WeightView*>& parts, GgmlType target);
+
+// Token id and position of the decode step, in device memory. The final argmax writes the chosen token and
+// pos + 1 back, so greedy decode needs no host-to-device write per token.
+struct DecodeIO {
+  int32_t token;
+  int32_t pos;
+};
+
+// One candidate of the argmax reduction; index kNoIndex marks "no candidate" (empty or all NaN).
+struct ArgmaxPartial {
+  float value;
+  uint32_t index;
+};
+constexpr uint32_t kNoIndex = 0xffffffffu;
+
+// Scratch of the two-stage argmax: per-block partials and the done-counter (zero between launches).
+struct ArgmaxScratch {
+  ArgmaxPartial* partials = nullptr;
+  unsigned int* counter = nullptr;
+  int capacity = 0;  // number of partials
+};
+
+// Flash-decoding split of the context: n_splits chunks of attn_chunk(n_pos, n_splits) positions each.
+struct AttnPartials {
+  float* o = nullptr;   // [n_heads][n_splits][head_dim]
+  float* ml = nullptr;  // [n_heads][n_splits][2]: running max, sum of exp
+  int n_splits = 0;
+};
+constexpr int kAttnMinChunk = 64;
+__host__ __device__ inline int attn_chunk(int n_pos, int n_splits) {
+  int c = (n_pos + n_splits - 1) / n_splits;
+  c = (c + 31) / 32 * 32;
+  return c < kAttnMinChunk ? kAttnMinChunk : c;
+}
+
+// ------------------------------------------------------------------ decode launches
+// x[0..d) = row io->token of emb.
+void launch_embed(const DevMatrix& emb, const DecodeIO* io, float* x, cudaStream_t s);
+
+// y = W . rmsnorm(x, norm_w, eps); norm_w == nullptr: plain y = W . x.
+void launch_norm_matvec(const DevMatrix& W, const float* x, const float* norm_w, float eps, float* y, cudaStream_t s);
+
+// W = [wq; wk; wv] stacked. q_out = rope(q); k rows (roped) and v rows go to row io->pos of the layer's caches.
+struct QkvTargets {
+  const float2* rope_table = nullptr;  // [n_ctx][head_dim/2] (cos, sin)
+  const DecodeIO* io = nullptr;
+  int q_dim = 0, kv_dim = 0, head_dim = 0;
+  float* q_out = nullptr;
+  float* k_cache = nullptr;  // this layer: [n_ctx][kv_dim]
+  float* v_cache = nullptr;
+};
+void launch_norm_matvec_qkv(const DevMatrix& W, const float* x, const float* norm_w, float eps, const QkvTargets& t,
+                            cudaStream_t s);
+
+// logits = W . rmsnorm(x); then argmax of the logits into *result (device or mapped-host pointer); if io_next is
+// non-null, also io_next->token = argmax, io_next->pos += 1.
+void launch_norm_matvec_argmax(const DevMatrix& W, const float* x, const float* norm_w, float eps, float* logits,
+                               const ArgmaxScratch& scratch, ArgmaxResult* result, DecodeIO* io_next,
+                               cudaStream_t s);
+
+// residual += W . x
+void launch_matvec_residual(const DevMatrix& W, const float* x, float* residual, cudaStream_t s);
+// residual += W . (silu(gate) * up), gate_up = [gate (W.cols); up (W.cols)]
+void launch_matvec_residual_silu(const DevMatrix& W, const float* gate_up, float* residual, cudaStream_t s);
+// residual += W . combine(partials): the attention output is assembled from the split partials first.
+void launch_matvec_residual_attn(const DevMatrix& W, const AttnPartials& p, const DecodeIO* io, int head_dim,
+                                 float* residual, cudaStream_t s);
+
+// Partial attention of q (all heads, roped) over cache positions [0, io->pos] of one layer.
+// n_ctx bounds the chunk length (sizes shared memory).
+void launch_attention_decode(const float* q, const float* k_cache, const float* v_cache, const DecodeIO* io,
+                             int n_heads, int n_kv_heads, int head_dim, int n_ctx, const AttnPartials& p,
+                             cudaStream_t s);
+
+// Two-stage argmax of x[0..n) in one launch (last block reduces the per-block partials).
+void launch_argmax(const float* x, int n, const ArgmaxScratch& scratch, ArgmaxResult* result, DecodeIO* io_next,
+                   cudaStream_t s);
+constexpr int kArgmaxMaxBlocks = 2048;  // partials capacity launch_argmax and the lm_head need at most
+int argmax_partials_needed(const DevMatrix& lm_head);
+
+// ------------------------------------------------------------------ prefill launches (prefill.cu)
+// x[t] = row tokens[t] of emb, t < n.
+void launch_embed_rows(const DevMatrix& emb, const int32_t* tokens, int n, float* x, cudaStream_t s);
+// Dense fp16 copy of W (rows x cols), for cuBLAS.
+void launch_dequant_to_half(const DevMatrix& W, __half* out, cudaStream_t s);
+// hi[t] (+ lo[t] = remainder when lo != nullptr) = fp16(rmsnorm(x[t], w)), rows of d.
+void launch_rmsnorm_to_half(const float* x, int n, int d, const float* w, float eps, __half* hi, __half* lo,
+                            cudaStream_t s);
+// qkv: n rows of (q_dim + 2 kv_dim) floats for positions pos0..pos0+n-1. Writes roped q rows to q_out and the
+// roped k / plain v rows to the caches.
+void launch_rope_append(const float* qkv, int n, int pos0, const float2* rope_table, int q_dim, int kv_dim,
+                        int head_dim, float* q_out, float* k_cache, float* v_cache, cudaStream_t s);
+// Causal attention of n queries (positions pos0..) over cache positions [0, pos0 + t]; output as fp16 rows.
+void launch_attention_prefill(const float* q, const float* k_cache, const float* v_cache, int n, int pos0,
+                              int n_heads, int n_kv_heads, int head_dim, __half* out_hi, __half* out_lo,
+                              cudaStream_t s);
+// hi[t][i] (+lo) = fp16(silu(gate[t][i]) * up[t][i]); gate_up rows of 2*d_ff floats.
+void launch_silu_to_half(const float* gate_up, int n, int d_ff, __half* hi, __half* lo, cudaStream_t s);
+
+}  // namespace metalattn::cuda
