@@ -214,7 +214,10 @@ _LONG_WORD_SYMBOLS = 48
 
 
 class Tokenizer:
-    """Byte-level BPE tokenizer of a GGUF model. Build it with `from_gguf_path` or `from_gguf_fields`."""
+    """Byte-level BPE tokenizer of a GGUF model. Build it with `from_gguf_path` or `from_gguf_fields`.
+
+    Encoding keeps an LRU cache of pre-token -> ids, so one instance should not encode from several threads at once.
+    """
 
     def __init__(
         self,
@@ -254,6 +257,7 @@ class Tokenizer:
         self._pre_tokenizer = _PreTokenizer(spec)
         self._ignore_merges = spec.ignore_merges
         self._byte_ids = self._find_byte_ids()
+        self._has_missing_bytes = None in self._byte_ids
         self._merge_ranks, self._merge_results = self._build_merges(merges)
         self._token_bytes = [self._bytes_of(token_id) for token_id in range(len(tokens))]
 
@@ -271,7 +275,7 @@ class Tokenizer:
         self._literal_pattern = self._alternation(self._literal_ids)
         self._user_defined_pattern = self._alternation(user_defined)
 
-        ends = {token_id for token_id in eot_ids}
+        ends = set(eot_ids)
         if eos_id is not None:
             ends.add(eos_id)
         for text in _END_OF_TURN_TEXTS:
@@ -362,19 +366,10 @@ class Tokenizer:
             raise GGUFError(f"cannot read GGUF metadata from {path}: {error}") from error
         return cls.from_gguf_fields(fields)
 
-    def _find_byte_ids(self) -> List[int]:
-        byte_ids = []
-        for byte, char in enumerate(_BYTE_TO_CHAR):
-            token_id = self._token_to_id.get(char)
-            if token_id is None:
-                if self.unk_id is None:
-                    raise GGUFError(
-                        f"'{KEY_TOKENS}' lacks the byte-level token {char!r} for byte 0x{byte:02X} "
-                        f"and there is no '{KEY_UNK}'"
-                    )
-                token_id = self.unk_id
-            byte_ids.append(token_id)
-        return byte_ids
+    def _find_byte_ids(self) -> List[Optional[int]]:
+        # Vocabs trained on a restricted alphabet lack some bytes (SmolLM2 has no token for 0x04, 0xC0, 0xFF, ...).
+        # Such bytes are dropped before merging, as `tokenizers` does for a BPE model without unk_token.
+        return [self._token_to_id.get(char) for char in _BYTE_TO_CHAR]
 
     def _build_merges(self, merges: List[str]) -> Tuple[Dict[int, int], List[int]]:
         """Pair key (left * vocab_size + right) -> rank, and rank -> merged token id."""
@@ -517,6 +512,8 @@ class Tokenizer:
                 return (whole,)
         byte_ids = self._byte_ids
         symbols = [byte_ids[byte] for byte in data]
+        if self._has_missing_bytes:
+            symbols = [symbol for symbol in symbols if symbol is not None]
         if len(symbols) > _LONG_WORD_SYMBOLS:
             return self._merge_long(symbols)
         return self._merge_short(symbols)
@@ -626,7 +623,5 @@ class StreamDecoder:
         return self._utf8.decode(self._tokenizer.token_to_bytes(token_id), final=False)
 
     def flush(self) -> str:
-        """Whatever is held back, with an unfinished character shown as U+FFFD; the decoder is then reset."""
-        text = self._utf8.decode(b"", final=True)
-        self._utf8.reset()
-        return text
+        """Whatever is held back, with an unfinished character shown as U+FFFD; the decoder can then go on."""
+        return self._utf8.decode(b"", final=True)
