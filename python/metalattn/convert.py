@@ -96,7 +96,8 @@ def quantize_file(src, dst, target: str, progress: bool = True) -> str:
             raw = np.asarray(reader.data[start:start + n_bytes])
             if src_type not in quants.SUPPORTED_TYPES:
                 # Only tensors the model does not use can get here (load_gguf checked the rest): keep them as they are.
-                writer.add_tensor(name, raw, raw_dtype=info.tensor_type)
+                # info.data is the reader's view: byte rows for block types, elements (I32, F64, ...) otherwise.
+                writer.add_tensor(name, info.data, raw_dtype=info.tensor_type if info.data.dtype == np.uint8 else None)
             elif len(shape) == 1:
                 values = quants.dequantize(raw, src_type, 1, shape[0]).reshape(shape)
                 writer.add_tensor(name, values)

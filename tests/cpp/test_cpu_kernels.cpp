@@ -1,0 +1,539 @@
+// CPU SIMD kernels and thread pool against the scalar reference (cpp/cpu/reference.h), on fresh random data.
+#include <gtest/gtest.h>
+
+#include <atomic>
+#include <chrono>
+#include <cmath>
+#include <cstdlib>
+#include <cstring>
+#include <random>
+#include <stdexcept>
+#include <thread>
+#include <vector>
+
+#include "cpu/kernels.h"
+#include "cpu/reference.h"
+#include "cpu/thread_pool.h"
+
+using namespace metalattn;
+using namespace metalattn::cpu;
+
+namespace {
+
+const float kPoison = std::numeric_limits<float>::quiet_NaN();
+
+bool is_poison(float v) {
+  uint32_t a, b;
+  std::memcpy(&a, &v, 4);
+  std::memcpy(&b, &kPoison, 4);
+  return a == b;
+}
+
+bool same_bits(float a, float b) { return std::memcmp(&a, &b, 4) == 0; }
+
+std::vector<Isa> supported_isas() {
+  std::vector<Isa> out;
+  for (Isa isa : {Isa::Scalar, Isa::Avx2, Isa::Avx512})
+    if (isa_supported(isa)) out.push_back(isa);
+  return out;
+}
+
+// ---------------------------------------------------------------- a tiny quantizer (ggml block layouts)
+
+uint16_t float_to_half(float f) {
+  uint32_t x;
+  std::memcpy(&x, &f, 4);
+  const uint16_t sign = static_cast<uint16_t>((x >> 16) & 0x8000u);
+  x &= 0x7fffffffu;
+  if (x >= 0x47800000u) return sign | 0x7c00u;  // overflow -> inf (never reached by the test data)
+  if (x < 0x38800000u) {                         // below the smallest normal half: multiples of 2^-24
+    return sign | static_cast<uint16_t>(std::nearbyint(std::fabs(f) * 16777216.f));
+  }
+  const uint32_t mant = x & 0x7fffffu;
+  uint32_t h = ((((x >> 23) - 127 + 15)) << 10) | (mant >> 13);
+  const uint32_t rest = mant & 0x1fffu;
+  if (rest > 0x1000u || (rest == 0x1000u && (h & 1u))) ++h;  // round half to even; a carry bumps the exponent
+  return sign | static_cast<uint16_t>(h);
+}
+
+uint16_t float_to_bf16(float f) {
+  uint32_t x;
+  std::memcpy(&x, &f, 4);
+  return static_cast<uint16_t>((x + 0x7fffu + ((x >> 16) & 1u)) >> 16);
+}
+
+int clampi(int v, int lo, int hi) { return v < lo ? lo : v > hi ? hi : v; }
+
+// Quantizes one row of `cols` floats into `dst` (row_bytes(type, cols) bytes), round to nearest.
+void quantize_row(GgmlType type, const float* x, int64_t cols, uint8_t* dst) {
+  switch (type) {
+    case GgmlType::F32: std::memcpy(dst, x, cols * 4); return;
+    case GgmlType::F16:
+      for (int64_t i = 0; i < cols; ++i) {
+        const uint16_t h = float_to_half(x[i]);
+        std::memcpy(dst + 2 * i, &h, 2);
+      }
+      return;
+    case GgmlType::BF16:
+      for (int64_t i = 0; i < cols; ++i) {
+        const uint16_t h = float_to_bf16(x[i]);
+        std::memcpy(dst + 2 * i, &h, 2);
+      }
+      return;
+    default: break;
+  }
+  for (int64_t k = 0; k < cols / 32; ++k) {
+    const float* xb = x + k * 32;
+    if (type == GgmlType::Q4_0) {
+      float vmax = 0.f;  // the value of largest magnitude, with its sign: it maps to q = 0 exactly
+      for (int j = 0; j < 32; ++j)
+        if (std::fabs(xb[j]) > std::fabs(vmax)) vmax = xb[j];
+      block_q4_0 b;
+      b.d = float_to_half(vmax / -8.f);
+      const float d = fp16_to_float(b.d);
+      int q[32];
+      for (int j = 0; j < 32; ++j) q[j] = d == 0.f ? 8 : clampi(static_cast<int>(std::nearbyint(xb[j] / d)) + 8, 0, 15);
+      for (int j = 0; j < 16; ++j) b.qs[j] = static_cast<uint8_t>(q[j] | (q[j + 16] << 4));
+      std::memcpy(dst + k * sizeof(b), &b, sizeof(b));
+    } else if (type == GgmlType::Q4_1) {
+      float mn = xb[0], mx = xb[0];
+      for (int j = 1; j < 32; ++j) mn = std::fmin(mn, xb[j]), mx = std::fmax(mx, xb[j]);
+      block_q4_1 b;
+      b.d = float_to_half((mx - mn) / 15.f);
+      b.m = float_to_half(mn);
+      const float d = fp16_to_float(b.d), m = fp16_to_float(b.m);
+      int q[32];
+      for (int j = 0; j < 32; ++j) q[j] = d == 0.f ? 0 : clampi(static_cast<int>(std::nearbyint((xb[j] - m) / d)), 0, 15);
+      for (int j = 0; j < 16; ++j) b.qs[j] = static_cast<uint8_t>(q[j] | (q[j + 16] << 4));
+      std::memcpy(dst + k * sizeof(b), &b, sizeof(b));
+    } else {
+      float amax = 0.f;
+      for (int j = 0; j < 32; ++j) amax = std::fmax(amax, std::fabs(xb[j]));
+      block_q8_0 b;
+      b.d = float_to_half(amax / 127.f);
+      const float d = fp16_to_float(b.d);
+      for (int j = 0; j < 32; ++j)
+        b.qs[j] = static_cast<int8_t>(d == 0.f ? 0 : clampi(static_cast<int>(std::nearbyint(xb[j] / d)), -127, 127));
+      std::memcpy(dst + k * sizeof(b), &b, sizeof(b));
+    }
+  }
+}
+
+// A random weight matrix: rows and blocks of varied magnitude, so scales differ from block to block.
+struct Matrix {
+  std::vector<uint8_t> bytes;
+  WeightView view;
+};
+
+Matrix random_matrix(GgmlType type, int64_t rows, int64_t cols, uint32_t seed) {
+  std::mt19937 rng(seed);
+  std::normal_distribution<float> normal(0.f, 1.f);
+  std::uniform_real_distribution<float> scale(0.02f, 1.f);
+  Matrix m;
+  const size_t stride = row_bytes(type, cols);
+  m.bytes.resize(stride * rows);
+  std::vector<float> row(cols);
+  for (int64_t r = 0; r < rows; ++r) {
+    const float row_scale = scale(rng);
+    for (int64_t c = 0; c < cols; ++c) {
+      if (c % 32 == 0) row[c] = 0;  // placeholder, overwritten below
+      row[c] = normal(rng) * row_scale;
+    }
+    for (int64_t c = 0; c < cols; c += 32) {
+      const float block_scale = scale(rng);
+      for (int64_t j = c; j < std::min(cols, c + 32); ++j) row[j] *= block_scale;
+    }
+    quantize_row(type, row.data(), cols, m.bytes.data() + r * stride);
+  }
+  if (type == GgmlType::Q8_0) {
+    // -128 is a legal stored byte the quantizer never writes; make sure the kernels handle it.
+    std::uniform_int_distribution<size_t> pick(0, m.bytes.size() / sizeof(block_q8_0) - 1);
+    auto* blocks = reinterpret_cast<block_q8_0*>(m.bytes.data());
+    for (int i = 0; i < 64; ++i) blocks[pick(rng)].qs[i % 32] = -128;
+  }
+  m.view.type = type;
+  m.view.data = m.bytes.data();
+  m.view.rows = rows;
+  m.view.cols = cols;
+  return m;
+}
+
+// Activations: unit normal scaled per block (0.05..4), with a few outliers, like a residual stream.
+std::vector<float> random_acts(int64_t n, uint32_t seed) {
+  std::mt19937 rng(seed);
+  std::normal_distribution<float> normal(0.f, 1.f);
+  std::uniform_real_distribution<float> scale(0.05f, 4.f);
+  std::uniform_int_distribution<int> outlier(0, 199);
+  std::vector<float> x(n);
+  float s = 1.f;
+  for (int64_t i = 0; i < n; ++i) {
+    if (i % 32 == 0) s = scale(rng);
+    x[i] = normal(rng) * s * (outlier(rng) == 0 ? 20.f : 1.f);
+  }
+  return x;
+}
+
+std::vector<float> dequantize_acts(const std::vector<block_q8_act>& xq) {
+  std::vector<float> out(xq.size() * 32);
+  for (size_t b = 0; b < xq.size(); ++b)
+    for (int j = 0; j < 32; ++j) out[b * 32 + j] = xq[b].d * xq[b].qs[j];
+  return out;
+}
+
+// Error budget of one row r, from the data itself.
+//  int8: activations quantized with step d_b (per block b) are off by at most d_b/2 each, so the dot product of
+//        the dequantized row w with them moves by at most sum_b d_b/2 * sum_{j in b} |w_j|. This is the exact
+//        worst case of the quantization, not a guess; random data typically lands ~sqrt(32) below it.
+//  float: the kernels accumulate exact int32 block dots in float (one rounding for the scale product, one
+//        per fma, ~24 pairs + a 4-level reduction tree), the reference sums each block in float (32 terms) and
+//        blocks in double: together < 60 roundings of 2^-24 relative to mag = sum_j (|d q_j| + |m|) |x_j|,
+//        i.e. < 4e-6 * mag; we allow 1e-5 * mag.
+struct RowBudget {
+  std::vector<double> int8;  // activation quantization
+  std::vector<double> mag;   // magnitude scale for float rounding
+};
+
+RowBudget row_budget(const WeightView& w, const float* x, const std::vector<block_q8_act>* xq, int64_t r0,
+                     int64_t r1) {
+  RowBudget b;
+  b.int8.assign(w.rows, 0.0);
+  b.mag.assign(w.rows, 0.0);
+  std::vector<float> row(w.cols);
+  for (int64_t r = r0; r < r1; ++r) {
+    ref::dequantize_row(w.type, w.row(r), row.data(), w.cols);
+    double e = 0, m = 0;
+    for (int64_t c = 0; c < w.cols; ++c) {
+      double min_term = 0;  // Q4_1 rows are d*q + m: count both parts, they may cancel
+      if (w.type == GgmlType::Q4_1) {
+        const auto* blk = reinterpret_cast<const block_q4_1*>(w.row(r)) + c / 32;
+        min_term = std::fabs(fp16_to_float(blk->m));
+      }
+      const double step = xq ? (*xq)[c / 32].d : 0.0;
+      e += step / 2 * std::fabs(row[c]);
+      m += (std::fabs(row[c]) + 2 * min_term) * (std::fabs(x[c]) + step);
+    }
+    b.int8[r] = e;
+    b.mag[r] = m;
+  }
+  return b;
+}
+
+class QuantTypes : public ::testing::TestWithParam<GgmlType> {};
+
+std::string type_param_name(const ::testing::TestParamInfo<GgmlType>& info) {
+  switch (info.param) {
+    case GgmlType::F32: return "F32";
+    case GgmlType::F16: return "F16";
+    case GgmlType::BF16: return "BF16";
+    case GgmlType::Q4_0: return "Q4_0";
+    case GgmlType::Q4_1: return "Q4_1";
+    case GgmlType::Q8_0: return "Q8_0";
+  }
+  return "unknown";
+}
+
+// Checks one matrix at one shape on every ISA: full range against the reference, then a mid-matrix row range
+// that must reproduce the same values and leave every other element untouched.
+void check_matvec(GgmlType type, int64_t rows, int64_t cols, uint32_t seed) {
+  SCOPED_TRACE(testing::Message() << type_name(type) << " " << rows << "x" << cols);
+  const Matrix m = random_matrix(type, rows, cols, seed);
+  const std::vector<float> x = random_acts(cols, seed + 1);
+  std::vector<float> ref_y(rows);
+  ref::matvec(m.view, x.data(), ref_y.data(), 0, rows);
+
+  std::vector<block_q8_act> xq;
+  std::vector<float> ref_yhat(rows);  // reference on the dequantized int8 activations
+  if (is_quantized(type) && cols % 32 == 0) {
+    xq.resize(cols / 32);
+    quantize_acts(Isa::Scalar, x.data(), cols, xq.data());
+    const std::vector<float> xhat = dequantize_acts(xq);
+    ref::matvec(m.view, xhat.data(), ref_yhat.data(), 0, rows);
+  }
+  const RowBudget budget = row_budget(m.view, x.data(), xq.empty() ? nullptr : &xq, 0, rows);
+
+  constexpr int kGuard = 4;
+  for (Isa isa : supported_isas()) {
+    SCOPED_TRACE(isa_name(isa));
+    const bool quant_acts = uses_quantized_acts(isa, type);
+    std::vector<float> buf(rows + 2 * kGuard, kPoison);
+    float* y = buf.data() + kGuard;
+    matvec(isa, m.view, x.data(), quant_acts ? xq.data() : nullptr, y, 0, rows);
+    for (int i = 0; i < kGuard; ++i) {
+      ASSERT_TRUE(is_poison(buf[i])) << "write before y";
+      ASSERT_TRUE(is_poison(buf[kGuard + rows + i])) << "write past y";
+    }
+    int failures = 0;
+    for (int64_t r = 0; r < rows && failures < 5; ++r) {
+      const double float_tol = 1e-5 * budget.mag[r] + 1e-30;
+      const double tol = (quant_acts ? budget.int8[r] : 0.0) + float_tol;
+      const double err = std::fabs(static_cast<double>(y[r]) - ref_y[r]);
+      if (!(err <= tol)) {
+        ADD_FAILURE() << "row " << r << ": " << y[r] << " vs reference " << ref_y[r] << " (err " << err << " > " << tol
+                      << ")";
+        ++failures;
+      }
+      if (quant_acts) {  // same int8 activations as the kernel: only float rounding may differ
+        const double err_hat = std::fabs(static_cast<double>(y[r]) - ref_yhat[r]);
+        if (!(err_hat <= float_tol)) {
+          ADD_FAILURE() << "row " << r << ": " << y[r] << " vs reference on int8 activations " << ref_yhat[r]
+                        << " (err " << err_hat << " > " << float_tol << ")";
+          ++failures;
+        }
+      }
+    }
+    // Rows split mid-matrix at odd boundaries (as a thread's share would be): same values, nothing else written.
+    const int64_t r0 = rows / 3 + 1, r1 = 2 * rows / 3 + 3 < rows ? 2 * rows / 3 + 3 : rows;
+    std::vector<float> part(rows, kPoison);
+    matvec(isa, m.view, x.data(), quant_acts ? xq.data() : nullptr, part.data(), r0, r1);
+    for (int64_t r = 0; r < rows; ++r) {
+      if (r >= r0 && r < r1) {
+        ASSERT_TRUE(same_bits(part[r], y[r])) << "row " << r << " differs in a partial range";
+      } else {
+        ASSERT_TRUE(is_poison(part[r])) << "row " << r << " written outside [" << r0 << ", " << r1 << ")";
+      }
+    }
+  }
+}
+
+TEST_P(QuantTypes, MatvecModelShapes) {
+  const GgmlType type = GetParam();
+  const int64_t shapes[][2] = {{576, 576}, {192, 576}, {1536, 576}, {576, 1536}, {49152, 576}};
+  uint32_t seed = 100 + static_cast<uint32_t>(type) * 1000;
+  for (const auto& s : shapes) check_matvec(type, s[0], s[1], seed += 17);
+}
+
+TEST_P(QuantTypes, MatvecOddShapes) {
+  // Odd block counts (a lone tail block in the paired AVX-512 loop), float rows with a partial vector tail,
+  // row counts that leave tile remainders.
+  const GgmlType type = GetParam();
+  if (is_quantized(type)) {
+    check_matvec(type, 7, 32, 11);
+    check_matvec(type, 13, 96, 12);
+    check_matvec(type, 37, 224, 13);
+  } else {
+    check_matvec(type, 7, 37, 14);
+    check_matvec(type, 13, 100, 15);
+    check_matvec(type, 37, 576, 16);
+  }
+}
+
+TEST_P(QuantTypes, MatmulEqualsPerTokenMatvec) {
+  const GgmlType type = GetParam();
+  const int64_t shapes[][2] = {{576, 576}, {1536, 576}, {576, 1536}};
+  uint32_t seed = 7 + static_cast<uint32_t>(type) * 1000;
+  for (const auto& s : shapes) {
+    const int64_t rows = s[0], cols = s[1];
+    const Matrix m = random_matrix(type, rows, cols, seed += 31);
+    for (int n_tok : {1, 3, 8, 17, 64}) {
+      SCOPED_TRACE(testing::Message() << type_name(type) << " " << rows << "x" << cols << " n_tok=" << n_tok);
+      const std::vector<float> X = random_acts(n_tok * cols, seed + n_tok);
+      const int64_t ldy = rows + 5;  // a gap after each token's row catches writes past r1
+      for (Isa isa : supported_isas()) {
+        SCOPED_TRACE(isa_name(isa));
+        const bool quant_acts = uses_quantized_acts(isa, type);
+        std::vector<block_q8_act> Xq(n_tok * cols / 32);
+        if (quant_acts) quantize_acts(isa, X.data(), n_tok * cols, Xq.data());
+        std::vector<float> Y(n_tok * ldy, kPoison);
+        matmul(isa, m.view, X.data(), quant_acts ? Xq.data() : nullptr, n_tok, Y.data(), ldy, 0, rows);
+        std::vector<float> Ypart(n_tok * ldy, kPoison);
+        const int64_t r0 = rows / 4 + 3, r1 = rows - rows / 5 - 1;
+        matmul(isa, m.view, X.data(), quant_acts ? Xq.data() : nullptr, n_tok, Ypart.data(), ldy, r0, r1);
+        std::vector<float> y(rows, kPoison);
+        for (int t = 0; t < n_tok; ++t) {
+          matvec(isa, m.view, X.data() + t * cols, quant_acts ? Xq.data() + t * cols / 32 : nullptr, y.data(), 0,
+                 rows);
+          for (int64_t r = 0; r < ldy; ++r) {
+            const float v = Y[t * ldy + r], vp = Ypart[t * ldy + r];
+            if (r >= rows) {
+              ASSERT_TRUE(is_poison(v)) << "token " << t << ": write in the gap at " << r;
+              ASSERT_TRUE(is_poison(vp)) << "token " << t << ": write in the gap at " << r;
+              continue;
+            }
+            // Same numerics: every output is the same operation sequence as the per-token matvec.
+            ASSERT_TRUE(same_bits(v, y[r])) << "token " << t << " row " << r << ": " << v << " vs matvec " << y[r];
+            if (r >= r0 && r < r1) {
+              ASSERT_TRUE(same_bits(vp, y[r])) << "token " << t << " row " << r << " (partial range)";
+            } else {
+              ASSERT_TRUE(is_poison(vp)) << "token " << t << " row " << r << " written outside the range";
+            }
+          }
+        }
+      }
+    }
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(AllTypes, QuantTypes,
+                         ::testing::Values(GgmlType::Q4_0, GgmlType::Q4_1, GgmlType::Q8_0, GgmlType::F32,
+                                           GgmlType::F16, GgmlType::BF16),
+                         type_param_name);
+
+TEST(QuantizeActs, RoundTripAndIdenticalAcrossIsas) {
+  const int64_t n = 1536;
+  std::vector<float> x = random_acts(n, 5);
+  for (int j = 64; j < 96; ++j) x[j] = 0.f;  // one all-zero block: d = 0, no division by zero
+  x[200] = -1e4f;                           // a large negative extreme
+  std::vector<block_q8_act> ref(n / 32);
+  quantize_acts(Isa::Scalar, x.data(), n, ref.data());
+  for (Isa isa : supported_isas()) {
+    SCOPED_TRACE(isa_name(isa));
+    std::vector<block_q8_act> q(n / 32);
+    std::memset(q.data(), 0x5a, q.size() * sizeof(block_q8_act));  // poison
+    quantize_acts(isa, x.data(), n, q.data());
+    for (int64_t b = 0; b < n / 32; ++b) {
+      float amax = 0.f;
+      for (int j = 0; j < 32; ++j) amax = std::fmax(amax, std::fabs(x[b * 32 + j]));
+      ASSERT_EQ(q[b].d, amax / 127.f) << "block " << b;
+      int sum = 0, qmax = 0;
+      for (int j = 0; j < 32; ++j) {
+        const int v = q[b].qs[j];
+        sum += v;
+        qmax = std::max(qmax, std::abs(v));
+        ASSERT_LE(std::abs(v), 127);
+        // Round to nearest: off by at most half a step (plus the rounding of x/d itself).
+        ASSERT_LE(std::fabs(x[b * 32 + j] - q[b].d * v), q[b].d * (0.5f + 1e-5f)) << "block " << b << " j " << j;
+      }
+      ASSERT_EQ(qmax, amax == 0.f ? 0 : 127) << "the largest element maps to +-127";
+      ASSERT_EQ(q[b].s, q[b].d * static_cast<float>(sum));
+      ASSERT_EQ(std::memcmp(&q[b], &ref[b], sizeof(block_q8_act)), 0) << "block " << b << " differs from scalar";
+    }
+    EXPECT_EQ(q[2].d, 0.f);
+    EXPECT_EQ(q[2].s, 0.f);
+  }
+}
+
+TEST(Dispatch, MissingQuantizedActivationsThrow) {
+  const Matrix m = random_matrix(GgmlType::Q4_0, 4, 64, 3);
+  const std::vector<float> x = random_acts(64, 4);
+  std::vector<float> y(4);
+  for (Isa isa : supported_isas()) {
+    if (uses_quantized_acts(isa, GgmlType::Q4_0)) {
+      EXPECT_THROW(matvec(isa, m.view, x.data(), nullptr, y.data(), 0, 4), EngineError);
+    }
+    EXPECT_THROW(matvec(isa, m.view, x.data(), nullptr, y.data(), 0, 5), EngineError);  // r1 > rows
+  }
+}
+
+TEST(Dispatch, IsaEnvOverride) {
+  unsetenv("METALATTN_CPU_ISA");
+  EXPECT_EQ(selected_isa(), best_isa());
+  EXPECT_TRUE(isa_supported(Isa::Scalar));
+#ifdef METALATTN_X86
+  EXPECT_NE(best_isa(), Isa::Scalar) << "every x86-64 machine we run on has at least AVX2";
+#endif
+  const struct { const char* value; Isa isa; } cases[] = {
+      {"scalar", Isa::Scalar}, {"avx2", Isa::Avx2}, {"avx512", Isa::Avx512}};
+  for (const auto& c : cases) {
+    setenv("METALATTN_CPU_ISA", c.value, 1);
+    if (isa_supported(c.isa)) {
+      EXPECT_EQ(selected_isa(), c.isa) << c.value;
+      EXPECT_STREQ(isa_name(c.isa), c.value);
+    } else {
+      EXPECT_THROW(selected_isa(), EngineError) << c.value;
+    }
+  }
+  for (const char* bad : {"AVX512", "sse", "avx-512", " avx2"}) {
+    setenv("METALATTN_CPU_ISA", bad, 1);
+    try {
+      selected_isa();
+      ADD_FAILURE() << "no error for METALATTN_CPU_ISA=" << bad;
+    } catch (const EngineError& e) {
+      EXPECT_NE(std::string(e.what()).find("METALATTN_CPU_ISA"), std::string::npos) << e.what();
+    }
+  }
+  unsetenv("METALATTN_CPU_ISA");
+  EXPECT_EQ(selected_isa(), best_isa());
+}
+
+// ---------------------------------------------------------------- thread pool
+
+TEST(ThreadPool, EveryIndexExactlyOncePerRun) {
+  for (int n : {1, 2, 3, 4}) {
+    ThreadPool pool(n);
+    ASSERT_EQ(pool.size(), n);
+    std::vector<std::atomic<int>> hits(n);
+    std::atomic<int> bad_n{0};
+    for (int run = 0; run < 5000; ++run) {
+      for (auto& h : hits) h.store(0);
+      pool.parallel([&](int i, int nt) {
+        if (nt != n) bad_n.fetch_add(1);
+        hits[i].fetch_add(1);
+      });
+      for (int i = 0; i < n; ++i) ASSERT_EQ(hits[i].load(), 1) << "run " << run << " thread " << i << " of " << n;
+    }
+    EXPECT_EQ(bad_n.load(), 0);
+  }
+}
+
+TEST(ThreadPool, ParallelSumsAreCorrect) {
+  ThreadPool pool(0);
+  EXPECT_EQ(pool.size(), ThreadPool::physical_cores());
+  const int64_t n = 100003;
+  std::vector<int64_t> data(n);
+  for (int64_t i = 0; i < n; ++i) data[i] = i * 7 - 3;
+  const int64_t expected = 7 * (n - 1) * n / 2 - 3 * n;
+  std::vector<int64_t> partial(pool.size());
+  for (int run = 0; run < 200; ++run) {
+    std::fill(partial.begin(), partial.end(), -1);
+    pool.parallel([&](int i, int nt) {
+      int64_t b, e;
+      split_range(n, i, nt, 16, &b, &e);
+      int64_t s = 0;
+      for (int64_t k = b; k < e; ++k) s += data[k];
+      partial[i] = s;
+    });
+    int64_t total = 0;
+    for (int64_t p : partial) total += p;
+    ASSERT_EQ(total, expected) << "run " << run;
+  }
+}
+
+TEST(ThreadPool, WakesAfterSleepingAndDestroysWhileIdle) {
+  {
+    ThreadPool pool(2);  // destroyed at once, workers possibly not started yet
+  }
+  {
+    ThreadPool pool(3);
+    std::atomic<int> count{0};
+    for (int round = 0; round < 5; ++round) {
+      std::this_thread::sleep_for(std::chrono::milliseconds(3));  // past the spin: workers sleep on the cv
+      pool.parallel([&](int, int) { count.fetch_add(1); });
+    }
+    EXPECT_EQ(count.load(), 15);
+    std::this_thread::sleep_for(std::chrono::milliseconds(3));
+  }  // destroyed while asleep
+  {
+    ThreadPool pool(2);
+    pool.parallel([](int, int) {});
+  }  // destroyed while spinning
+}
+
+TEST(ThreadPool, WorkerExceptionIsRethrownInCaller) {
+  ThreadPool pool(2);
+  EXPECT_THROW(pool.parallel([](int i, int) {
+                 if (i == 1) throw std::runtime_error("boom");
+               }),
+               std::runtime_error);
+  std::atomic<int> count{0};
+  pool.parallel([&](int, int) { count.fetch_add(1); });  // still usable
+  EXPECT_EQ(count.load(), 2);
+}
+
+TEST(ThreadPool, SplitRangeCoversExactlyOnce) {
+  for (int64_t n : {0, 1, 5, 576, 1537, 49152})
+    for (int parts : {1, 2, 3, 7})
+      for (int64_t align : {1, 4, 16}) {
+        int64_t expect_begin = 0;
+        for (int p = 0; p < parts; ++p) {
+          int64_t b, e;
+          split_range(n, p, parts, align, &b, &e);
+          ASSERT_EQ(b, expect_begin);
+          ASSERT_LE(b, e);
+          if (e < n) ASSERT_EQ(e % align, 0);
+          expect_begin = e;
+        }
+        ASSERT_EQ(expect_begin, n);
+      }
+}
+
+}  // namespace

@@ -1,0 +1,160 @@
+"""quants.py: GGUF block layouts bit for bit, agreement with the gguf package, and error bounds per type."""
+import numpy as np
+import pytest
+
+gguf = pytest.importorskip("gguf")
+
+from metalattn import quants  # noqa: E402
+
+ALL_TYPES = [quants.F32, quants.F16, quants.BF16, quants.Q4_0, quants.Q4_1, quants.Q8_0]
+QUANTIZED = [quants.Q4_0, quants.Q4_1, quants.Q8_0]
+
+
+def random_matrix(seed, rows=64, cols=256):
+    """Rows with very different scales and offsets, so every block has its own d (and m for Q4_1)."""
+    rng = np.random.default_rng(seed)
+    scale = rng.uniform(1e-3, 30.0, (rows, 1))
+    offset = rng.uniform(-2.0, 2.0, (rows, 1)) * scale
+    return (rng.standard_normal((rows, cols)) * scale + offset).astype(np.float32)
+
+
+def edge_blocks():
+    """One row per awkward block: zeros, constants, +/- magnitude ties, tiny (fp16-subnormal d) and huge values,
+    values landing exactly on rounding boundaries of the quantizers."""
+    rows = [np.zeros(32), np.full(32, 3.5), np.full(32, -0.25),
+            np.r_[np.full(16, 1.0), np.full(16, -1.0)], np.r_[np.full(16, -1.0), np.full(16, 1.0)],
+            np.linspace(-1e-6, 1e-6, 32), np.linspace(-3e4, 2e4, 32),
+            np.r_[127.0, np.arange(31) + 0.5],          # Q8_0: d = 1, so q = x exactly on the .5 boundaries
+            np.r_[-8.0, np.arange(31) * 0.5 - 7.25],     # Q4_0: d = 1, x*id + 8.5 on integer boundaries
+            np.r_[0.0, 15.0, np.arange(30) * 0.5 + 0.25]]  # Q4_1: d = 1, (x-min)*id + 0.5 on boundaries
+    return np.array(rows, dtype=np.float32)
+
+
+def gguf_quantize(x, t):
+    ref = gguf.quants.quantize(x, gguf.GGMLQuantizationType(t))
+    return np.ascontiguousarray(ref).view(np.uint8).reshape(x.shape[0], -1)
+
+
+@pytest.mark.parametrize("t", ALL_TYPES, ids=quants.type_name)
+@pytest.mark.parametrize("which", ["random", "edges"])
+def test_bit_exact_with_gguf_package(t, which):
+    x = random_matrix(seed=t) if which == "random" else edge_blocks()
+    ours = quants.quantize(x, t)
+    assert ours.dtype == np.uint8 and ours.shape == (x.shape[0], quants.row_bytes(t, x.shape[1]))
+    # The gguf package's quantizers claim ggml-reference bit-exactness; ours must produce identical bytes.
+    np.testing.assert_array_equal(ours, gguf_quantize(x, t))
+    theirs = np.asarray(gguf.quants.dequantize(ours, gguf.GGMLQuantizationType(t)), dtype=np.float32)
+    mine = quants.dequantize(ours, t, *x.shape)
+    assert mine.dtype == np.float32 and mine.shape == x.shape
+    np.testing.assert_array_equal(mine.view(np.uint32), theirs.reshape(x.shape).view(np.uint32))
+
+
+def _block_params(x, t):
+    """Per-block (d, m) as stored (fp16-rounded), shaped to broadcast against [n_blocks, 32]."""
+    q = quants.quantize(x, t).reshape(-1, quants.row_bytes(t, 32))
+    d = q[:, :2].copy().view("<f2").astype(np.float32)
+    m = q[:, 2:4].copy().view("<f2").astype(np.float32) if t == quants.Q4_1 else None
+    return d, m
+
+
+@pytest.mark.parametrize("t", ALL_TYPES, ids=quants.type_name)
+def test_round_trip_error_bounds(t):
+    x = random_matrix(seed=100 + t, rows=96, cols=512)
+    y = quants.dequantize(quants.quantize(x, t), t, *x.shape)
+    err = np.abs(y - x)
+    if t == quants.F32:
+        np.testing.assert_array_equal(y, x)
+        return
+    if t in (quants.F16, quants.BF16):
+        mantissa_bits = 10 if t == quants.F16 else 7
+        assert np.all(err <= np.abs(x) * 2.0 ** -(mantissa_bits + 1) + 1e-7)
+        assert err.max() > 0  # it really rounded
+        return
+    blocks, err = x.reshape(-1, 32), err.reshape(-1, 32)
+    d, m = _block_params(x, t)
+    d = np.abs(d)
+    amax = np.abs(blocks).max(axis=1, keepdims=True)
+    fp16_rel = 2.0 ** -11  # relative rounding of the stored fp16 d and m
+    if t == quants.Q8_0:
+        bound = 0.5 * d + 127 * d * fp16_rel
+    elif t == quants.Q4_0:
+        # The largest-magnitude value sits on code 0; the other side tops out at code 15, one step short of +8.
+        bound = 1.0 * d + 8 * d * fp16_rel
+    else:
+        bound = 0.5 * d + 15 * d * fp16_rel + np.abs(m) * fp16_rel
+    assert np.all(err <= bound * (1 + 1e-5) + 1e-30)
+    # And the bound is not vacuous: the error is a sizeable fraction of the step for these random blocks.
+    assert np.median(err / np.maximum(d, 1e-30)) > 0.1
+    assert np.all(d <= amax)
+
+
+def test_q4_0_layout_by_hand():
+    # d = 0.5 (fp16 0x3800), codes 0..15 then 15..0: weight j in the low nibble of byte j, j+16 in the high nibble.
+    codes = np.r_[np.arange(16), np.arange(15, -1, -1)].astype(np.uint8)
+    block = np.empty(18, np.uint8)
+    block[:2] = [0x00, 0x38]
+    block[2:] = codes[:16] | (codes[16:] << 4)
+    w = quants.dequantize(block.reshape(1, 18), quants.Q4_0, 1, 32)
+    np.testing.assert_array_equal(w[0], (codes.astype(np.float32) - 8) * 0.5)
+    # Quantizing those weights back reproduces the block bytes exactly... except d: max magnitude is -4 at code 0,
+    # so d = -4 / -8 = 0.5 again.
+    np.testing.assert_array_equal(quants.quantize(w, quants.Q4_0)[0], block)
+
+
+def test_q4_1_and_q8_0_layout_by_hand():
+    rng = np.random.default_rng(7)
+    codes = rng.integers(0, 16, 32).astype(np.uint8)
+    block = np.empty(20, np.uint8)
+    block[:4] = np.array([0.25, -1.5], dtype="<f2").view(np.uint8)
+    block[4:] = codes[:16] | (codes[16:] << 4)
+    w = quants.dequantize(block.reshape(1, 20), quants.Q4_1, 1, 32)
+    np.testing.assert_array_equal(w[0], codes.astype(np.float32) * 0.25 - 1.5)
+
+    q8 = rng.integers(-127, 128, 32).astype(np.int8)
+    block8 = np.empty(34, np.uint8)
+    block8[:2] = np.array([0.125], dtype="<f2").view(np.uint8)
+    block8[2:] = q8.view(np.uint8)
+    w8 = quants.dequantize(block8.reshape(1, 34), quants.Q8_0, 1, 32)
+    np.testing.assert_array_equal(w8[0], q8.astype(np.float32) * 0.125)
+
+
+def test_multi_block_rows_keep_block_order():
+    # Each block of a row gets a distinct magnitude: a block-order or row-order mix-up changes the result.
+    rows, cols = 5, 32 * 6
+    rng = np.random.default_rng(11)
+    x = (rng.standard_normal((rows, cols)) * np.repeat(np.arange(1, rows * 6 + 1).reshape(rows, 6), 32, axis=1))
+    x = x.astype(np.float32)
+    for t in QUANTIZED:
+        y = quants.dequantize(quants.quantize(x, t), t, rows, cols)
+        amax = np.abs(x.reshape(rows, 6, 32)).max(axis=2)
+        assert np.all(np.abs(y - x).reshape(rows, 6, 32).max(axis=2) <= amax / 7 + 1e-6), quants.type_name(t)
+
+
+def test_bf16_rounds_to_nearest_even_and_keeps_nan():
+    x = np.array([[1.0 + 2.0 ** -8, 1.0 + 3 * 2.0 ** -8, np.nan, -np.inf, 3.0e38] + [0.5] * 27], dtype=np.float32)
+    y = quants.dequantize(quants.quantize(x, quants.BF16), quants.BF16, 1, 32)
+    assert y[0, 0] == 1.0                       # tie -> even (down)
+    assert y[0, 1] == 1.0 + 4 * 2.0 ** -8       # tie -> even (up)
+    assert np.isnan(y[0, 2]) and y[0, 3] == -np.inf
+    assert np.isfinite(y[0, 4])
+
+
+def test_argument_errors():
+    with pytest.raises(ValueError, match="multiple of 32"):
+        quants.quantize(np.ones((2, 48), np.float32), quants.Q4_0)
+    with pytest.raises(ValueError, match="needs 36 bytes"):
+        quants.dequantize(np.zeros((2, 17), np.uint8), quants.Q4_0, 2, 32)
+    with pytest.raises(ValueError, match="unsupported ggml type 6"):
+        quants.quantize(np.ones((1, 32), np.float32), 6)  # Q5_0
+    assert quants.parse_type("Q8_0") == quants.Q8_0 and quants.parse_type("bf16") == quants.BF16
+    assert [quants.row_bytes(t, 64) for t in ALL_TYPES] == [256, 128, 128, 36, 40, 68]
+
+
+def test_dequantize_accepts_the_readers_views():
+    # A read-only, non-owning view (what load_gguf hands out) must work and must not be written to.
+    x = random_matrix(seed=3, rows=8, cols=64)
+    for t in ALL_TYPES:
+        q = quants.quantize(x, t)
+        buf = np.frombuffer(q.tobytes(), dtype=np.uint8).reshape(q.shape)
+        assert not buf.flags.writeable
+        np.testing.assert_array_equal(quants.dequantize(buf, t, 8, 64), quants.dequantize(q, t, 8, 64))
