@@ -4,6 +4,7 @@
 #include <atomic>
 #include <condition_variable>
 #include <cstdint>
+#include <exception>
 #include <mutex>
 #include <thread>
 #include <vector>
@@ -21,6 +22,8 @@ class ThreadPool {
   int size() const { return n_threads_; }
 
   // Calls fn(ctx, thread_index, n_threads) on every thread (the caller is thread 0); returns when all are done.
+  // Tasks must not throw; if one does anyway, run() waits for all threads and rethrows the first exception.
+  // One run at a time: run() must not be called concurrently or from inside a task.
   using Task = void (*)(void* ctx, int thread_index, int n_threads);
   void run(Task fn, void* ctx);
 
@@ -41,6 +44,7 @@ class ThreadPool {
   std::atomic<bool> stop_{false};
   Task task_ = nullptr;
   void* ctx_ = nullptr;
+  std::exception_ptr error_;  // first exception a worker's task threw during the current run
   std::mutex mu_;
   std::condition_variable cv_;
 };

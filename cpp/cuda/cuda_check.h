@@ -11,6 +11,7 @@
 namespace metalattn::cuda {
 
 [[noreturn]] inline void throw_cuda_error(cudaError_t err, const char* what, const char* file, int line) {
+  cudaGetLastError();  // reset a non-sticky error (e.g. out of memory) so later launch checks do not see it again
   throw EngineError(std::string("CUDA error: ") + cudaGetErrorString(err) + " (" + cudaGetErrorName(err) + ") in " +
                     what + " at " + file + ":" + std::to_string(line));
 }

@@ -135,10 +135,7 @@ Matrix random_matrix(GgmlType type, int64_t rows, int64_t cols, uint32_t seed) {
   std::vector<float> row(cols);
   for (int64_t r = 0; r < rows; ++r) {
     const float row_scale = scale(rng);
-    for (int64_t c = 0; c < cols; ++c) {
-      if (c % 32 == 0) row[c] = 0;  // placeholder, overwritten below
-      row[c] = normal(rng) * row_scale;
-    }
+    for (int64_t c = 0; c < cols; ++c) row[c] = normal(rng) * row_scale;
     for (int64_t c = 0; c < cols; c += 32) {
       const float block_scale = scale(rng);
       for (int64_t j = c; j < std::min(cols, c + 32); ++j) row[j] *= block_scale;
@@ -529,7 +526,9 @@ TEST(ThreadPool, SplitRangeCoversExactlyOnce) {
           split_range(n, p, parts, align, &b, &e);
           ASSERT_EQ(b, expect_begin);
           ASSERT_LE(b, e);
-          if (e < n) ASSERT_EQ(e % align, 0);
+          if (e < n) {
+            ASSERT_EQ(e % align, 0);
+          }
           expect_begin = e;
         }
         ASSERT_EQ(expect_begin, n);

@@ -1,0 +1,248 @@
+// Micro-benchmark of the CPU kernels: memory bandwidth, thread-pool overhead, matvec GB/s (cache-hot and
+// streaming from DRAM), matmul GOP/s, and the matvec/matmul-only ceiling of a SmolLM2-135M decode/prefill.
+// Usage: bench_cpu_kernels [n_threads]   (METALATTN_CPU_ISA picks the ISA; default: the best one)
+#include <algorithm>
+#include <chrono>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <random>
+#include <vector>
+
+#include "cpu/kernels.h"
+#include "cpu/thread_pool.h"
+
+using namespace metalattn;
+using namespace metalattn::cpu;
+
+namespace {
+
+double now_s() {
+  return std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch()).count();
+}
+
+// Best of `reps` timings of fn(): the dev machine is shared, and interference only ever adds time.
+template <class F>
+double time_best(int reps, F&& fn) {
+  double best = 1e30;
+  for (int i = 0; i < reps; ++i) {
+    const double t0 = now_s();
+    fn();
+    best = std::min(best, now_s() - t0);
+  }
+  return best;
+}
+
+// Random but valid blocks: fp16 scales in [0.5, 1), random nibbles/bytes.
+std::vector<uint8_t> random_weights(GgmlType type, int64_t rows, int64_t cols, uint32_t seed) {
+  std::vector<uint8_t> bytes(row_bytes(type, cols) * rows);
+  std::mt19937 rng(seed);
+  for (auto& b : bytes) b = static_cast<uint8_t>(rng());
+  const size_t bs = row_bytes(type, 32);
+  if (is_quantized(type)) {
+    for (size_t off = 0; off < bytes.size(); off += bs) {
+      const uint16_t half = 0x3800 | (rng() & 0x3ff);  // 0.5 .. 1
+      std::memcpy(&bytes[off], &half, 2);
+      if (type == GgmlType::Q4_1) std::memcpy(&bytes[off + 2], &half, 2);
+    }
+  }
+  return bytes;
+}
+
+struct MatvecJob {
+  Isa isa;
+  const WeightView* w;
+  const float* x;
+  const block_q8_act* xq;
+  float* y;
+};
+
+void run_matvec(ThreadPool& pool, MatvecJob& job) {
+  pool.run(
+      [](void* c, int i, int n) {
+        auto* j = static_cast<MatvecJob*>(c);
+        int64_t r0, r1;
+        split_range(j->w->rows, i, n, 16, &r0, &r1);
+        matvec(j->isa, *j->w, j->x, j->xq, j->y, r0, r1);
+      },
+      &job);
+}
+
+struct MatmulJob {
+  Isa isa;
+  const WeightView* w;
+  const float* X;
+  const block_q8_act* Xq;
+  int n_tok;
+  float* Y;
+};
+
+void run_matmul(ThreadPool& pool, MatmulJob& job) {
+  pool.run(
+      [](void* c, int i, int n) {
+        auto* j = static_cast<MatmulJob*>(c);
+        int64_t r0, r1;
+        split_range(j->w->rows, i, n, 16, &r0, &r1);
+        matmul(j->isa, *j->w, j->X, j->Xq, j->n_tok, j->Y, j->w->rows, r0, r1);
+      },
+      &job);
+}
+
+struct Shape {
+  const char* name;
+  int64_t rows, cols;
+};
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  const int n_threads = argc > 1 ? std::atoi(argv[1]) : 0;
+  ThreadPool pool(n_threads);
+  const Isa isa = selected_isa();
+  std::printf("isa %s, %d threads (physical cores %d)\n\n", isa_name(isa), pool.size(), ThreadPool::physical_cores());
+
+  // ---- memory read bandwidth: a streaming sum over 1 GiB, split across the pool
+  {
+    const size_t n = (size_t(1) << 30) / 8;
+    std::vector<uint64_t> buf(n);
+    for (size_t i = 0; i < n; ++i) buf[i] = i * 2654435761u;
+    std::vector<uint64_t> partial(pool.size());
+    struct Ctx { const uint64_t* p; size_t n; uint64_t* out; bool prefetch; } ctx{buf.data(), n, partial.data(), false};
+    auto sum_task = [](void* c, int i, int nt) {
+      auto* x = static_cast<Ctx*>(c);
+      int64_t b, e;
+      split_range(static_cast<int64_t>(x->n), i, nt, 64, &b, &e);
+      uint64_t s[8] = {};  // independent lanes: the loop must be bound by memory, not by add latency
+      for (int64_t k = b; k < e; k += 8) {
+        if (x->prefetch) __builtin_prefetch(x->p + k + 1024);  // 8 KiB ahead, as the kernels do
+        for (int j = 0; j < 8; ++j) s[j] += x->p[k + j];
+      }
+      x->out[i] = s[0] + s[1] + s[2] + s[3] + s[4] + s[5] + s[6] + s[7];
+    };
+    for (bool prefetch : {false, true}) {
+      ctx.prefetch = prefetch;
+      const double t = time_best(5, [&] { pool.run(sum_task, &ctx); });
+      const double t1 = time_best(3, [&] { sum_task(&ctx, 0, 1); });
+      std::printf("memory read bandwidth (streaming sum over 1 GiB%s): %.1f GB/s with %d threads, %.1f GB/s with 1\n",
+                  prefetch ? ", software prefetch" : "", n * 8 / t / 1e9, pool.size(), n * 8 / t1 / 1e9);
+    }
+  }
+
+  // ---- thread pool overhead
+  {
+    const int runs = 20000;
+    const double t = time_best(10, [&] {
+      for (int i = 0; i < runs; ++i) pool.run([](void*, int, int) {}, nullptr);
+    });
+    std::printf("thread pool: %.2f us per empty run\n\n", t / runs * 1e6);
+  }
+
+  // ---- matvec: GB/s of weights. "hot": one matrix, cache-resident after the first call. "stream": enough
+  // distinct copies (>= 256 MiB) that every call reads its weights from DRAM, as a decode step does.
+  const Shape mv_shapes[] = {{"1536x576", 1536, 576}, {"49152x576", 49152, 576}};
+  std::printf("%-6s %-10s %10s %10s\n", "type", "matvec", "hot GB/s", "stream GB/s");
+  for (GgmlType type : {GgmlType::Q4_0, GgmlType::Q4_1, GgmlType::Q8_0, GgmlType::F16}) {
+    for (const Shape& s : mv_shapes) {
+      const size_t bytes = row_bytes(type, s.cols) * s.rows;
+      const int copies = static_cast<int>(std::max<size_t>(1, (size_t(256) << 20) / bytes + 1));
+      std::vector<std::vector<uint8_t>> store;
+      std::vector<WeightView> views;
+      for (int c = 0; c < copies; ++c) store.push_back(random_weights(type, s.rows, s.cols, 1 + c));
+      for (int c = 0; c < copies; ++c) views.push_back(WeightView{type, store[c].data(), s.rows, s.cols});
+      std::vector<float> x(s.cols), y(s.rows);
+      std::mt19937 rng(9);
+      std::normal_distribution<float> nd;
+      for (float& v : x) v = nd(rng);
+      std::vector<block_q8_act> xq(s.cols / 32);
+      quantize_acts(isa, x.data(), s.cols, xq.data());
+      MatvecJob job{isa, &views[0], x.data(), xq.data(), y.data()};
+      const int reps = std::max(20, static_cast<int>(2e9 / bytes / 10));
+      for (int i = 0; i < 3; ++i) run_matvec(pool, job);
+      const double hot = time_best(reps, [&] { run_matvec(pool, job); });
+      const double stream = time_best(3, [&] {
+                              for (int c = 0; c < copies; ++c) {
+                                job.w = &views[c];
+                                run_matvec(pool, job);
+                              }
+                            }) /
+                            copies;
+      std::printf("%-6s %-10s %10.1f %10.1f\n", type_name(type), s.name, bytes / hot / 1e9, bytes / stream / 1e9);
+    }
+  }
+
+  // ---- matmul at n_tok = 512: GOP/s (2 ops per multiply-add)
+  const int n_tok = 512;
+  const Shape mm_shapes[] = {{"576x576", 576, 576}, {"1536x576", 1536, 576}, {"576x1536", 576, 1536}};
+  std::printf("\n%-6s %-10s %10s   (matmul, n_tok=%d)\n", "type", "shape", "GOP/s", n_tok);
+  for (GgmlType type : {GgmlType::Q4_0, GgmlType::Q4_1, GgmlType::Q8_0, GgmlType::F16}) {
+    for (const Shape& s : mm_shapes) {
+      std::vector<uint8_t> wb = random_weights(type, s.rows, s.cols, 5);
+      WeightView w{type, wb.data(), s.rows, s.cols};
+      std::vector<float> X(n_tok * s.cols), Y(n_tok * s.rows);
+      std::mt19937 rng(3);
+      std::normal_distribution<float> nd;
+      for (float& v : X) v = nd(rng);
+      std::vector<block_q8_act> Xq(n_tok * s.cols / 32);
+      quantize_acts(isa, X.data(), n_tok * s.cols, Xq.data());
+      MatmulJob job{isa, &w, X.data(), Xq.data(), n_tok, Y.data()};
+      run_matmul(pool, job);
+      const double t = time_best(7, [&] { run_matmul(pool, job); });
+      std::printf("%-6s %-10s %10.1f\n", type_name(type), s.name, 2.0 * s.rows * s.cols * n_tok / t / 1e9);
+    }
+  }
+
+  // ---- SmolLM2-135M ceilings: only the matvecs/matmuls of one token (30 layers + lm_head), distinct weights per
+  // layer (layers in the given type, lm_head Q8_0 as in the GGUF), 2 threads; activation quantization included.
+  std::printf("\nSmolLM2-135M matvec/matmul-only ceilings (no attention, norms, rope):\n");
+  const Shape layer[] = {{"wq", 576, 576}, {"wk", 192, 576}, {"wv", 192, 576}, {"wo", 576, 576},
+                         {"gate", 1536, 576}, {"up", 1536, 576}, {"down", 576, 1536}};
+  for (GgmlType type : {GgmlType::Q4_0, GgmlType::Q4_1}) {
+    std::vector<std::vector<uint8_t>> store;
+    std::vector<WeightView> views;
+    for (int l = 0; l < 30; ++l)
+      for (const Shape& s : layer) store.push_back(random_weights(type, s.rows, s.cols, l * 10 + 1));
+    store.push_back(random_weights(GgmlType::Q8_0, 49152, 576, 77));
+    size_t total = 0;
+    for (int l = 0, k = 0; l < 30; ++l)
+      for (const Shape& s : layer) {
+        views.push_back(WeightView{type, store[k++].data(), s.rows, s.cols});
+        total += row_bytes(type, s.cols) * s.rows;
+      }
+    views.push_back(WeightView{GgmlType::Q8_0, store.back().data(), 49152, 576});
+    total += row_bytes(GgmlType::Q8_0, 576) * 49152;
+
+    std::vector<float> x(1536 * n_tok), y(49152);
+    std::mt19937 rng(1);
+    std::normal_distribution<float> nd;
+    for (float& v : x) v = nd(rng);
+    std::vector<block_q8_act> xq(1536 / 32 * n_tok);
+    auto decode_token = [&] {
+      for (size_t k = 0; k < views.size(); ++k) {
+        quantize_acts(isa, x.data(), views[k].cols, xq.data());
+        MatvecJob job{isa, &views[k], x.data(), xq.data(), y.data()};
+        run_matvec(pool, job);
+      }
+    };
+    for (int i = 0; i < 3; ++i) decode_token();
+    const int tokens = 16;
+    const double per_token = time_best(4, [&] {
+                               for (int i = 0; i < tokens; ++i) decode_token();
+                             }) /
+                             tokens;
+    std::printf("  %s decode: %.0f tok/s (%.1f MB of weights per token, %.1f GB/s)\n", type_name(type),
+                1 / per_token, total / 1e6, total / per_token / 1e9);
+
+    std::vector<float> Y(static_cast<size_t>(1536) * n_tok);
+    auto prefill = [&] {  // lm_head only for the last token, as forward_prompt does
+      for (size_t k = 0; k + 1 < views.size(); ++k) {
+        quantize_acts(isa, x.data(), views[k].cols * n_tok, xq.data());
+        MatmulJob job{isa, &views[k], x.data(), xq.data(), n_tok, Y.data()};
+        run_matmul(pool, job);
+      }
+    };
+    prefill();
+    const double tp = time_best(3, prefill);
+    std::printf("  %s prefill pp%d: %.0f tok/s\n", type_name(type), n_tok, n_tok / tp);
+  }
+  return 0;
+}

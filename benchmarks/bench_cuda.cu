@@ -1,0 +1,300 @@
+// CUDA backend benchmark on a random SmolLM2-135M-shaped model (layers Q4_0, token_embd Q8_0 tied), as in
+// benchmarks/RESULTS.md: decode tg128 after a 32-token prompt, prefill pp512, time to first token of a 32-token
+// prompt, and the time of each decode kernel (each captured 200 times in a graph and replayed).
+//   bench_cuda [n_ctx=2048]
+// Environment: METALATTN_CUDA_PDL=1 turns on Programmatic Dependent Launch in the decode graph,
+// METALATTN_CUDA_PREFILL_SPLIT=0 runs the prefill GEMMs on fp16 activations only.
+#include <algorithm>
+#include <chrono>
+#include <cmath>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <memory>
+#include <random>
+#include <vector>
+
+#include "cpu/reference.h"
+#include "cuda/cuda_check.h"
+#include "kernels.cuh"
+#include "metalattn/backend.h"
+
+using namespace metalattn;
+using namespace metalattn::cuda;
+using Clock = std::chrono::steady_clock;
+
+namespace {
+
+std::mt19937 g_rng(12345);
+
+uint16_t to_fp16(float f) {
+  __half_raw r = __half(__float2half(f));
+  return r.x;
+}
+
+struct Storage {
+  std::vector<std::vector<uint8_t>> bytes;
+  std::vector<std::vector<float>> floats;
+};
+
+WeightView random_q(Storage& st, GgmlType t, int64_t rows, int64_t cols, float sigma) {
+  const size_t rb = row_bytes(t, cols);
+  st.bytes.emplace_back(rb * rows);
+  uint8_t* p = st.bytes.back().data();
+  std::uniform_int_distribution<int> byte(0, 255);
+  std::uniform_real_distribution<float> u(0.5f, 1.5f);
+  for (int64_t r = 0; r < rows; ++r)
+    for (int64_t k = 0; k < cols / 32; ++k) {
+      if (t == GgmlType::Q4_0) {
+        auto* b = reinterpret_cast<block_q4_0*>(p + r * rb) + k;
+        b->d = to_fp16(sigma / 4.6f * u(g_rng));
+        for (auto& q : b->qs) q = static_cast<uint8_t>(byte(g_rng));
+      } else {
+        auto* b = reinterpret_cast<block_q8_0*>(p + r * rb) + k;
+        b->d = to_fp16(sigma / 73.f * u(g_rng));
+        for (auto& q : b->qs) q = static_cast<int8_t>(byte(g_rng) - 128);
+      }
+    }
+  WeightView w;
+  w.type = t;
+  w.data = p;
+  w.rows = rows;
+  w.cols = cols;
+  return w;
+}
+
+const float* random_norm(Storage& st, int n) {
+  std::uniform_real_distribution<float> u(0.6f, 1.4f);
+  st.floats.emplace_back(n);
+  for (float& x : st.floats.back()) x = u(g_rng);
+  return st.floats.back().data();
+}
+
+double median(std::vector<double> v) {
+  std::sort(v.begin(), v.end());
+  return v[v.size() / 2];
+}
+
+double seconds_since(Clock::time_point t0) { return std::chrono::duration<double>(Clock::now() - t0).count(); }
+
+// Median time of one launch of `body`, captured `reps` times into a graph and replayed.
+template <typename F>
+double graph_time_us(cudaStream_t s, F body, int reps = 200) {
+  cudaGraph_t g;
+  cudaGraphExec_t ge;
+  CUDA_CHECK(cudaStreamBeginCapture(s, cudaStreamCaptureModeThreadLocal));
+  for (int i = 0; i < reps; ++i) body();
+  CUDA_CHECK(cudaStreamEndCapture(s, &g));
+  CUDA_CHECK(cudaGraphInstantiate(&ge, g, 0));
+  cudaEvent_t a, b;
+  CUDA_CHECK(cudaEventCreate(&a));
+  CUDA_CHECK(cudaEventCreate(&b));
+  std::vector<double> t;
+  for (int it = 0; it < 7; ++it) {
+    CUDA_CHECK(cudaEventRecord(a, s));
+    CUDA_CHECK(cudaGraphLaunch(ge, s));
+    CUDA_CHECK(cudaEventRecord(b, s));
+    CUDA_CHECK(cudaEventSynchronize(b));
+    float ms = 0;
+    CUDA_CHECK(cudaEventElapsedTime(&ms, a, b));
+    if (it > 0) t.push_back(ms * 1000.0 / reps);
+  }
+  cudaEventDestroy(a);
+  cudaEventDestroy(b);
+  cudaGraphExecDestroy(ge);
+  cudaGraphDestroy(g);
+  return median(t);
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  try {
+    if (cuda_device_count() == 0) {
+      std::printf("no CUDA device\n");
+      return 0;
+    }
+    ModelSpec s;
+    s.n_layers = 30;
+    s.d_model = 576;
+    s.d_ff = 1536;
+    s.n_heads = 9;
+    s.n_kv_heads = 3;
+    s.head_dim = 64;
+    s.vocab = 49152;
+    s.n_ctx = argc > 1 ? std::atoi(argv[1]) : 2048;
+    s.rope_base = 100000.f;
+    s.rms_eps = 1e-5f;
+    Storage st;
+    ModelWeights w;
+    const float sd = 1.f / std::sqrt(576.f), sf = 1.f / std::sqrt(1536.f);
+    w.tok_embd = random_q(st, GgmlType::Q8_0, s.vocab, s.d_model, 1.f);
+    w.output = w.tok_embd;
+    w.output_norm = random_norm(st, s.d_model);
+    for (int l = 0; l < s.n_layers; ++l) {
+      LayerWeights L;
+      L.attn_norm = random_norm(st, s.d_model);
+      L.ffn_norm = random_norm(st, s.d_model);
+      L.wq = random_q(st, GgmlType::Q4_0, s.q_dim(), s.d_model, 2 * sd);
+      L.wk = random_q(st, GgmlType::Q4_0, s.kv_dim(), s.d_model, 2 * sd);
+      L.wv = random_q(st, GgmlType::Q4_0, s.kv_dim(), s.d_model, sd);
+      L.wo = random_q(st, GgmlType::Q4_0, s.d_model, s.q_dim(), 0.5f * sd);
+      L.w_gate = random_q(st, GgmlType::Q4_0, s.d_ff, s.d_model, sd);
+      L.w_up = random_q(st, GgmlType::Q4_0, s.d_ff, s.d_model, sd);
+      L.w_down = random_q(st, GgmlType::Q4_0, s.d_model, s.d_ff, 0.5f * sf);
+      w.layers.push_back(L);
+    }
+    cudaDeviceProp prop{};
+    CUDA_CHECK(cudaGetDeviceProperties(&prop, 0));
+    const char* pdl = std::getenv("METALATTN_CUDA_PDL");
+    const char* split = std::getenv("METALATTN_CUDA_PREFILL_SPLIT");
+    std::printf("device %s, %d SMs | n_ctx %d | PDL %s | prefill split %s\n", prop.name, prop.multiProcessorCount,
+                s.n_ctx, pdl ? pdl : "0", split ? split : "1");
+
+    auto t_create = Clock::now();
+    auto be = make_cuda_backend(s, w, false);
+    const MemoryInfo mi = be->memory_info();
+    std::printf("create %.1f ms | memory: weights %.1f MiB, kv %.1f MiB, scratch %.1f MiB\n",
+                seconds_since(t_create) * 1e3, mi.weights / 1048576.0, mi.kv_cache / 1048576.0,
+                mi.scratch / 1048576.0);
+
+    std::uniform_int_distribution<int> tok(0, s.vocab - 1);
+    std::vector<int32_t> prompt(2048);
+    for (auto& t : prompt) t = tok(g_rng);
+
+    // Decode tg128 after a 32-token prompt (3 runs; per-token median and whole-run rate).
+    std::vector<double> run_rates, per_token;
+    for (int run = 0; run < 4; ++run) {
+      ArgmaxResult r = be->forward_prompt(prompt.data(), 32, 0, nullptr, nullptr);
+      const auto t0 = Clock::now();
+      for (int i = 0; i < 128; ++i) {
+        const auto ti = Clock::now();
+        r = be->forward_token_greedy(static_cast<int32_t>(r.token), 32 + i);
+        if (run > 0) per_token.push_back(seconds_since(ti) * 1e6);
+      }
+      if (run > 0) run_rates.push_back(128.0 / seconds_since(t0));
+    }
+    std::printf("decode tg128 (after pp32): %.0f tok/s, median %.1f us/token\n", median(run_rates), median(per_token));
+    // Decode deep into the context.
+    {
+      be->forward_prompt(prompt.data(), std::min(1900, s.n_ctx - 130), 0, nullptr, nullptr);
+      std::vector<double> tt;
+      ArgmaxResult r{1, 0.f};
+      const int p0 = std::min(1900, s.n_ctx - 130);
+      for (int i = 0; i < 128; ++i) {
+        const auto ti = Clock::now();
+        r = be->forward_token_greedy(static_cast<int32_t>(r.token), p0 + i);
+        tt.push_back(seconds_since(ti) * 1e6);
+      }
+      std::printf("decode at pos ~%d: median %.1f us/token\n", p0, median(tt));
+    }
+
+    // Prefill pp512 and time to first token of a 32-token prompt.
+    for (int n : {32, 128, 512, 2048}) {
+      if (n > s.n_ctx) continue;
+      std::vector<double> t;
+      for (int it = 0; it < 8; ++it) {
+        const auto t0 = Clock::now();
+        be->forward_prompt(prompt.data(), n, 0, nullptr, nullptr);
+        if (it > 1) t.push_back(seconds_since(t0));
+      }
+      std::printf("prefill pp%-5d: %8.3f ms  %9.0f tok/s\n", n, median(t) * 1e3, n / median(t));
+    }
+
+    // Per-kernel times (one layer's shapes; each kernel replayed 200x in a graph).
+    {
+      cudaStream_t sm;
+      CUDA_CHECK(cudaStreamCreateWithFlags(&sm, cudaStreamNonBlocking));
+      std::vector<std::vector<float>> keep;
+      auto upload = [&](const std::vector<const WeightView*>& parts, std::vector<void*>& bufs) {
+        PackedMatrix p = pack_matrix(parts, common_exact_type(parts));
+        DevMatrix m;
+        m.type = p.type;
+        m.rows = p.rows;
+        m.cols = p.cols;
+        m.nb = p.nb;
+        void* a = nullptr;
+        CUDA_CHECK(cudaMalloc(&a, p.payload.size()));
+        CUDA_CHECK(cudaMemcpy(a, p.payload.data(), p.payload.size(), cudaMemcpyHostToDevice));
+        bufs.push_back(a);
+        m.payload = static_cast<uint8_t*>(a);
+        void* b = nullptr;
+        CUDA_CHECK(cudaMalloc(&b, p.scales.size() * 2));
+        CUDA_CHECK(cudaMemcpy(b, p.scales.data(), p.scales.size() * 2, cudaMemcpyHostToDevice));
+        bufs.push_back(b);
+        m.scales = static_cast<uint16_t*>(b);
+        return m;
+      };
+      std::vector<void*> bufs;
+      auto dalloc = [&](size_t bytes) {
+        void* p = nullptr;
+        CUDA_CHECK(cudaMalloc(&p, bytes));
+        CUDA_CHECK(cudaMemset(p, 0, bytes));
+        bufs.push_back(p);
+        return p;
+      };
+      const LayerWeights& L = w.layers[0];
+      DevMatrix qkv = upload({&L.wq, &L.wk, &L.wv}, bufs), o = upload({&L.wo}, bufs),
+                gu = upload({&L.w_gate, &L.w_up}, bufs), down = upload({&L.w_down}, bufs),
+                lm = upload({&w.tok_embd}, bufs);
+      std::vector<float> xs(576);
+      for (float& x : xs) x = std::uniform_real_distribution<float>(-1, 1)(g_rng);
+      float* x = static_cast<float*>(dalloc(576 * 4));
+      CUDA_CHECK(cudaMemcpy(x, xs.data(), 576 * 4, cudaMemcpyHostToDevice));
+      float* nw = static_cast<float*>(dalloc(576 * 4));
+      CUDA_CHECK(cudaMemcpy(nw, w.layers[0].attn_norm, 576 * 4, cudaMemcpyHostToDevice));
+      float* q = static_cast<float*>(dalloc(576 * 4));
+      float* gate_up = static_cast<float*>(dalloc(3072 * 4));
+      float* logits = static_cast<float*>(dalloc(49152 * 4));
+      float* kc = static_cast<float*>(dalloc(static_cast<size_t>(s.n_ctx) * 192 * 4));
+      float* vc = static_cast<float*>(dalloc(static_cast<size_t>(s.n_ctx) * 192 * 4));
+      float2* rope = static_cast<float2*>(dalloc(static_cast<size_t>(s.n_ctx) * 32 * 8));
+      AttnPartials ap;
+      ap.n_splits = std::max(1, std::min((s.n_ctx + kAttnMinChunk - 1) / kAttnMinChunk, 2 * prop.multiProcessorCount / 3));
+      ap.o = static_cast<float*>(dalloc(9 * ap.n_splits * 64 * 4));
+      ap.ml = static_cast<float*>(dalloc(9 * ap.n_splits * 2 * 4));
+      ArgmaxScratch am;
+      am.capacity = argmax_partials_needed(lm);
+      am.partials = static_cast<ArgmaxPartial*>(dalloc(am.capacity * sizeof(ArgmaxPartial)));
+      am.counter = static_cast<unsigned*>(dalloc(4));
+      ArgmaxResult* res = static_cast<ArgmaxResult*>(dalloc(8));
+      DecodeIO* io = static_cast<DecodeIO*>(dalloc(8));
+      QkvTargets tg;
+      tg.rope_table = rope;
+      tg.io = io;
+      tg.q_dim = 576;
+      tg.kv_dim = 192;
+      tg.head_dim = 64;
+      tg.q_out = q;
+      tg.k_cache = kc;
+      tg.v_cache = vc;
+      auto set_pos = [&](int pos) {
+        DecodeIO h{1, pos};
+        CUDA_CHECK(cudaMemcpy(io, &h, 8, cudaMemcpyHostToDevice));
+      };
+      set_pos(160);
+      const double t_embed = graph_time_us(sm, [&] { launch_embed(lm, io, x, sm); });
+      const double t_qkv = graph_time_us(sm, [&] { launch_norm_matvec_qkv(qkv, x, nw, 1e-5f, tg, sm); });
+      const double t_att = graph_time_us(sm, [&] { launch_attention_decode(q, kc, vc, io, 9, 3, 64, s.n_ctx, ap, sm); });
+      const double t_o = graph_time_us(sm, [&] { launch_matvec_residual_attn(o, ap, io, 64, q, sm); });
+      const double t_gu = graph_time_us(sm, [&] { launch_norm_matvec(gu, x, nw, 1e-5f, gate_up, sm); });
+      const double t_down = graph_time_us(sm, [&] { launch_matvec_residual_silu(down, gate_up, q, sm); });
+      const double t_lm = graph_time_us(sm, [&] { launch_norm_matvec_argmax(lm, x, nw, 1e-5f, logits, am, res, nullptr, sm); });
+      set_pos(s.n_ctx - 1);
+      const double t_att_long = graph_time_us(sm, [&] { launch_attention_decode(q, kc, vc, io, 9, 3, 64, s.n_ctx, ap, sm); });
+      const double t_o_long = graph_time_us(sm, [&] { launch_matvec_residual_attn(o, ap, io, 64, q, sm); });
+      const double layer = t_qkv + t_att + t_o + t_gu + t_down;
+      std::printf("per-kernel (graph replay, us): embed %.2f | qkv %.2f | attn@160 %.2f (@%d %.2f) | comb+O %.2f (@%d %.2f)"
+                  " | norm+gate/up %.2f | silu+down %.2f | lm_head+argmax %.2f\n",
+                  t_embed, t_qkv, t_att, s.n_ctx - 1, t_att_long, t_o, s.n_ctx - 1, t_o_long, t_gu, t_down, t_lm);
+      std::printf("sum for one token at pos 160: %.1f us (layer %.2f x 30 + %.2f); kernels per token: %d\n",
+                  t_embed + 30 * layer + t_lm, layer, t_embed + t_lm, 5 * s.n_layers + 2);
+      for (void* p : bufs) cudaFree(p);
+      cudaStreamDestroy(sm);
+    }
+    return 0;
+  } catch (const std::exception& e) {
+    std::fprintf(stderr, "bench_cuda: %s\n", e.what());
+    return 1;
+  }
+}

@@ -1,0 +1,488 @@
+// CUDA backend, host side: weight upload (GPU matvec layout + fp16 copies for the prefill GEMMs), device-private
+// KV cache and scratch, the decode step captured once as a CUDA graph, and the layer-major batched prefill.
+//
+// Per decode token: at most one 8-byte host-to-device copy (token, position), one graph launch, one stream sync,
+// and the 8-byte ArgmaxResult read from mapped pinned memory that the last kernel wrote. The last kernel also writes
+// the chosen token and pos + 1 into the device-side DecodeIO, so a greedy loop that feeds the result back needs no
+// host-to-device copy at all: the host keeps a shadow of what the device slot holds and copies only on a mismatch.
+#include <cublas_v2.h>
+#include <cuda_fp16.h>
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdlib>
+#include <cstring>
+#include <string>
+#include <vector>
+
+#include "cuda/cuda_check.h"
+#include "kernels.cuh"
+#include "metalattn/backend.h"
+
+namespace metalattn {
+
+bool cuda_compiled() { return true; }
+
+int cuda_device_count() {
+  int n = 0;
+  if (cudaGetDeviceCount(&n) != cudaSuccess) {
+    cudaGetLastError();  // clear the sticky "no device" status
+    return 0;
+  }
+  return n;
+}
+
+namespace cuda {
+namespace {
+
+bool env_flag(const char* name, bool fallback) {
+  const char* v = std::getenv(name);
+  if (v == nullptr || *v == '\0') return fallback;
+  return std::strcmp(v, "0") != 0;
+}
+
+// Everything that must be released, in one place whose destructor runs even when the backend's constructor
+// throws half-way (e.g. cudaMalloc out of memory).
+struct Resources {
+  cudaStream_t stream = nullptr;
+  cublasHandle_t cublas = nullptr;
+  cudaGraph_t graph = nullptr;
+  cudaGraphExec_t graph_exec = nullptr;
+  std::vector<void*> device;
+  std::vector<void*> pinned;
+
+  ~Resources() {
+    if (stream != nullptr) cudaStreamSynchronize(stream);
+    if (graph_exec != nullptr) cudaGraphExecDestroy(graph_exec);
+    if (graph != nullptr) cudaGraphDestroy(graph);
+    if (cublas != nullptr) cublasDestroy(cublas);
+    for (void* p : device) cudaFree(p);
+    for (void* p : pinned) cudaFreeHost(p);
+    if (stream != nullptr) cudaStreamDestroy(stream);
+  }
+};
+
+struct DevLayer {
+  DevMatrix qkv, o, gate_up, down;  // decode layout
+  const float* attn_norm = nullptr;
+  const float* ffn_norm = nullptr;
+  __half *qkv16 = nullptr, *o16 = nullptr, *gate_up16 = nullptr, *down16 = nullptr;  // prefill GEMM copies
+};
+
+class CudaBackend final : public Backend {
+ public:
+  CudaBackend(const ModelSpec& spec, const ModelWeights& w, bool debug);
+  const char* name() const override { return "cuda"; }
+  ArgmaxResult forward_token_greedy(int32_t token, int pos) override;
+  void forward_token(int32_t token, int pos, float* logits) override;
+  void forward_token_debug(int32_t token, int pos, float* hidden, float* logits) override;
+  ArgmaxResult forward_prompt(const int32_t* tokens, int n, int pos, float* last_logits, float* all_logits) override;
+  MemoryInfo memory_info() const override { return mem_; }
+
+ private:
+  template <typename T>
+  T* device_alloc(size_t count, size_t& counter) {
+    void* p = nullptr;
+    const size_t bytes = count * sizeof(T);
+    CUDA_CHECK(cudaMalloc(&p, bytes < 16 ? 16 : bytes));
+    res_.device.push_back(p);
+    counter += bytes;
+    return static_cast<T*>(p);
+  }
+  DevMatrix upload(const std::vector<const WeightView*>& parts);
+  const float* upload_floats(const float* host, size_t n);
+  __half* half_copy(const DevMatrix& m);
+
+  void check_token(int32_t token) const;
+  void set_io(int32_t token, int pos);
+  void after_launch();
+  void enqueue_decode(bool capture_hidden);
+  void run_decode();
+  ArgmaxResult finish_decode(int pos);
+  void gemm(const __half* w, int rows, int cols, int n, const __half* a_hi, const __half* a_lo, float* c, float beta);
+  void ensure_lm_head_half();
+
+  ModelSpec spec_;
+  bool debug_;
+  bool use_pdl_;
+  bool split_acts_;
+  Resources res_;
+  MemoryInfo mem_;
+
+  std::vector<DevLayer> layers_;
+  DevMatrix embd_, lm_head_;
+  const float* out_norm_ = nullptr;
+  float* k_cache_ = nullptr;  // [n_layers][n_ctx][kv_dim]
+  float* v_cache_ = nullptr;
+  float2* rope_ = nullptr;    // [n_ctx][head_dim/2]
+
+  // decode scratch
+  DecodeIO* io_dev_ = nullptr;
+  DecodeIO* io_host_ = nullptr;          // pinned staging for the occasional host-to-device write
+  ArgmaxResult* result_host_ = nullptr;  // mapped pinned: written by the last kernel
+  ArgmaxResult* result_dev_ = nullptr;   // its device alias
+  float *x_ = nullptr, *q_ = nullptr, *gate_up_ = nullptr, *logits_ = nullptr, *hidden_ = nullptr;
+  AttnPartials attn_;
+  ArgmaxScratch argmax_;
+  DecodeIO io_shadow_{0, 0};
+  bool io_shadow_valid_ = false;
+
+  // prefill scratch (chunk_ tokens at a time)
+  int chunk_ = 0;
+  int32_t* tokens_dev_ = nullptr;
+  float *px_ = nullptr, *pq_ = nullptr, *pc_ = nullptr;
+  __half *pa_hi_ = nullptr, *pa_lo_ = nullptr;
+  __half* lm_head16_ = nullptr;  // made on the first all_logits request
+  float* plogits_ = nullptr;
+  int logits_chunk_ = 0;
+};
+
+// Host-to-device copies are ordered on our stream (a plain cudaMemcpy from pageable memory may return before its
+// DMA lands, which would race kernels on a non-blocking stream); the packed host image is synchronised before it
+// goes out of scope.
+DevMatrix CudaBackend::upload(const std::vector<const WeightView*>& parts) {
+  const PackedMatrix p = pack_matrix(parts, common_exact_type(parts));
+  DevMatrix m;
+  m.type = p.type;
+  m.rows = p.rows;
+  m.cols = p.cols;
+  m.nb = p.nb;
+  uint8_t* payload = device_alloc<uint8_t>(p.payload.size(), mem_.weights);
+  CUDA_CHECK(cudaMemcpyAsync(payload, p.payload.data(), p.payload.size(), cudaMemcpyHostToDevice, res_.stream));
+  m.payload = payload;
+  if (!p.scales.empty()) {
+    uint16_t* scales = device_alloc<uint16_t>(p.scales.size(), mem_.weights);
+    CUDA_CHECK(cudaMemcpyAsync(scales, p.scales.data(), p.scales.size() * 2, cudaMemcpyHostToDevice, res_.stream));
+    m.scales = scales;
+  }
+  CUDA_CHECK(cudaStreamSynchronize(res_.stream));
+  return m;
+}
+
+const float* CudaBackend::upload_floats(const float* host, size_t n) {
+  float* d = device_alloc<float>(n, mem_.weights);
+  CUDA_CHECK(cudaMemcpyAsync(d, host, n * sizeof(float), cudaMemcpyHostToDevice, res_.stream));
+  return d;
+}
+
+__half* CudaBackend::half_copy(const DevMatrix& m) {
+  __half* h = device_alloc<__half>(static_cast<size_t>(m.rows) * m.cols, mem_.weights);
+  launch_dequant_to_half(m, h, res_.stream);
+  return h;
+}
+
+CudaBackend::CudaBackend(const ModelSpec& spec, const ModelWeights& w, bool debug)
+    : spec_(spec),
+      debug_(debug),
+      use_pdl_(env_flag("METALATTN_CUDA_PDL", false)),
+      split_acts_(env_flag("METALATTN_CUDA_PREFILL_SPLIT", true)) {
+  validate_model(spec, w);
+  if (cuda_device_count() <= 0) throw EngineError("no CUDA device is available");
+  if (spec.head_dim % 32 != 0 || spec.head_dim > 128)
+    throw EngineError("the CUDA backend needs head_dim a multiple of 32, at most 128");
+  if (spec.n_heads / spec.n_kv_heads > 8) throw EngineError("the CUDA backend supports at most 8 query heads per KV head");
+  CUDA_CHECK(cudaSetDevice(0));
+  CUDA_CHECK(cudaStreamCreateWithFlags(&res_.stream, cudaStreamNonBlocking));
+  CUBLAS_CHECK(cublasCreate(&res_.cublas));
+  CUBLAS_CHECK(cublasSetStream(res_.cublas, res_.stream));
+
+  const int L = spec.n_layers, d = spec.d_model, kv_dim = spec.kv_dim(), q_dim = spec.q_dim();
+  // The KV cache first: it is the allocation that grows with n_ctx, so an impossible n_ctx fails before any work.
+  const size_t cache_elems = static_cast<size_t>(L) * spec.n_ctx * kv_dim;
+  k_cache_ = device_alloc<float>(cache_elems, mem_.kv_cache);
+  v_cache_ = device_alloc<float>(cache_elems, mem_.kv_cache);
+
+  // Weights.
+  embd_ = upload({&w.tok_embd});
+  lm_head_ = (w.output.data == w.tok_embd.data && w.output.type == w.tok_embd.type) ? embd_ : upload({&w.output});
+  out_norm_ = upload_floats(w.output_norm, d);
+  layers_.resize(L);
+  for (int l = 0; l < L; ++l) {
+    const LayerWeights& src = w.layers[l];
+    DevLayer& dl = layers_[l];
+    dl.qkv = upload({&src.wq, &src.wk, &src.wv});
+    dl.o = upload({&src.wo});
+    dl.gate_up = upload({&src.w_gate, &src.w_up});
+    dl.down = upload({&src.w_down});
+    dl.attn_norm = upload_floats(src.attn_norm, d);
+    dl.ffn_norm = upload_floats(src.ffn_norm, d);
+    dl.qkv16 = half_copy(dl.qkv);
+    dl.o16 = half_copy(dl.o);
+    dl.gate_up16 = half_copy(dl.gate_up);
+    dl.down16 = half_copy(dl.down);
+  }
+
+  // RoPE table, computed exactly as the reference does (double angle, float cos/sin).
+  {
+    const int half = spec.head_dim / 2;
+    std::vector<float2> table(static_cast<size_t>(spec.n_ctx) * half);
+    for (int i = 0; i < half; ++i) {
+      const double inv_freq = std::pow(static_cast<double>(spec.rope_base), -2.0 * i / spec.head_dim);
+      for (int p = 0; p < spec.n_ctx; ++p) {
+        const double theta = p * inv_freq;
+        table[static_cast<size_t>(p) * half + i] = make_float2(static_cast<float>(std::cos(theta)),
+                                                               static_cast<float>(std::sin(theta)));
+      }
+    }
+    rope_ = device_alloc<float2>(table.size(), mem_.scratch);
+    CUDA_CHECK(cudaMemcpyAsync(rope_, table.data(), table.size() * sizeof(float2), cudaMemcpyHostToDevice, res_.stream));
+    CUDA_CHECK(cudaStreamSynchronize(res_.stream));  // `table` dies here
+  }
+
+  // Decode scratch.
+  cudaDeviceProp prop{};
+  CUDA_CHECK(cudaGetDeviceProperties(&prop, 0));
+  attn_.n_splits = std::max(1, std::min((spec.n_ctx + kAttnMinChunk - 1) / kAttnMinChunk,
+                                        std::max(1, 2 * prop.multiProcessorCount / spec.n_kv_heads)));
+  attn_.o = device_alloc<float>(static_cast<size_t>(spec.n_heads) * attn_.n_splits * spec.head_dim, mem_.scratch);
+  attn_.ml = device_alloc<float>(static_cast<size_t>(spec.n_heads) * attn_.n_splits * 2, mem_.scratch);
+  argmax_.capacity = argmax_partials_needed(lm_head_);
+  argmax_.partials = device_alloc<ArgmaxPartial>(argmax_.capacity, mem_.scratch);
+  argmax_.counter = device_alloc<unsigned int>(1, mem_.scratch);
+  CUDA_CHECK(cudaMemsetAsync(argmax_.counter, 0, sizeof(unsigned int), res_.stream));
+  io_dev_ = device_alloc<DecodeIO>(1, mem_.scratch);
+  x_ = device_alloc<float>(d, mem_.scratch);
+  q_ = device_alloc<float>(q_dim, mem_.scratch);
+  gate_up_ = device_alloc<float>(2 * static_cast<size_t>(spec.d_ff), mem_.scratch);
+  logits_ = device_alloc<float>(spec.vocab, mem_.scratch);
+  hidden_ = device_alloc<float>(static_cast<size_t>(L + 1) * d, mem_.scratch);
+  {
+    void* p = nullptr;
+    CUDA_CHECK(cudaHostAlloc(&p, sizeof(DecodeIO), cudaHostAllocDefault));
+    res_.pinned.push_back(p);
+    io_host_ = static_cast<DecodeIO*>(p);
+    CUDA_CHECK(cudaHostAlloc(&p, sizeof(ArgmaxResult), cudaHostAllocMapped));
+    res_.pinned.push_back(p);
+    result_host_ = static_cast<ArgmaxResult*>(p);
+    void* dp = nullptr;
+    CUDA_CHECK(cudaHostGetDevicePointer(&dp, p, 0));
+    result_dev_ = static_cast<ArgmaxResult*>(dp);
+    mem_.scratch += sizeof(DecodeIO) + sizeof(ArgmaxResult);
+  }
+
+  // Prefill scratch.
+  chunk_ = std::min(spec.n_ctx, 1024);
+  const size_t widest_in = std::max({static_cast<size_t>(d), static_cast<size_t>(q_dim), static_cast<size_t>(spec.d_ff)});
+  const size_t widest_out = std::max(static_cast<size_t>(q_dim + 2 * kv_dim), 2 * static_cast<size_t>(spec.d_ff));
+  tokens_dev_ = device_alloc<int32_t>(chunk_, mem_.scratch);
+  px_ = device_alloc<float>(static_cast<size_t>(chunk_) * d, mem_.scratch);
+  pq_ = device_alloc<float>(static_cast<size_t>(chunk_) * q_dim, mem_.scratch);
+  pc_ = device_alloc<float>(static_cast<size_t>(chunk_) * widest_out, mem_.scratch);
+  pa_hi_ = device_alloc<__half>(static_cast<size_t>(chunk_) * widest_in, mem_.scratch);
+  if (split_acts_) pa_lo_ = device_alloc<__half>(static_cast<size_t>(chunk_) * widest_in, mem_.scratch);
+
+  CUDA_CHECK(cudaStreamSynchronize(res_.stream));
+}
+
+void CudaBackend::check_token(int32_t token) const {
+  if (token < 0 || token >= spec_.vocab)
+    throw EngineError("token id " + std::to_string(token) + " is outside the vocabulary");
+}
+
+void CudaBackend::set_io(int32_t token, int pos) {
+  check_token(token);
+  if (pos < 0 || pos >= spec_.n_ctx)
+    throw EngineError("position " + std::to_string(pos) + " is outside the context of " + std::to_string(spec_.n_ctx));
+  if (io_shadow_valid_ && io_shadow_.token == token && io_shadow_.pos == pos) return;
+  io_shadow_valid_ = false;
+  *io_host_ = DecodeIO{token, pos};
+  CUDA_CHECK(cudaMemcpyAsync(io_dev_, io_host_, sizeof(DecodeIO), cudaMemcpyHostToDevice, res_.stream));
+}
+
+void CudaBackend::after_launch() {
+  if (!debug_) return;
+  CUDA_CHECK(cudaGetLastError());
+  CUDA_CHECK(cudaStreamSynchronize(res_.stream));
+}
+
+void CudaBackend::enqueue_decode(bool capture_hidden) {
+  const ModelSpec& s = spec_;
+  const size_t layer_cache = static_cast<size_t>(s.n_ctx) * s.kv_dim();
+  cudaStream_t st = res_.stream;
+  launch_embed(embd_, io_dev_, x_, st);
+  after_launch();
+  if (capture_hidden) CUDA_CHECK(cudaMemcpyAsync(hidden_, x_, s.d_model * sizeof(float), cudaMemcpyDeviceToDevice, st));
+  for (int l = 0; l < s.n_layers; ++l) {
+    const DevLayer& L = layers_[l];
+    float* kc = k_cache_ + l * layer_cache;
+    float* vc = v_cache_ + l * layer_cache;
+    QkvTargets t;
+    t.rope_table = rope_;
+    t.io = io_dev_;
+    t.q_dim = s.q_dim();
+    t.kv_dim = s.kv_dim();
+    t.head_dim = s.head_dim;
+    t.q_out = q_;
+    t.k_cache = kc;
+    t.v_cache = vc;
+    launch_norm_matvec_qkv(L.qkv, x_, L.attn_norm, s.rms_eps, t, st);
+    after_launch();
+    launch_attention_decode(q_, kc, vc, io_dev_, s.n_heads, s.n_kv_heads, s.head_dim, s.n_ctx, attn_, st);
+    after_launch();
+    launch_matvec_residual_attn(L.o, attn_, io_dev_, s.head_dim, x_, st);
+    after_launch();
+    launch_norm_matvec(L.gate_up, x_, L.ffn_norm, s.rms_eps, gate_up_, st);
+    after_launch();
+    launch_matvec_residual_silu(L.down, gate_up_, x_, st);
+    after_launch();
+    if (capture_hidden)
+      CUDA_CHECK(cudaMemcpyAsync(hidden_ + static_cast<size_t>(l + 1) * s.d_model, x_, s.d_model * sizeof(float),
+                                 cudaMemcpyDeviceToDevice, st));
+  }
+  launch_norm_matvec_argmax(lm_head_, x_, out_norm_, s.rms_eps, logits_, argmax_, result_dev_, io_dev_, st);
+  after_launch();
+}
+
+void CudaBackend::run_decode() {
+  if (debug_) {
+    enqueue_decode(false);
+    return;
+  }
+  if (res_.graph_exec == nullptr) {
+    const bool previous = programmatic_launch();
+    set_programmatic_launch(use_pdl_);
+    CUDA_CHECK(cudaStreamBeginCapture(res_.stream, cudaStreamCaptureModeThreadLocal));
+    try {
+      enqueue_decode(false);
+    } catch (...) {
+      cudaGraph_t g = nullptr;
+      cudaStreamEndCapture(res_.stream, &g);
+      if (g != nullptr) cudaGraphDestroy(g);
+      set_programmatic_launch(previous);
+      throw;
+    }
+    set_programmatic_launch(previous);
+    CUDA_CHECK(cudaStreamEndCapture(res_.stream, &res_.graph));
+    CUDA_CHECK(cudaGraphInstantiate(&res_.graph_exec, res_.graph, 0));
+  }
+  CUDA_CHECK(cudaGraphLaunch(res_.graph_exec, res_.stream));
+}
+
+ArgmaxResult CudaBackend::finish_decode(int pos) {
+  CUDA_CHECK(cudaStreamSynchronize(res_.stream));
+  const ArgmaxResult r = *result_host_;
+  if (r.token == kNoIndex) {
+    io_shadow_valid_ = false;
+    throw EngineError("argmax: every logit is NaN");
+  }
+  io_shadow_ = DecodeIO{static_cast<int32_t>(r.token), pos + 1};
+  io_shadow_valid_ = true;
+  return r;
+}
+
+ArgmaxResult CudaBackend::forward_token_greedy(int32_t token, int pos) {
+  set_io(token, pos);
+  run_decode();
+  return finish_decode(pos);
+}
+
+void CudaBackend::forward_token(int32_t token, int pos, float* logits) {
+  set_io(token, pos);
+  run_decode();
+  finish_decode(pos);
+  CUDA_CHECK(cudaMemcpy(logits, logits_, spec_.vocab * sizeof(float), cudaMemcpyDeviceToHost));
+}
+
+void CudaBackend::forward_token_debug(int32_t token, int pos, float* hidden, float* logits) {
+  set_io(token, pos);
+  enqueue_decode(true);
+  finish_decode(pos);
+  CUDA_CHECK(cudaMemcpy(hidden, hidden_, static_cast<size_t>(spec_.n_layers + 1) * spec_.d_model * sizeof(float),
+                        cudaMemcpyDeviceToHost));
+  CUDA_CHECK(cudaMemcpy(logits, logits_, spec_.vocab * sizeof(float), cudaMemcpyDeviceToHost));
+}
+
+// C[n x rows] (row-major, fp32) = A[n x cols] . W[rows x cols]^T + beta C; A given as fp16 hi (+ lo).
+void CudaBackend::gemm(const __half* w, int rows, int cols, int n, const __half* a_hi, const __half* a_lo, float* c,
+                       float beta) {
+  const float one = 1.f;
+  CUBLAS_CHECK(cublasGemmEx(res_.cublas, CUBLAS_OP_T, CUBLAS_OP_N, rows, n, cols, &one, w, CUDA_R_16F, cols, a_hi,
+                            CUDA_R_16F, cols, &beta, c, CUDA_R_32F, rows, CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT));
+  after_launch();
+  if (a_lo != nullptr) {
+    CUBLAS_CHECK(cublasGemmEx(res_.cublas, CUBLAS_OP_T, CUBLAS_OP_N, rows, n, cols, &one, w, CUDA_R_16F, cols, a_lo,
+                              CUDA_R_16F, cols, &one, c, CUDA_R_32F, rows, CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT));
+    after_launch();
+  }
+}
+
+void CudaBackend::ensure_lm_head_half() {
+  if (lm_head16_ != nullptr) return;
+  lm_head16_ = half_copy(lm_head_);
+  logits_chunk_ = std::min(chunk_, 64);
+  plogits_ = device_alloc<float>(static_cast<size_t>(logits_chunk_) * spec_.vocab, mem_.scratch);
+}
+
+ArgmaxResult CudaBackend::forward_prompt(const int32_t* tokens, int n, int pos, float* last_logits,
+                                         float* all_logits) {
+  const ModelSpec& s = spec_;
+  if (n <= 0) throw EngineError("forward_prompt needs at least one token");
+  if (pos < 0 || static_cast<int64_t>(pos) + n > s.n_ctx)
+    throw EngineError("prompt of " + std::to_string(n) + " tokens at position " + std::to_string(pos) +
+                      " does not fit the context of " + std::to_string(s.n_ctx));
+  for (int i = 0; i < n; ++i) check_token(tokens[i]);
+  if (all_logits != nullptr) ensure_lm_head_half();
+
+  cudaStream_t st = res_.stream;
+  const int d = s.d_model, q_dim = s.q_dim(), kv_dim = s.kv_dim(), qkv_rows = q_dim + 2 * kv_dim;
+  const size_t layer_cache = static_cast<size_t>(s.n_ctx) * kv_dim;
+  __half* lo = split_acts_ ? pa_lo_ : nullptr;
+  for (int c0 = 0; c0 < n; c0 += chunk_) {
+    const int m = std::min(chunk_, n - c0), p0 = pos + c0;
+    CUDA_CHECK(cudaMemcpyAsync(tokens_dev_, tokens + c0, m * sizeof(int32_t), cudaMemcpyHostToDevice, st));
+    launch_embed_rows(embd_, tokens_dev_, m, px_, st);
+    after_launch();
+    for (int l = 0; l < s.n_layers; ++l) {
+      const DevLayer& L = layers_[l];
+      float* kc = k_cache_ + l * layer_cache;
+      float* vc = v_cache_ + l * layer_cache;
+      launch_rmsnorm_to_half(px_, m, d, L.attn_norm, s.rms_eps, pa_hi_, lo, st);
+      after_launch();
+      gemm(L.qkv16, qkv_rows, d, m, pa_hi_, lo, pc_, 0.f);
+      launch_rope_append(pc_, m, p0, rope_, q_dim, kv_dim, s.head_dim, pq_, kc, vc, st);
+      after_launch();
+      launch_attention_prefill(pq_, kc, vc, m, p0, s.n_heads, s.n_kv_heads, s.head_dim, pa_hi_, lo, st);
+      after_launch();
+      gemm(L.o16, d, q_dim, m, pa_hi_, lo, px_, 1.f);  // beta = 1: the GEMM adds into the residual stream
+      launch_rmsnorm_to_half(px_, m, d, L.ffn_norm, s.rms_eps, pa_hi_, lo, st);
+      after_launch();
+      gemm(L.gate_up16, 2 * s.d_ff, d, m, pa_hi_, lo, pc_, 0.f);
+      launch_silu_to_half(pc_, m, s.d_ff, pa_hi_, lo, st);
+      after_launch();
+      gemm(L.down16, d, s.d_ff, m, pa_hi_, lo, px_, 1.f);
+    }
+    if (all_logits != nullptr) {
+      launch_rmsnorm_to_half(px_, m, d, out_norm_, s.rms_eps, pa_hi_, lo, st);
+      after_launch();
+      for (int t0 = 0; t0 < m; t0 += logits_chunk_) {
+        const int k = std::min(logits_chunk_, m - t0);
+        gemm(lm_head16_, s.vocab, d, k, pa_hi_ + static_cast<size_t>(t0) * d,
+             lo != nullptr ? lo + static_cast<size_t>(t0) * d : nullptr, plogits_, 0.f);
+        CUDA_CHECK(cudaMemcpyAsync(all_logits + static_cast<size_t>(c0 + t0) * s.vocab, plogits_,
+                                   static_cast<size_t>(k) * s.vocab * sizeof(float), cudaMemcpyDeviceToHost, st));
+      }
+    }
+    if (c0 + m == n) {
+      // The last token's logits from the exact quantized weights, as decode computes them.
+      launch_norm_matvec_argmax(lm_head_, px_ + static_cast<size_t>(m - 1) * d, out_norm_, s.rms_eps, logits_,
+                                argmax_, result_dev_, nullptr, st);
+      after_launch();
+    }
+  }
+  CUDA_CHECK(cudaStreamSynchronize(st));
+  const ArgmaxResult r = *result_host_;
+  if (last_logits != nullptr)
+    CUDA_CHECK(cudaMemcpy(last_logits, logits_, s.vocab * sizeof(float), cudaMemcpyDeviceToHost));
+  if (r.token == kNoIndex) throw EngineError("argmax: every logit is NaN");
+  return r;
+}
+
+}  // namespace
+}  // namespace cuda
+
+std::unique_ptr<Backend> make_cuda_backend(const ModelSpec& spec, const ModelWeights& w, bool debug) {
+  return std::make_unique<cuda::CudaBackend>(spec, w, debug);
+}
+
+}  // namespace metalattn
