@@ -2,6 +2,7 @@
 // Decode runs five parallel regions per layer (QKV, attention, O+residual, gate/up, down+residual); the norms,
 // RoPE and activation quantization between them touch a few KB and stay on the calling thread.
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <cstring>
 #include <vector>
@@ -17,8 +18,10 @@ namespace {
 using cpu::block_q8_act;
 using cpu::Isa;
 
-// Rows per thread chunk: a multiple of 16 keeps each thread on whole cache lines of output.
-constexpr int64_t kRowAlign = 16;
+// Rows per work item (multiples of 16: whole cache lines of output). Decode items are small enough to balance
+// 192-row matrices over the threads; prompt items are larger because each one runs every prompt token.
+constexpr int64_t kDecodeRowChunk = 32;
+constexpr int64_t kPromptRowChunk = 64;
 // Prompt tokens processed per layer-major pass; longer prompts run in chunks (attention stays causal).
 constexpr int kPromptChunk = 512;
 
@@ -161,26 +164,32 @@ class CpuBackend final : public Backend {
     return xq_.data();
   }
 
-  // Runs several projections in one parallel region: the rows of all of them are split evenly over the threads.
+  // Runs several projections in one parallel region. Threads take row chunks from a shared counter rather than
+  // fixed shares: on a busy machine a descheduled thread would otherwise hold up the whole region.
   void project(std::initializer_list<Projection> list, int n_tok) {
     const Projection* ps = list.begin();
     const int count = static_cast<int>(list.size());
     int64_t total = 0;
     for (int i = 0; i < count; ++i) total += ps[i].w->rows;
-    pool_.parallel([&](int ti, int nt) {
-      int64_t b, e;
-      cpu::split_range(total, ti, nt, kRowAlign, &b, &e);
-      int64_t base = 0;
-      for (int i = 0; i < count; ++i) {
-        const Projection& p = ps[i];
-        const int64_t lo = std::max(b - base, int64_t{0}), hi = std::min(e - base, p.w->rows);
-        if (lo < hi) {
-          if (n_tok == 1)
-            cpu::matvec(isa_, *p.w, p.x, p.xq, p.y, lo, hi);
-          else
-            cpu::matmul(isa_, *p.w, p.x, p.xq, n_tok, p.y, p.ldy, lo, hi);
+    const int64_t chunk = n_tok == 1 ? kDecodeRowChunk : kPromptRowChunk;
+    std::atomic<int64_t> next{0};
+    pool_.parallel([&](int, int) {
+      for (;;) {
+        const int64_t b = next.fetch_add(chunk, std::memory_order_relaxed);
+        if (b >= total) break;
+        const int64_t e = std::min(b + chunk, total);
+        int64_t base = 0;
+        for (int i = 0; i < count; ++i) {
+          const Projection& p = ps[i];
+          const int64_t lo = std::max(b - base, int64_t{0}), hi = std::min(e - base, p.w->rows);
+          if (lo < hi) {
+            if (n_tok == 1)
+              cpu::matvec(isa_, *p.w, p.x, p.xq, p.y, lo, hi);
+            else
+              cpu::matmul(isa_, *p.w, p.x, p.xq, n_tok, p.y, p.ldy, lo, hi);
+          }
+          base += p.w->rows;
         }
-        base += p.w->rows;
       }
     });
   }
@@ -214,9 +223,10 @@ class CpuBackend final : public Backend {
       }
       const int group = s_.n_heads / s_.n_kv_heads;
       const int jobs = n * s_.n_heads;
-      pool_.parallel([&](int ti, int nt) {
+      std::atomic<int> next_job{0};
+      pool_.parallel([&](int ti, int) {
         float* scores = scores_.data() + static_cast<size_t>(ti) * s_.n_ctx;
-        for (int j = ti; j < jobs; j += nt) {
+        for (int j; (j = next_job.fetch_add(1, std::memory_order_relaxed)) < jobs;) {
           const int t = j / s_.n_heads, h = j % s_.n_heads, kvh = h / group;
           attend_head(&q_[t * qd + h * hd], kc + kvh * hd, vc + kvh * hd, kvd, pos + t + 1, hd, scores,
                       &att_[t * qd + h * hd]);
