@@ -52,6 +52,38 @@ void axpy(float a, const float* x, float* y, int n) {
   for (int i = 0; i < n; ++i) y[i] += a * x[i];
 }
 
+// exp(x) for x <= 0 (softmax after subtracting the max), branch-free so the loop below vectorises:
+// 2^t = 2^round(t) * 2^f with |f| <= 1/2 and a degree-6 Taylor polynomial for 2^f (relative error ~1e-7).
+inline float exp_nonpositive(float x) {
+  x = std::max(x, -87.f);
+  const float t = x * 1.44269504f;
+  const float r = std::nearbyint(t);
+  const float f = (t - r) * 0.693147181f;
+  const float p =
+      1.f + f * (1.f + f * (0.5f + f * (1.f / 6 + f * (1.f / 24 + f * (1.f / 120 + f * (1.f / 720))))));
+  const int32_t bits = (static_cast<int32_t>(r) + 127) << 23;
+  return p * __builtin_bit_cast(float, bits);
+}
+
+// x[i] = exp(x[i] - shift); returns the sum.
+__attribute__((target_clones("avx512f", "avx2", "default")))
+float exp_shifted_sum(float* x, int n, float shift) {
+  float lanes[16] = {0};
+  int i = 0;
+  for (; i + 16 <= n; i += 16)
+    for (int j = 0; j < 16; ++j) {
+      x[i + j] = exp_nonpositive(x[i + j] - shift);
+      lanes[j] += x[i + j];
+    }
+  float s = 0.f;
+  for (; i < n; ++i) {
+    x[i] = exp_nonpositive(x[i] - shift);
+    s += x[i];
+  }
+  for (int j = 0; j < 16; ++j) s += lanes[j];
+  return s;
+}
+
 // One query head over n_pos cached positions. scores: n_pos floats of scratch.
 void attend_head(const float* q, const float* k_cache, const float* v_cache, int kv_stride, int n_pos, int head_dim,
                  float* scores, float* out) {
@@ -61,14 +93,21 @@ void attend_head(const float* q, const float* k_cache, const float* v_cache, int
     scores[t] = dot(q, k_cache + static_cast<int64_t>(t) * kv_stride, head_dim) * scale;
     mx = std::max(mx, scores[t]);
   }
-  float sum = 0.f;
-  for (int t = 0; t < n_pos; ++t) {
-    scores[t] = std::exp(scores[t] - mx);
-    sum += scores[t];
-  }
+  const float inv = 1.f / exp_shifted_sum(scores, n_pos, mx);
   std::fill(out, out + head_dim, 0.f);
-  const float inv = 1.f / sum;
   for (int t = 0; t < n_pos; ++t) axpy(scores[t] * inv, v_cache + static_cast<int64_t>(t) * kv_stride, out, head_dim);
+}
+
+// RoPE with angles from a table: the same values ref::rope computes, without a pow/cos/sin per element.
+void rope_from_table(float* v, int n_heads, int head_dim, const float* cos_row, const float* sin_row) {
+  for (int h = 0; h < n_heads; ++h) {
+    float* p = v + h * head_dim;
+    for (int i = 0; i < head_dim / 2; ++i) {
+      const float a = p[2 * i], b = p[2 * i + 1];
+      p[2 * i] = a * cos_row[i] - b * sin_row[i];
+      p[2 * i + 1] = a * sin_row[i] + b * cos_row[i];
+    }
+  }
 }
 
 class CpuBackend final : public Backend {
@@ -81,6 +120,15 @@ class CpuBackend final : public Backend {
     v_cache_.assign(cache, 0.f);
     ensure_scratch(1);
     scores_.resize(static_cast<size_t>(pool_.size()) * s_.n_ctx);
+    const int half = s_.head_dim / 2;
+    rope_cos_.resize(static_cast<size_t>(s_.n_ctx) * half);
+    rope_sin_.resize(rope_cos_.size());
+    for (int pos = 0; pos < s_.n_ctx; ++pos)
+      for (int i = 0; i < half; ++i) {
+        const double theta = pos * std::pow(static_cast<double>(s_.rope_base), -2.0 * i / s_.head_dim);
+        rope_cos_[static_cast<size_t>(pos) * half + i] = static_cast<float>(std::cos(theta));
+        rope_sin_[static_cast<size_t>(pos) * half + i] = static_cast<float>(std::sin(theta));
+      }
   }
 
   const char* name() const override { return "cpu"; }
@@ -127,7 +175,7 @@ class CpuBackend final : public Backend {
     MemoryInfo m;
     m.kv_cache = (k_cache_.size() + v_cache_.size()) * sizeof(float);
     m.scratch = (x_.size() + xn_.size() + q_.size() + k_.size() + v_.size() + att_.size() + tmp_.size() + gate_.size() +
-                 up_.size() + logits_.size() + scores_.size()) * sizeof(float) +
+                 up_.size() + logits_.size() + scores_.size() + rope_cos_.size() + rope_sin_.size()) * sizeof(float) +
                 xq_.size() * sizeof(block_q8_act);
     return m;
   }
@@ -216,8 +264,10 @@ class CpuBackend final : public Backend {
                {&L.wv, xn_.data(), xq, v_.data(), kvd}},
               n);
       for (int t = 0; t < n; ++t) {
-        ref::rope(&q_[t * qd], s_.n_heads, hd, pos + t, s_.rope_base);
-        ref::rope(&k_[t * kvd], s_.n_kv_heads, hd, pos + t, s_.rope_base);
+        const float* cs = &rope_cos_[static_cast<size_t>(pos + t) * (hd / 2)];
+        const float* sn = &rope_sin_[static_cast<size_t>(pos + t) * (hd / 2)];
+        rope_from_table(&q_[t * qd], s_.n_heads, hd, cs, sn);
+        rope_from_table(&k_[t * kvd], s_.n_kv_heads, hd, cs, sn);
         std::memcpy(kc + static_cast<size_t>(pos + t) * kvd, &k_[t * kvd], kvd * sizeof(float));
         std::memcpy(vc + static_cast<size_t>(pos + t) * kvd, &v_[t * kvd], kvd * sizeof(float));
       }
@@ -266,6 +316,7 @@ class CpuBackend final : public Backend {
   std::vector<float> k_cache_, v_cache_;
   int scratch_tokens_ = 0;
   std::vector<float> x_, xn_, q_, k_, v_, att_, tmp_, gate_, up_, logits_, scores_;
+  std::vector<float> rope_cos_, rope_sin_;  // [n_ctx][head_dim/2]
   std::vector<block_q8_act> xq_;
   float* hidden_out_ = nullptr;
 };
