@@ -10,6 +10,7 @@
 #include <string>
 #include <vector>
 
+#include "cpu/bandwidth.h"
 #include "cpu/kernels.h"
 #include "cpu/thread_pool.h"
 #include "engine/engine.h"
@@ -117,6 +118,13 @@ NB_MODULE(_core, m) {
   m.def("cpu_isa", [] { return std::string(metalattn::cpu::isa_name(metalattn::cpu::selected_isa())); },
         "The CPU kernel path in use: avx512, avx2 or scalar (METALATTN_CPU_ISA forces one).");
   m.def("physical_cores", &metalattn::cpu::ThreadPool::physical_cores);
+  m.def("cpu_read_bandwidth",
+        [](int n_threads, size_t bytes, int repeats) {
+          nb::gil_scoped_release release;
+          return metalattn::cpu::measure_read_bandwidth(n_threads, bytes, repeats);
+        },
+        "n_threads"_a = 0, "bytes"_a = size_t{512} << 20, "repeats"_a = 3,
+        "Bytes/s the CPU backend's threads read from memory (best of `repeats`).");
 
   nb::class_<PyEngine>(m, "Engine")
       .def(nb::init<nb::dict, nb::dict, nb::dict, const std::string&, int, bool>(), "config"_a, "matrices"_a,

@@ -30,27 +30,17 @@ def _summary(values: Sequence[float]) -> dict:
 
 
 def weight_bytes_per_token(model) -> int:
-    """Bytes of weights one decode step reads: every layer matrix, the norms, one embedding row and lm_head."""
+    """Bytes of weights one decode step reads: every layer matrix and norm, lm_head, and one embedding row
+    (the whole embedding only when it is also the tied lm_head, counted once)."""
     total = 0
     for name, t in model.gguf.tensors.items():
+        if name == "output.weight" and model.gguf.tied_output:
+            continue  # the same bytes as token_embd.weight
         if name == "token_embd.weight" and not model.gguf.tied_output:
-            total += t.data.nbytes // max(t.rows, 1)  # one row gathered
+            total += t.data.nbytes // max(t.rows, 1)
         else:
             total += t.data.nbytes
     return total
-
-
-def measure_host_read_bandwidth(n_bytes: int = 512 << 20) -> float:
-    """Bytes/s of a single-threaded numpy sum over a buffer far larger than the caches (a lower bound on what
-    the CPU backend's threads can read together)."""
-    a = np.ones(n_bytes // 8, dtype=np.float64)
-    a.sum()
-    best = float("inf")
-    for _ in range(3):
-        t = time.perf_counter()
-        a.sum()
-        best = min(best, time.perf_counter() - t)
-    return n_bytes / best
 
 
 def run_bench(model, prompt_lengths: Sequence[int] = (32, 128, 512), gen_length: int = 128, iterations: int = 5,
@@ -130,7 +120,7 @@ def _bandwidth(model) -> Optional[float]:
     if model.device == "cuda" and hasattr(_core, "cuda_copy_bandwidth"):
         return float(_core.cuda_copy_bandwidth())
     if model.device == "cpu":
-        return measure_host_read_bandwidth()
+        return float(_core.cpu_read_bandwidth(model.n_threads or 0))
     return None
 
 
