@@ -71,3 +71,14 @@ def test_errors_are_clear_not_crashes(tmp_path, synthetic_factory):
     path = synthetic_factory(quant="q4_0", seed=23)
     p = cli("run", "hello " * 40, "-m", path, "-d", "cpu", "-c", "8", check=False)
     assert p.returncode == 1 and "context" in p.stderr.lower()
+
+
+def test_real_model_perplexity_is_low(real_model):
+    """A wrong RoPE, norm or tokenizer shows up as perplexity in the hundreds; SmolLM2-135M on plain English
+    prose lands in the low tens."""
+    from pathlib import Path
+
+    text = Path(__file__).parent.parent / "data" / "english_prose.txt"
+    p = cli("perplexity", "-m", real_model, "-d", "cpu", "-f", text, "--ctx", "512", "-q")
+    ppl = float(p.stdout.split()[1])
+    assert 3.0 < ppl < 30.0, p.stdout
