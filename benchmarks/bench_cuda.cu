@@ -2,7 +2,7 @@
 // benchmarks/RESULTS.md: decode tg128 after a 32-token prompt, prefill pp512, time to first token of a 32-token
 // prompt, and the time of each decode kernel (each captured 200 times in a graph and replayed).
 //   bench_cuda [n_ctx=2048]
-// Environment: METALATTN_CUDA_PDL=1 turns on Programmatic Dependent Launch in the decode graph,
+// Environment: METALATTN_CUDA_PDL=0 turns off Programmatic Dependent Launch in the decode graph,
 // METALATTN_CUDA_PREFILL_SPLIT=0 runs the prefill GEMMs on fp16 activations only.
 #include <algorithm>
 #include <chrono>
@@ -149,7 +149,7 @@ int main(int argc, char** argv) {
     const char* pdl = std::getenv("METALATTN_CUDA_PDL");
     const char* split = std::getenv("METALATTN_CUDA_PREFILL_SPLIT");
     std::printf("device %s, %d SMs | n_ctx %d | PDL %s | prefill split %s\n", prop.name, prop.multiProcessorCount,
-                s.n_ctx, pdl ? pdl : "0", split ? split : "1");
+                s.n_ctx, pdl ? pdl : "1 (default)", split ? split : "1");
 
     auto t_create = Clock::now();
     auto be = make_cuda_backend(s, w, false);
@@ -250,7 +250,7 @@ int main(int argc, char** argv) {
       float* vc = static_cast<float*>(dalloc(static_cast<size_t>(s.n_ctx) * 192 * 4));
       float2* rope = static_cast<float2*>(dalloc(static_cast<size_t>(s.n_ctx) * 32 * 8));
       AttnPartials ap;
-      ap.n_splits = std::max(1, std::min((s.n_ctx + kAttnMinChunk - 1) / kAttnMinChunk, 2 * prop.multiProcessorCount / 3));
+      ap.n_splits = std::max(1, std::min({(s.n_ctx + kAttnMinChunk - 1) / kAttnMinChunk, kMaxAttnSplits, 2 * prop.multiProcessorCount / 3}));
       ap.o = static_cast<float*>(dalloc(9 * ap.n_splits * 64 * 4));
       ap.ml = static_cast<float*>(dalloc(9 * ap.n_splits * 2 * 4));
       ArgmaxScratch am;

@@ -175,7 +175,7 @@ __half* CudaBackend::half_copy(const DevMatrix& m) {
 CudaBackend::CudaBackend(const ModelSpec& spec, const ModelWeights& w, bool debug)
     : spec_(spec),
       debug_(debug),
-      use_pdl_(env_flag("METALATTN_CUDA_PDL", false)),
+      use_pdl_(env_flag("METALATTN_CUDA_PDL", true)),  // measured +5% decode on H100; =0 turns it off
       split_acts_(env_flag("METALATTN_CUDA_PREFILL_SPLIT", true)) {
   validate_model(spec, w);
   if (cuda_device_count() <= 0) throw EngineError("no CUDA device is available");
@@ -233,8 +233,10 @@ CudaBackend::CudaBackend(const ModelSpec& spec, const ModelWeights& w, bool debu
   // Decode scratch.
   cudaDeviceProp prop{};
   CUDA_CHECK(cudaGetDeviceProperties(&prop, 0));
-  attn_.n_splits = std::max(1, std::min((spec.n_ctx + kAttnMinChunk - 1) / kAttnMinChunk,
-                                        std::max(1, 2 * prop.multiProcessorCount / spec.n_kv_heads)));
+  // Splits: enough blocks to spread a long context, few enough that the combine (repeated by every O-projection
+  // block) stays cheap: 64 splits cost the combine ~12 us at pos 2047 on an H100, 16 keep it small.
+  attn_.n_splits = std::max(1, std::min({(spec.n_ctx + kAttnMinChunk - 1) / kAttnMinChunk, kMaxAttnSplits,
+                                         std::max(1, 2 * prop.multiProcessorCount / spec.n_kv_heads)}));
   attn_.o = device_alloc<float>(static_cast<size_t>(spec.n_heads) * attn_.n_splits * spec.head_dim, mem_.scratch);
   attn_.ml = device_alloc<float>(static_cast<size_t>(spec.n_heads) * attn_.n_splits * 2, mem_.scratch);
   argmax_.capacity = argmax_partials_needed(lm_head_);

@@ -34,7 +34,7 @@ struct DevMatrix {
   const uint16_t* scales = nullptr;  // rows * nb * scale_count(type) fp16 values; null for float types
 };
 
-inline int payload_bytes(GgmlType t) {
+__host__ __device__ inline int payload_bytes(GgmlType t) {
   switch (t) {
     case GgmlType::Q4_0:
     case GgmlType::Q4_1: return 16;
@@ -45,7 +45,7 @@ inline int payload_bytes(GgmlType t) {
   }
   return 0;
 }
-inline int scale_count(GgmlType t) {
+__host__ __device__ inline int scale_count(GgmlType t) {
   return t == GgmlType::Q4_1 ? 2 : (t == GgmlType::Q4_0 || t == GgmlType::Q8_0) ? 1 : 0;
 }
 
@@ -89,12 +89,168 @@ struct AttnPartials {
   float* ml = nullptr;  // [n_heads][n_splits][2]: running max, sum of exp
   int n_splits = 0;
 };
-constexpr int kAttnMinChunk = 64;
+constexpr int kAttnMinChunk = 32;
+constexpr int kMaxAttnSplits = 16;
 __host__ __device__ inline int attn_chunk(int n_pos, int n_splits) {
   int c = (n_pos + n_splits - 1) / n_splits;
   c = (c + 31) / 32 * 32;
   return c < kAttnMinChunk ? kAttnMinChunk : c;
 }
+
+// Enables Programmatic Dependent Launch for the decode launches that follow (captured into the decode graph):
+// each kernel then starts while its predecessor drains, prefetches its weights, and waits in
+// grid_dependency_wait() before touching activations. Off unless set (the backend sets it while capturing).
+void set_programmatic_launch(bool on);
+bool programmatic_launch();
+
+// ------------------------------------------------------------------ device helpers shared by the .cu files
+namespace detail {
+
+__device__ __forceinline__ void grid_dependency_wait() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.wait;" ::: "memory");
+#endif
+}
+
+// Lets the next kernel of the stream (launched with the programmatic attribute) start now: it prefetches its
+// weights and then blocks in grid_dependency_wait() until this grid has completed, so triggering early is safe.
+__device__ __forceinline__ void launch_dependents() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+#endif
+}
+
+__device__ __forceinline__ float warp_sum(float v) {
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+  return v;
+}
+__device__ __forceinline__ float warp_max(float v) {
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, o));
+  return v;
+}
+
+// Sum over the block; every thread gets the total. `red` holds 32 floats.
+__device__ __forceinline__ float block_sum(float v, float* red) {
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, n_warps = (blockDim.x + 31) >> 5;
+  v = warp_sum(v);
+  __syncthreads();  // red may still be read by a previous call
+  if (lane == 0) red[warp] = v;
+  __syncthreads();
+  float t = lane < n_warps ? red[lane] : 0.f;
+  return warp_sum(t);
+}
+
+// Element j of row `row` of W, decoded exactly as the reference does.
+__device__ __forceinline__ float load_weight(const DevMatrix& W, int64_t row, int col) {
+  const int64_t blk = row * W.nb + col / 32;
+  const int j = col % 32;
+  const uint8_t* p = W.payload + blk * payload_bytes(W.type);
+  switch (W.type) {
+    case GgmlType::Q4_0: {
+      const int q = j < 16 ? (p[j] & 15) : (p[j - 16] >> 4);
+      return __half2float(__ushort_as_half(W.scales[blk])) * static_cast<float>(q - 8);
+    }
+    case GgmlType::Q4_1: {
+      const int q = j < 16 ? (p[j] & 15) : (p[j - 16] >> 4);
+      return __half2float(__ushort_as_half(W.scales[2 * blk])) * static_cast<float>(q) +
+             __half2float(__ushort_as_half(W.scales[2 * blk + 1]));
+    }
+    case GgmlType::Q8_0:
+      return __half2float(__ushort_as_half(W.scales[blk])) * static_cast<float>(static_cast<int8_t>(p[j]));
+    case GgmlType::F16: return __half2float(reinterpret_cast<const __half*>(p)[j]);
+    case GgmlType::BF16: return __uint_as_float(static_cast<uint32_t>(reinterpret_cast<const uint16_t*>(p)[j]) << 16);
+    case GgmlType::F32: return reinterpret_cast<const float*>(p)[j];
+  }
+  return 0.f;
+}
+
+// Writes one rotated (or, for v rows, plain) pair of QKV output rows r0, r0 + 1 at position pos.
+// Rows [0, q_dim) go to q_row, [q_dim, q_dim + kv_dim) to the K cache, the rest to the V cache.
+__device__ __forceinline__ void store_qkv_pair(int r0, float a, float b, int pos, const float2* rope_table,
+                                               int q_dim, int kv_dim, int head_dim, float* q_row, float* k_cache,
+                                               float* v_cache) {
+  const int64_t cache_row = static_cast<int64_t>(pos) * kv_dim;
+  if (r0 >= q_dim + kv_dim) {
+    float* dst = v_cache + cache_row + (r0 - q_dim - kv_dim);
+    dst[0] = a;
+    dst[1] = b;
+    return;
+  }
+  const bool is_q = r0 < q_dim;
+  const int r = is_q ? r0 : r0 - q_dim;
+  const float2 cs = rope_table[static_cast<int64_t>(pos) * (head_dim / 2) + (r % head_dim) / 2];
+  float* dst = is_q ? q_row + r : k_cache + cache_row + r;
+  dst[0] = a * cs.x - b * cs.y;
+  dst[1] = a * cs.y + b * cs.x;
+}
+
+// Argmax order: NaN/empty never wins, larger value wins, ties go to the lower index (so -inf-only input
+// yields its first -inf, and +inf beats everything finite).
+__device__ __forceinline__ bool argmax_better(const ArgmaxPartial& a, const ArgmaxPartial& b) {
+  if (a.index == kNoIndex) return false;
+  if (b.index == kNoIndex) return true;
+  return a.value > b.value || (a.value == b.value && a.index < b.index);
+}
+
+__device__ __forceinline__ ArgmaxPartial warp_argmax(ArgmaxPartial c) {
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) {
+    ArgmaxPartial other;
+    other.value = __shfl_xor_sync(0xffffffffu, c.value, o);
+    other.index = __shfl_xor_sync(0xffffffffu, c.index, o);
+    if (argmax_better(other, c)) c = other;
+  }
+  return c;
+}
+
+// Argmax over the block; the result is valid in thread 0. `red` holds 32 partials.
+__device__ __forceinline__ ArgmaxPartial block_argmax(ArgmaxPartial c, ArgmaxPartial* red) {
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, n_warps = (blockDim.x + 31) >> 5;
+  c = warp_argmax(c);
+  __syncthreads();
+  if (lane == 0) red[warp] = c;
+  __syncthreads();
+  if (warp == 0) {
+    c = lane < n_warps ? red[lane] : ArgmaxPartial{0.f, kNoIndex};
+    c = warp_argmax(c);
+  }
+  return c;
+}
+
+// Second stage of the two-stage argmax: each block posts its partial; the last block to finish reduces them,
+// writes the result, optionally advances the decode IO, and re-arms the counter for the next launch.
+__device__ __forceinline__ void argmax_finish(ArgmaxPartial block_best, const ArgmaxScratch& sc,
+                                              ArgmaxResult* result, DecodeIO* io_next) {
+  __shared__ ArgmaxPartial red[32];
+  __shared__ bool is_last;
+  if (threadIdx.x == 0) {
+    sc.partials[blockIdx.x] = block_best;
+    __threadfence();
+    is_last = atomicAdd(sc.counter, 1u) == gridDim.x - 1;
+  }
+  __syncthreads();
+  if (!is_last) return;
+  __threadfence();
+  ArgmaxPartial c{0.f, kNoIndex};
+  for (unsigned i = threadIdx.x; i < gridDim.x; i += blockDim.x) {
+    ArgmaxPartial p{__ldcg(&sc.partials[i].value), __ldcg(&sc.partials[i].index)};
+    if (argmax_better(p, c)) c = p;
+  }
+  c = block_argmax(c, red);
+  if (threadIdx.x == 0) {
+    result->token = c.index;
+    result->value = c.index == kNoIndex ? __int_as_float(0x7fc00000) : c.value;
+    if (io_next != nullptr && c.index != kNoIndex) {
+      io_next->token = static_cast<int32_t>(c.index);
+      io_next->pos += 1;
+    }
+    *sc.counter = 0u;
+  }
+}
+
+}  // namespace detail
 
 // ------------------------------------------------------------------ decode launches
 // x[0..d) = row io->token of emb.
