@@ -117,6 +117,12 @@ NB_MODULE(_core, m) {
   m.def("cuda_device_count", &metalattn::cuda_device_count, "Number of usable CUDA devices (0 without CUDA).");
   m.def("cpu_isa", [] { return std::string(metalattn::cpu::isa_name(metalattn::cpu::selected_isa())); },
         "The CPU kernel path in use: avx512, avx2 or scalar (METALATTN_CPU_ISA forces one).");
+  m.def("cuda_device_memory_used", &metalattn::cuda_device_memory_used,
+        "Bytes of device memory in use on the current GPU (0 without CUDA).");
+  m.def("cuda_copy_bandwidth", [] {
+    nb::gil_scoped_release release;
+    return metalattn::cuda_copy_bandwidth();
+  }, "Device-to-device copy bandwidth in bytes/s, counting bytes read and written (0 without CUDA).");
   m.def("physical_cores", &metalattn::cpu::ThreadPool::physical_cores);
   m.def("cpu_read_bandwidth",
         [](int n_threads, size_t bytes, int repeats) {
@@ -133,6 +139,7 @@ NB_MODULE(_core, m) {
       .def_prop_ro("pos", [](PyEngine& p) { return p.e().pos(); })
       .def_prop_ro("n_ctx", [](PyEngine& p) { return p.e().spec().n_ctx; })
       .def_prop_ro("vocab_size", [](PyEngine& p) { return p.e().spec().vocab; })
+      .def_prop_ro("kernels_per_token", [](PyEngine& p) { return p.e().kernels_per_token(); })
       .def("reset", [](PyEngine& p) { p.e().reset(); })
       .def("forward_token_greedy",
            [](PyEngine& p, int32_t token) {

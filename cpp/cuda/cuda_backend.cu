@@ -33,6 +33,45 @@ int cuda_device_count() {
   return n;
 }
 
+size_t cuda_device_memory_used() {
+  if (cuda_device_count() <= 0) return 0;
+  size_t free_b = 0, total_b = 0;
+  if (cudaMemGetInfo(&free_b, &total_b) != cudaSuccess) {
+    cudaGetLastError();
+    return 0;
+  }
+  return total_b - free_b;
+}
+
+double cuda_copy_bandwidth() {
+  if (cuda_device_count() <= 0) return 0.0;
+  const size_t bytes = size_t{1} << 30;  // far larger than the 50 MB L2
+  void *a = nullptr, *b = nullptr;
+  cudaEvent_t t0 = nullptr, t1 = nullptr;
+  double result = 0.0;
+  if (cudaMalloc(&a, bytes) == cudaSuccess && cudaMalloc(&b, bytes) == cudaSuccess &&
+      cudaEventCreate(&t0) == cudaSuccess && cudaEventCreate(&t1) == cudaSuccess) {
+    cudaMemset(a, 1, bytes);
+    float best_ms = 1e30f;
+    for (int i = 0; i < 6; ++i) {
+      cudaEventRecord(t0);
+      cudaMemcpy(b, a, bytes, cudaMemcpyDeviceToDevice);
+      cudaEventRecord(t1);
+      cudaEventSynchronize(t1);
+      float ms = 0.f;
+      cudaEventElapsedTime(&ms, t0, t1);
+      if (i > 0 && ms < best_ms) best_ms = ms;  // the first copy warms up
+    }
+    result = 2.0 * bytes / (best_ms * 1e-3);   // each byte is read once and written once
+  }
+  if (t0) cudaEventDestroy(t0);
+  if (t1) cudaEventDestroy(t1);
+  if (a) cudaFree(a);
+  if (b) cudaFree(b);
+  cudaGetLastError();
+  return result;
+}
+
 namespace cuda {
 namespace {
 
@@ -79,6 +118,7 @@ class CudaBackend final : public Backend {
   void forward_token_debug(int32_t token, int pos, float* hidden, float* logits) override;
   ArgmaxResult forward_prompt(const int32_t* tokens, int n, int pos, float* last_logits, float* all_logits) override;
   MemoryInfo memory_info() const override { return mem_; }
+  int kernels_per_token() const override { return 5 * spec_.n_layers + 2; }
 
  private:
   template <typename T>

@@ -9,4 +9,7 @@ std::unique_ptr<Backend> make_cuda_backend(const ModelSpec&, const ModelWeights&
   throw EngineError("this build of metalattn has no CUDA backend (rebuild with nvcc and cuBLAS on PATH)");
 }
 
+size_t cuda_device_memory_used() { return 0; }
+double cuda_copy_bandwidth() { return 0.0; }
+
 }  // namespace metalattn

@@ -23,6 +23,7 @@ class Engine {
   void forward_token_debug(int32_t token, float* hidden, float* logits);
   ArgmaxResult forward_prompt(const int32_t* tokens, int n, float* last_logits, float* all_logits);
   MemoryInfo memory_info() const { return backend_->memory_info(); }
+  int kernels_per_token() const { return backend_->kernels_per_token(); }
 
  private:
   void check_tokens(const int32_t* tokens, int n) const;

@@ -105,9 +105,8 @@ def run_bench(model, prompt_lengths: Sequence[int] = (32, 128, 512), gen_length:
             result["decode"]["bandwidth_bytes_per_second"] = bw
             result["decode"]["bandwidth_floor_tokens_per_second"] = floor
             result["decode"]["fraction_of_bandwidth_floor"] = result["decode"]["tokens_per_second"]["median"] / floor
-        stats = getattr(model._engine, "kernels_per_token", None)
-        if stats is not None:
-            result["decode"]["kernels_per_token"] = stats
+        if model._engine.kernels_per_token:
+            result["decode"]["kernels_per_token"] = model._engine.kernels_per_token
     if progress:
         print("\r" + " " * 40 + "\r", end="", file=sys.stderr, flush=True)
     result["memory"] = model.memory_info()
@@ -117,7 +116,7 @@ def run_bench(model, prompt_lengths: Sequence[int] = (32, 128, 512), gen_length:
 def _bandwidth(model) -> Optional[float]:
     from . import _core
 
-    if model.device == "cuda" and hasattr(_core, "cuda_copy_bandwidth"):
+    if model.device == "cuda":
         return float(_core.cuda_copy_bandwidth())
     if model.device == "cpu":
         return float(_core.cpu_read_bandwidth(model.n_threads or 0))

@@ -105,6 +105,15 @@ class Model:
         self.debug = bool(debug)
         self.n_ctx = n_ctx
         self.device = _resolve_device(device)
+        threads = 0 if n_threads is None else int(n_threads)
+        if threads < 0:
+            raise ValueError(f"n_threads must be >= 0 (0: all physical cores), got {n_threads}")
+        self.n_threads = (threads or _core().physical_cores()) if self.device == "cpu" else None
+        self._engine = self._make_engine()
+        self.last_stats = GenerationStats()
+
+    def _make_engine(self):
+        """A fresh C++ engine (own KV cache and device buffers) over this model's memory-mapped weights."""
         matrices, norms = {}, {}
         for name, t in self.gguf.tensors.items():
             if t.data.ndim == 1:
@@ -114,18 +123,13 @@ class Model:
         cfg = {k: getattr(self.config, k) for k in
                ("n_layers", "d_model", "d_ff", "n_heads", "n_kv_heads", "head_dim", "vocab_size", "rope_base",
                 "rms_eps")}
-        cfg["n_ctx"] = n_ctx
-        threads = 0 if n_threads is None else int(n_threads)
-        if threads < 0:
-            raise ValueError(f"n_threads must be >= 0 (0: all physical cores), got {n_threads}")
-        self.n_threads = (threads or _core().physical_cores()) if self.device == "cpu" else None
+        cfg["n_ctx"] = self.n_ctx
         try:
-            self._engine = _core().Engine(cfg, matrices, norms, self.device, threads, self.debug)
+            return _core().Engine(cfg, matrices, norms, self.device, self.n_threads or 0, self.debug)
         except (ValueError, RuntimeError, MemoryError) as e:
             if self.device == "cuda":
                 raise DeviceError(f"could not set up the CUDA backend for {self.path.name}: {e}") from e
             raise MetalattnError(f"could not set up the {self.device} backend for {self.path}: {e}") from e
-        self.last_stats = GenerationStats()
 
     # ------------------------------------------------------------------ metadata
     @property

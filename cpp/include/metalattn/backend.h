@@ -39,11 +39,17 @@ class Backend {
                                       float* all_logits) = 0;
 
   virtual MemoryInfo memory_info() const = 0;
+  // Kernel launches one decode step makes (0 where it is not counted, e.g. the CPU).
+  virtual int kernels_per_token() const { return 0; }
 };
 
 std::unique_ptr<Backend> make_cpu_backend(const ModelSpec& spec, const ModelWeights& w, int n_threads);
 bool cuda_compiled();
 int cuda_device_count();  // 0 when not compiled or no device
 std::unique_ptr<Backend> make_cuda_backend(const ModelSpec& spec, const ModelWeights& w, bool debug);
+// Device memory in use on the current GPU (total - free), for leak checks; 0 without CUDA.
+size_t cuda_device_memory_used();
+// Device-to-device copy bandwidth in bytes/s (bytes read + written), the yardstick of the decode floor.
+double cuda_copy_bandwidth();
 
 }  // namespace metalattn
