@@ -5,7 +5,7 @@
 #endif
 
 #include <chrono>
-#include <fstream>
+#include <cstdio>
 #include <set>
 #include <string>
 #include <utility>
@@ -28,9 +28,14 @@ constexpr auto kPureSpinTime = std::chrono::microseconds(30);
 constexpr auto kSpinTime = std::chrono::microseconds(200);
 
 #ifdef __linux__
+// C stdio rather than iostreams: on a GPU machine the extension was seen to crash inside std::istream's locale
+// facets (a libstdc++ linked into the module next to the interpreter's), and this runs at every model load.
 bool read_int(const std::string& path, int* value) {
-  std::ifstream f(path);
-  return static_cast<bool>(f >> *value);
+  std::FILE* f = std::fopen(path.c_str(), "r");
+  if (f == nullptr) return false;
+  const bool ok = std::fscanf(f, "%d", value) == 1;
+  std::fclose(f);
+  return ok;
 }
 #endif
 
