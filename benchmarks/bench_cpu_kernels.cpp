@@ -53,7 +53,7 @@ struct MatvecJob {
   Isa isa;
   const WeightView* w;
   const float* x;
-  const block_q8_act* xq;
+  const block_q16_act* xq;
   float* y;
 };
 
@@ -72,7 +72,7 @@ struct MatmulJob {
   Isa isa;
   const WeightView* w;
   const float* X;
-  const block_q8_act* Xq;
+  const block_q16_act* Xq;
   int n_tok;
   float* Y;
 };
@@ -153,7 +153,7 @@ int main(int argc, char** argv) {
       std::mt19937 rng(9);
       std::normal_distribution<float> nd;
       for (float& v : x) v = nd(rng);
-      std::vector<block_q8_act> xq(s.cols / 32);
+      std::vector<block_q16_act> xq(s.cols / 32);
       quantize_acts(isa, x.data(), s.cols, xq.data());
       MatvecJob job{isa, &views[0], x.data(), xq.data(), y.data()};
       const int reps = std::max(20, static_cast<int>(2e9 / bytes / 10));
@@ -182,7 +182,7 @@ int main(int argc, char** argv) {
       std::mt19937 rng(3);
       std::normal_distribution<float> nd;
       for (float& v : X) v = nd(rng);
-      std::vector<block_q8_act> Xq(n_tok * s.cols / 32);
+      std::vector<block_q16_act> Xq(n_tok * s.cols / 32);
       quantize_acts(isa, X.data(), n_tok * s.cols, Xq.data());
       MatmulJob job{isa, &w, X.data(), Xq.data(), n_tok, Y.data()};
       run_matmul(pool, job);
@@ -215,7 +215,7 @@ int main(int argc, char** argv) {
     std::mt19937 rng(1);
     std::normal_distribution<float> nd;
     for (float& v : x) v = nd(rng);
-    std::vector<block_q8_act> xq(1536 / 32 * n_tok);
+    std::vector<block_q16_act> xq(1536 / 32 * n_tok);
     auto decode_token = [&] {
       for (size_t k = 0; k < views.size(); ++k) {
         quantize_acts(isa, x.data(), views[k].cols, xq.data());

@@ -15,7 +15,7 @@
 namespace metalattn {
 namespace {
 
-using cpu::block_q8_act;
+using cpu::block_q16_act;
 using cpu::Isa;
 
 // Rows per work item (multiples of 16: whole cache lines of output). Decode items are small enough to balance
@@ -29,7 +29,7 @@ constexpr int kPromptChunk = 512;
 struct Projection {
   const WeightView* w;
   const float* x;           // n_tok x w->cols
-  const block_q8_act* xq;   // n_tok x w->cols/32, or null
+  const block_q16_act* xq;   // n_tok x w->cols/32, or null
   float* y;                 // n_tok x ldy
   int64_t ldy;
 };
@@ -176,7 +176,7 @@ class CpuBackend final : public Backend {
     m.kv_cache = (k_cache_.size() + v_cache_.size()) * sizeof(float);
     m.scratch = (x_.size() + xn_.size() + q_.size() + k_.size() + v_.size() + att_.size() + tmp_.size() + gate_.size() +
                  up_.size() + logits_.size() + scores_.size() + rope_cos_.size() + rope_sin_.size()) * sizeof(float) +
-                xq_.size() * sizeof(block_q8_act);
+                xq_.size() * sizeof(block_q16_act);
     return m;
   }
 
@@ -203,7 +203,7 @@ class CpuBackend final : public Backend {
   }
 
   // Fills xq (n rows of cols/32 blocks) from x when any of the given weights needs quantized activations.
-  const block_q8_act* quantize_if_needed(const float* x, int n, int64_t cols, std::initializer_list<const WeightView*> ws) {
+  const block_q16_act* quantize_if_needed(const float* x, int n, int64_t cols, std::initializer_list<const WeightView*> ws) {
     bool need = false;
     for (const WeightView* w : ws) need |= cpu::uses_quantized_acts(isa_, w->type);
     if (!need) return nullptr;
@@ -259,7 +259,7 @@ class CpuBackend final : public Backend {
 
       // Attention block.
       for (int t = 0; t < n; ++t) ref::rmsnorm(&x_[t * d], L.attn_norm, s_.rms_eps, d, &xn_[t * d]);
-      const block_q8_act* xq = quantize_if_needed(xn_.data(), n, d, {&L.wq, &L.wk, &L.wv});
+      const block_q16_act* xq = quantize_if_needed(xn_.data(), n, d, {&L.wq, &L.wk, &L.wv});
       project({{&L.wq, xn_.data(), xq, q_.data(), qd}, {&L.wk, xn_.data(), xq, k_.data(), kvd},
                {&L.wv, xn_.data(), xq, v_.data(), kvd}},
               n);
@@ -282,16 +282,16 @@ class CpuBackend final : public Backend {
                       &att_[t * qd + h * hd]);
         }
       });
-      const block_q8_act* aq = quantize_if_needed(att_.data(), n, qd, {&L.wo});
+      const block_q16_act* aq = quantize_if_needed(att_.data(), n, qd, {&L.wo});
       project({{&L.wo, att_.data(), aq, tmp_.data(), d}}, n);
       for (int64_t i = 0; i < static_cast<int64_t>(n) * d; ++i) x_[i] += tmp_[i];
 
       // Feed-forward block: down(silu(gate x) * up x).
       for (int t = 0; t < n; ++t) ref::rmsnorm(&x_[t * d], L.ffn_norm, s_.rms_eps, d, &xn_[t * d]);
-      const block_q8_act* fq = quantize_if_needed(xn_.data(), n, d, {&L.w_gate, &L.w_up});
+      const block_q16_act* fq = quantize_if_needed(xn_.data(), n, d, {&L.w_gate, &L.w_up});
       project({{&L.w_gate, xn_.data(), fq, gate_.data(), ff}, {&L.w_up, xn_.data(), fq, up_.data(), ff}}, n);
       for (int64_t i = 0; i < static_cast<int64_t>(n) * ff; ++i) gate_[i] = ref::silu(gate_[i]) * up_[i];
-      const block_q8_act* hq = quantize_if_needed(gate_.data(), n, ff, {&L.w_down});
+      const block_q16_act* hq = quantize_if_needed(gate_.data(), n, ff, {&L.w_down});
       project({{&L.w_down, gate_.data(), hq, tmp_.data(), d}}, n);
       for (int64_t i = 0; i < static_cast<int64_t>(n) * d; ++i) x_[i] += tmp_[i];
       if (hidden_out_) std::memcpy(hidden_out_ + static_cast<size_t>(l + 1) * d, x_.data(), d * sizeof(float));
@@ -303,7 +303,7 @@ class CpuBackend final : public Backend {
     for (int t = first; t < n; ++t) ref::rmsnorm(&x_[t * d], w_.output_norm, s_.rms_eps, d, &xn_[(t - first) * d]);
     if (all_logits == nullptr && last_logits == nullptr) return;  // an inner chunk: the KV cache was the point
     float* out = all_logits ? all_logits : last_logits;
-    const block_q8_act* oq = quantize_if_needed(xn_.data(), m, d, {&w_.output});
+    const block_q16_act* oq = quantize_if_needed(xn_.data(), m, d, {&w_.output});
     project({{&w_.output, xn_.data(), oq, out, s_.vocab}}, m);
     if (all_logits && last_logits)
       std::memcpy(last_logits, all_logits + static_cast<int64_t>(n - 1) * s_.vocab, s_.vocab * sizeof(float));
@@ -317,7 +317,7 @@ class CpuBackend final : public Backend {
   int scratch_tokens_ = 0;
   std::vector<float> x_, xn_, q_, k_, v_, att_, tmp_, gate_, up_, logits_, scores_;
   std::vector<float> rope_cos_, rope_sin_;  // [n_ctx][head_dim/2]
-  std::vector<block_q8_act> xq_;
+  std::vector<block_q16_act> xq_;
   float* hidden_out_ = nullptr;
 };
 

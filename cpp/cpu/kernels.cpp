@@ -31,7 +31,7 @@ void check_isa(Isa isa, const char* what) {
     throw EngineError(std::string(what) + ": ISA " + isa_name(isa) + " is not supported by this CPU or build");
 }
 
-void check_args(const WeightView& w, const block_q8_act* xq, Isa isa, int64_t r0, int64_t r1, const char* what) {
+void check_args(const WeightView& w, const block_q16_act* xq, Isa isa, int64_t r0, int64_t r1, const char* what) {
   if (r0 < 0 || r1 > w.rows || r0 > r1) throw EngineError(std::string(what) + ": row range out of bounds");
   if (is_quantized(w.type) && w.cols % kQuantBlock != 0)
     throw EngineError(std::string(what) + ": quantized weights need cols % 32 == 0");
@@ -43,17 +43,17 @@ void check_args(const WeightView& w, const block_q8_act* xq, Isa isa, int64_t r0
 
 namespace scalar {
 
-void quantize_acts(const float* x, int64_t n, block_q8_act* out) {
+void quantize_acts(const float* x, int64_t n, block_q16_act* out) {
   for (int64_t b = 0; b < n / kQuantBlock; ++b) {
     const float* xb = x + b * kQuantBlock;
     float amax = 0.f;
     for (int j = 0; j < kQuantBlock; ++j) amax = std::fmax(amax, std::fabs(xb[j]));
-    const float d = amax / 127.f;
+    const float d = amax / 32767.f;
     int sum = 0;
     for (int j = 0; j < kQuantBlock; ++j) {
       // nearbyint rounds half to even, as the SIMD conversions do, so every ISA produces the same bytes.
       const int q = d == 0.f ? 0 : static_cast<int>(std::nearbyint(xb[j] / d));
-      out[b].qs[j] = static_cast<int8_t>(q);
+      out[b].qs[j] = static_cast<int16_t>(q);
       sum += q;
     }
     out[b].d = d;
@@ -99,7 +99,7 @@ Isa selected_isa() {
   return isa;
 }
 
-void quantize_acts(Isa isa, const float* x, int64_t n, block_q8_act* out) {
+void quantize_acts(Isa isa, const float* x, int64_t n, block_q16_act* out) {
   if (n % kQuantBlock != 0) throw EngineError("quantize_acts: n must be a multiple of 32");
   check_isa(isa, "quantize_acts");
   switch (isa) {
@@ -115,7 +115,7 @@ bool uses_quantized_acts(Isa isa, GgmlType weight_type) {
   return isa != Isa::Scalar && is_quantized(weight_type);
 }
 
-void matvec(Isa isa, const WeightView& w, const float* x, const block_q8_act* xq, float* y, int64_t r0, int64_t r1) {
+void matvec(Isa isa, const WeightView& w, const float* x, const block_q16_act* xq, float* y, int64_t r0, int64_t r1) {
   check_isa(isa, "matvec");
   check_args(w, xq, isa, r0, r1, "matvec");
   switch (isa) {
@@ -127,7 +127,7 @@ void matvec(Isa isa, const WeightView& w, const float* x, const block_q8_act* xq
   }
 }
 
-void matmul(Isa isa, const WeightView& w, const float* X, const block_q8_act* Xq, int n_tok, float* Y, int64_t ldy,
+void matmul(Isa isa, const WeightView& w, const float* X, const block_q16_act* Xq, int n_tok, float* Y, int64_t ldy,
             int64_t r0, int64_t r1) {
   check_isa(isa, "matmul");
   check_args(w, Xq, isa, r0, r1, "matmul");

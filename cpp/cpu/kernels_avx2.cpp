@@ -1,7 +1,11 @@
-// AVX2 + FMA + F16C kernels. Quantized weights: one 256-bit vpmaddubsw + vpmaddwd per 32-weight block
-// (unsigned weight bytes x signed int8 activations), scales applied in float. Float weights: FMA.
-// As in the AVX-512 file, every (row, token) output is the same sequence of operations whatever the tile,
-// so matmul equals per-token matvec bit for bit.
+// AVX2 + FMA + F16C kernels. Quantized weights meet int16 activations in vpmaddwd (pairs of signed 16-bit
+// products summed into int32 lanes) + vpaddd, exact per block (|w| <= 128, |a| <= 32767, 32 products < 2^27).
+// Blocks go two at a time: 128-bit lane X of every operand holds 8 values of block X, so int32 lanes 4X..4X+3
+// hold partial sums of block X only and one conversion + one FMA with a [dA x4, dB x4] scale vector applies
+// the scales of both. Q4 weights enter as unsigned nibbles; Q4_0's offset of 8 is removed exactly by seeding
+// the integer sum with -8 * sum(a) per block (see kernels_avx512.cpp, which this file mirrors at half width).
+// Float weights: FMA. Every (row, token) output is the same sequence of operations whatever the tile, so
+// matmul equals per-token matvec bit for bit.
 #include <immintrin.h>
 
 #include <algorithm>
@@ -13,12 +17,12 @@
 namespace metalattn::cpu::avx2 {
 namespace {
 
-// One token's activations for one block, laid out as ready 256-bit operands.
-struct alignas(32) ActBlock {
-  int8_t qs[32];
-  float d[8];         // activation scale in every lane
-  int32_t bias[8];    // Q4_0: -8 * sum(qs) in lane 0 (removes the unsigned nibble offset exactly)
-  float s[8];         // Q4_1: d * sum(qs) in lane 0 (multiplies the block's min)
+// One token's activations for two consecutive blocks, laid out as ready 256-bit operands.
+struct alignas(32) ActPair {
+  int16_t qs[4][16];  // qs[k][8X + j] = element 8k + j of block X (0 past the last block)
+  float d[8];         // lanes 4X..4X+3: scale of block X
+  int32_t bias[8];    // Q4_0: lane 4X = -8 * sum(qs of block X), other lanes 0
+  float s[8];         // Q4_1: lane 4X = s of block X (multiplies the block's min), other lanes 0
 };
 
 constexpr int kTokenTile = 4;
@@ -31,61 +35,80 @@ inline void prefetch_rows(const uint8_t* rows, size_t stride) {
   for (size_t off = 0; off < R * stride; off += 64) _mm_prefetch(reinterpret_cast<const char*>(ahead + off), _MM_HINT_T0);
 }
 
+alignas(64) const uint8_t kZeroBlock[64] = {};  // stands in for the missing second block of an odd tail pair
+
 constexpr size_t block_size(GgmlType t) {
   return t == GgmlType::Q4_0 ? sizeof(block_q4_0) : t == GgmlType::Q4_1 ? sizeof(block_q4_1) : sizeof(block_q8_0);
 }
 
-template <GgmlType WT>
-void pack_acts(const block_q8_act* xq, int nb, int n_tok, ActBlock* out) {
-  for (int64_t i = 0; i < static_cast<int64_t>(n_tok) * nb; ++i) {
-    ActBlock& a = out[i];
-    std::memset(&a, 0, sizeof(a));
-    std::memcpy(a.qs, xq[i].qs, 32);
-    int sum = 0;
-    for (int j = 0; j < 32; ++j) sum += xq[i].qs[j];
-    for (int j = 0; j < 8; ++j) a.d[j] = xq[i].d;
-    a.bias[0] = WT == GgmlType::Q4_0 ? -8 * sum : 0;
-    a.s[0] = xq[i].s;
+void pack_acts(const block_q16_act* xq, int nb, int n_tok, ActPair* out) {
+  const int npairs = (nb + 1) / 2;
+  for (int t = 0; t < n_tok; ++t) {
+    for (int p = 0; p < npairs; ++p) {
+      ActPair& a = out[t * npairs + p];
+      std::memset(&a, 0, sizeof(a));
+      for (int x = 0; x < 2 && 2 * p + x < nb; ++x) {
+        const block_q16_act& b = xq[static_cast<int64_t>(t) * nb + 2 * p + x];
+        for (int k = 0; k < 4; ++k) std::memcpy(&a.qs[k][8 * x], &b.qs[8 * k], 8 * sizeof(int16_t));
+        int sum = 0;
+        for (int j = 0; j < 32; ++j) sum += b.qs[j];
+        for (int j = 0; j < 4; ++j) a.d[4 * x + j] = b.d;
+        a.bias[4 * x] = -8 * sum;
+        a.s[4 * x] = b.s;
+      }
+    }
   }
 }
 
-inline float half_to_float(const uint8_t* p) {
-  uint16_t h;
-  std::memcpy(&h, p, 2);
-  return _cvtsh_ss(h);
+inline uint32_t load_u16(const uint8_t* p) {
+  uint16_t v;
+  std::memcpy(&v, p, 2);
+  return v;
 }
 
-struct WeightBlock {
-  __m256i q;  // Q4: unsigned nibbles in weight order; Q8_0: signed bytes
-  __m256 d;
-  __m256 m;   // Q4_1 only
+// The fp16 values at b[X] + off (a block's scale or min), widened and spread to lanes 4X..4X+3.
+inline __m256 spread_halves(const uint8_t* const b[2], int off) {
+  const uint32_t h = load_u16(b[0] + off) | load_u16(b[1] + off) << 16;
+  const __m128 f = _mm_cvtph_ps(_mm_cvtsi32_si128(static_cast<int>(h)));
+  return _mm256_permutevar8x32_ps(_mm256_castps128_ps256(f), _mm256_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1));
+}
+
+// 16 bytes from b[X] + off in 128-bit lane X.
+inline __m256i load_lanes(const uint8_t* const b[2], int off) {
+  return _mm256_inserti128_si256(_mm256_castsi128_si256(_mm_loadu_si128((const __m128i*)(b[0] + off))),
+                                 _mm_loadu_si128((const __m128i*)(b[1] + off)), 1);
+}
+
+// Decoded weights of one pair of blocks of one row, in ActPair's layout.
+struct WeightPair {
+  __m256i q[4];  // int16 (Q4: nibble 0..15; Q8_0: as stored)
+  __m256 d;      // lanes 4X..4X+3: scale of block X
+  __m256 m;      // Q4_1: min of block X (unused otherwise)
 };
 
 template <GgmlType WT>
-inline WeightBlock load_block(const uint8_t* b) {
-  WeightBlock w;
-  w.d = _mm256_set1_ps(half_to_float(b));
+inline WeightPair load_pair(const uint8_t* const b[2]) {
+  WeightPair w;
+  w.d = spread_halves(b, 0);
   if constexpr (WT == GgmlType::Q8_0) {
-    w.q = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 2));
+    // unpack(v, v) puts each byte in both halves of a word; the arithmetic shift sign-extends it, in lane.
+    const __m256i v0 = load_lanes(b, 2), v1 = load_lanes(b, 18);  // weights 0..15, 16..31
+    w.q[0] = _mm256_srai_epi16(_mm256_unpacklo_epi8(v0, v0), 8);
+    w.q[1] = _mm256_srai_epi16(_mm256_unpackhi_epi8(v0, v0), 8);
+    w.q[2] = _mm256_srai_epi16(_mm256_unpacklo_epi8(v1, v1), 8);
+    w.q[3] = _mm256_srai_epi16(_mm256_unpackhi_epi8(v1, v1), 8);
   } else {
-    const __m128i q = _mm_loadu_si128(reinterpret_cast<const __m128i*>(b + (WT == GgmlType::Q4_1 ? 4 : 2)));
-    w.q = _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(q, 4), q), _mm256_set1_epi8(0x0F));
-    if constexpr (WT == GgmlType::Q4_1) w.m = _mm256_set1_ps(half_to_float(b + 2));
+    // Byte j holds weight j (low nibble) and weight j + 16 (high nibble).
+    const __m256i v = load_lanes(b, WT == GgmlType::Q4_1 ? 4 : 2);
+    const __m256i nibble = _mm256_set1_epi8(0x0F), zero = _mm256_setzero_si256();
+    const __m256i lo = _mm256_and_si256(v, nibble), hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), nibble);
+    w.q[0] = _mm256_unpacklo_epi8(lo, zero);
+    w.q[1] = _mm256_unpackhi_epi8(lo, zero);
+    w.q[2] = _mm256_unpacklo_epi8(hi, zero);
+    w.q[3] = _mm256_unpackhi_epi8(hi, zero);
+    if constexpr (WT == GgmlType::Q4_1) w.m = spread_halves(b, 2);
   }
   return w;
-}
-
-// Exact int32 dot products of one weight block with one activation block (8 partial sums).
-template <GgmlType WT>
-inline __m256i block_dot(const __m256i wq, const __m256i aq, const __m256i bias) {
-  __m256i prod16;
-  if constexpr (WT == GgmlType::Q8_0) {
-    // |w| as unsigned times sign-adjusted activations: |pair sum| <= 2*128*127 fits int16 without saturation.
-    prod16 = _mm256_maddubs_epi16(_mm256_sign_epi8(wq, wq), _mm256_sign_epi8(aq, wq));
-  } else {
-    prod16 = _mm256_maddubs_epi16(wq, aq);  // nibbles <= 15: pair sums <= 3810, no saturation
-  }
-  return _mm256_add_epi32(_mm256_madd_epi16(prod16, _mm256_set1_epi16(1)), bias);
 }
 
 inline float reduce(__m256 v) {
@@ -95,23 +118,29 @@ inline float reduce(__m256 v) {
 }
 
 template <GgmlType WT, int R, int T>
-void q_tile(const uint8_t* row0, size_t stride, int nb, const ActBlock* acts, float* y, int64_t ldy) {
+void q_tile(const uint8_t* row0, size_t stride, int nb, const ActPair* acts, int npairs, float* y, int64_t ldy) {
   constexpr size_t bs = block_size(WT);
   __m256 acc[R][T];
   for (int i = 0; i < R; ++i)
     for (int t = 0; t < T; ++t) acc[i][t] = _mm256_setzero_ps();
-  for (int k = 0; k < nb; ++k) {
-    WeightBlock wb[R];
-    for (int i = 0; i < R; ++i) wb[i] = load_block<WT>(row0 + i * stride + k * bs);
+  for (int p = 0; p < npairs; ++p) {
+    WeightPair wp[R];
+    for (int i = 0; i < R; ++i) {
+      const uint8_t* b[2] = {row0 + i * stride + 2 * p * bs,
+                             2 * p + 1 < nb ? row0 + i * stride + (2 * p + 1) * bs : kZeroBlock};
+      wp[i] = load_pair<WT>(b);
+    }
     for (int t = 0; t < T; ++t) {
-      const ActBlock& a = acts[t * nb + k];
-      const __m256i aq = _mm256_load_si256(reinterpret_cast<const __m256i*>(a.qs));
-      const __m256i bias = _mm256_load_si256(reinterpret_cast<const __m256i*>(a.bias));
+      const ActPair& a = acts[t * npairs + p];
       const __m256 ad = _mm256_load_ps(a.d);
       for (int i = 0; i < R; ++i) {
-        const __m256i dot = block_dot<WT>(wb[i].q, aq, bias);
-        acc[i][t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), _mm256_mul_ps(wb[i].d, ad), acc[i][t]);
-        if constexpr (WT == GgmlType::Q4_1) acc[i][t] = _mm256_fmadd_ps(wb[i].m, _mm256_load_ps(a.s), acc[i][t]);
+        // Exact: see the top of the file. vpmaddwd cannot saturate: no activation is -32768.
+        __m256i dot = _mm256_madd_epi16(wp[i].q[0], _mm256_load_si256((const __m256i*)a.qs[0]));
+        if constexpr (WT == GgmlType::Q4_0) dot = _mm256_add_epi32(dot, _mm256_load_si256((const __m256i*)a.bias));
+        for (int k = 1; k < 4; ++k)
+          dot = _mm256_add_epi32(dot, _mm256_madd_epi16(wp[i].q[k], _mm256_load_si256((const __m256i*)a.qs[k])));
+        acc[i][t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), _mm256_mul_ps(wp[i].d, ad), acc[i][t]);
+        if constexpr (WT == GgmlType::Q4_1) acc[i][t] = _mm256_fmadd_ps(wp[i].m, _mm256_load_ps(a.s), acc[i][t]);
       }
     }
   }
@@ -120,32 +149,32 @@ void q_tile(const uint8_t* row0, size_t stride, int nb, const ActBlock* acts, fl
 }
 
 template <GgmlType WT, int T>
-void q_rows(const WeightView& w, int64_t r0, int64_t r1, const ActBlock* acts, float* Y, int64_t ldy) {
-  constexpr int R = T >= 2 ? 2 : 4;  // keeps accumulators and decoded blocks within 16 registers
-  const int nb = static_cast<int>(w.cols / kQuantBlock);
+void q_rows(const WeightView& w, int64_t r0, int64_t r1, const ActPair* acts, float* Y, int64_t ldy) {
+  constexpr int R = T >= 4 ? 1 : 2;  // keeps accumulators and decoded pairs (5-6 registers each) within 16
+  const int nb = static_cast<int>(w.cols / kQuantBlock), npairs = (nb + 1) / 2;
   const size_t stride = w.row_stride();
   int64_t r = r0;
   for (; r + R <= r1; r += R) {
     prefetch_rows<R>(w.row(r), stride);
-    q_tile<WT, R, T>(w.row(r), stride, nb, acts, Y + r, ldy);
+    q_tile<WT, R, T>(w.row(r), stride, nb, acts, npairs, Y + r, ldy);
   }
-  for (; r < r1; ++r) q_tile<WT, 1, T>(w.row(r), stride, nb, acts, Y + r, ldy);
+  for (; r < r1; ++r) q_tile<WT, 1, T>(w.row(r), stride, nb, acts, npairs, Y + r, ldy);
 }
 
 template <GgmlType WT>
-void q_matmul(const WeightView& w, const block_q8_act* Xq, int n_tok, float* Y, int64_t ldy, int64_t r0, int64_t r1) {
-  const int nb = static_cast<int>(w.cols / kQuantBlock);
-  thread_local std::vector<ActBlock> packed;
-  if (packed.size() < static_cast<size_t>(kTokenTile * nb)) packed.resize(kTokenTile * nb);
+void q_matmul(const WeightView& w, const block_q16_act* Xq, int n_tok, float* Y, int64_t ldy, int64_t r0, int64_t r1) {
+  const int nb = static_cast<int>(w.cols / kQuantBlock), npairs = (nb + 1) / 2;
+  thread_local std::vector<ActPair> packed;
+  if (packed.size() < static_cast<size_t>(kTokenTile * npairs)) packed.resize(kTokenTile * npairs);
   const int64_t chunk = std::max<int64_t>(8, static_cast<int64_t>(kRowChunkBytes / w.row_stride()) / 8 * 8);
   for (int64_t c0 = r0; c0 < r1; c0 += chunk) {
     const int64_t c1 = std::min(r1, c0 + chunk);
     for (int t0 = 0; t0 < n_tok; t0 += kTokenTile) {
       const int tt = std::min(kTokenTile, n_tok - t0);
-      pack_acts<WT>(Xq + static_cast<int64_t>(t0) * nb, nb, tt, packed.data());
+      pack_acts(Xq + static_cast<int64_t>(t0) * nb, nb, tt, packed.data());
       for (int t = 0; t < tt;) {
         float* y = Y + (t0 + t) * ldy;
-        const ActBlock* a = packed.data() + t * nb;
+        const ActPair* a = packed.data() + t * npairs;
         if (tt - t >= 4) {
           q_rows<WT, 4>(w, c0, c1, a, y, ldy);
           t += 4;
@@ -255,16 +284,16 @@ inline int hsum_epi32(__m256i v) {
 
 }  // namespace
 
-void quantize_acts(const float* x, int64_t n, block_q8_act* out) {
+void quantize_acts(const float* x, int64_t n, block_q16_act* out) {
   const __m256 sign = _mm256_set1_ps(-0.f);
   for (int64_t b = 0; b < n / kQuantBlock; ++b) {
     __m256 v[4];
     for (int i = 0; i < 4; ++i) v[i] = _mm256_loadu_ps(x + b * 32 + 8 * i);
     const __m256 m01 = _mm256_max_ps(_mm256_andnot_ps(sign, v[0]), _mm256_andnot_ps(sign, v[1]));
     const __m256 m23 = _mm256_max_ps(_mm256_andnot_ps(sign, v[2]), _mm256_andnot_ps(sign, v[3]));
-    const float d = hmax(_mm256_max_ps(m01, m23)) / 127.f;
+    const float d = hmax(_mm256_max_ps(m01, m23)) / 32767.f;
     if (d == 0.f) {
-      std::memset(out[b].qs, 0, 32);
+      std::memset(out[b].qs, 0, sizeof(out[b].qs));
       out[b].d = 0.f;
       out[b].s = 0.f;
       continue;
@@ -273,17 +302,18 @@ void quantize_acts(const float* x, int64_t n, block_q8_act* out) {
     const __m256 vd = _mm256_set1_ps(d);
     __m256i q[4];
     for (int i = 0; i < 4; ++i) q[i] = _mm256_cvtps_epi32(_mm256_div_ps(v[i], vd));
-    const __m256i bytes = _mm256_packs_epi16(_mm256_packs_epi32(q[0], q[1]), _mm256_packs_epi32(q[2], q[3]));
-    // The packs interleave 128-bit lanes; restore element order.
-    _mm256_storeu_si256(reinterpret_cast<__m256i*>(out[b].qs),
-                        _mm256_permutevar8x32_epi32(bytes, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7)));
+    // packs works within 128-bit lanes ([a0-3 b0-3 | a4-7 b4-7]); the 64-bit permute restores element order.
+    for (int h = 0; h < 2; ++h) {
+      const __m256i words = _mm256_permute4x64_epi64(_mm256_packs_epi32(q[2 * h], q[2 * h + 1]), 0xD8);
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(out[b].qs + 16 * h), words);
+    }
     out[b].d = d;
     out[b].s = d * static_cast<float>(hsum_epi32(_mm256_add_epi32(_mm256_add_epi32(q[0], q[1]),
                                                                   _mm256_add_epi32(q[2], q[3]))));
   }
 }
 
-void matmul(const WeightView& w, const float* X, const block_q8_act* Xq, int n_tok, float* Y, int64_t ldy,
+void matmul(const WeightView& w, const float* X, const block_q16_act* Xq, int n_tok, float* Y, int64_t ldy,
             int64_t r0, int64_t r1) {
   switch (w.type) {
     case GgmlType::Q4_0: return q_matmul<GgmlType::Q4_0>(w, Xq, n_tok, Y, ldy, r0, r1);

@@ -1,12 +1,15 @@
-// AVX-512 (F/BW/VL/DQ + VNNI) kernels. Quantized weights: one 512-bit vpdpbusd covers a pair of 32-weight
-// blocks; the per-block scales are applied in float. vpdpbusd multiplies unsigned by signed bytes, so the
-// activations enter shifted to unsigned (a + 128) and the weights signed; the shift's contribution,
-// 128 * sum(w) per lane, depends only on the weights, so it is computed once per weight pair and reused for
-// every token of a tile (it seeds the accumulation, which keeps the integer dot product exact).
-// Float weights: FMA on float activations.
+// AVX-512 (F/BW/VL/DQ + VNNI) kernels. Quantized weights meet int16 activations in vpdpwssd (pairs of signed
+// 16-bit products summed into int32 lanes), exact per block: |w| <= 128, |a| <= 32767, 32 products < 2^27.
+// Blocks are handled four at a time: 128-bit lane X of every operand holds 8 values of block X, so after the
+// four vpdpwssd of a quad, int32 lanes 4X..4X+3 hold partial sums of block X only, and one int->float
+// conversion plus one FMA with a [dA x4, dB x4, dC x4, dD x4] scale vector applies the scales of four blocks.
+// Q4 weights enter as unsigned nibbles (0..15); Q4_0's offset of 8 is removed exactly by seeding the integer
+// accumulation with -8 * sum(a) per block, which depends only on the activations (computed when they are packed).
+// Weight quads are decoded once per row and reused by every token of a tile. Float weights: FMA on float
+// activations.
 //
 // Numerics are independent of tiling: every (row, token) output is the same sequence of operations
-// (pairs of blocks in order, then one fixed reduction tree), so matmul equals per-token matvec bit for bit.
+// (quads of blocks in order, then one fixed reduction tree), so matmul equals per-token matvec bit for bit.
 #include <immintrin.h>
 
 #include <algorithm>
@@ -25,12 +28,12 @@
 namespace metalattn::cpu::avx512 {
 namespace {
 
-// One token's activations for one pair of blocks, laid out as ready 512-bit operands. Int32 lane i of a
-// vpdpbusd result sums bytes 4i..4i+3, so lanes 0-7 belong to the first block and lanes 8-15 to the second.
-struct alignas(64) ActPair {
-  uint8_t qs[64];     // a + 128 of block 2p, then of block 2p+1 (128, i.e. zero, past the last block)
-  float d[16];        // activation scale, 8 lanes per block
-  float s[16];        // Q4_1: d * sum(qs) in lanes 0 and 8 (multiplies the block's min)
+// One token's activations for four consecutive blocks, laid out as ready 512-bit operands.
+struct alignas(64) ActQuad {
+  int16_t qs[4][32];  // qs[k][8X + j] = element 8k + j of block X (0 past the last block)
+  float d[16];        // lanes 4X..4X+3: scale of block X
+  int32_t bias[16];   // Q4_0: lane 4X = -8 * sum(qs of block X), other lanes 0
+  float s[16];        // Q4_1: lane 4X = s of block X (multiplies the block's min), other lanes 0
 };
 
 constexpr int kTokenTile = 8;
@@ -45,87 +48,99 @@ inline void prefetch_rows(const uint8_t* rows, size_t stride) {
   for (size_t off = 0; off < R * stride; off += 64) _mm_prefetch(reinterpret_cast<const char*>(ahead + off), _MM_HINT_T0);
 }
 
-alignas(64) const uint8_t kZeroBlock[64] = {};  // stands in for the missing second block of an odd tail pair
+alignas(64) const uint8_t kZeroBlock[64] = {};  // stands in for the missing blocks of a row's last quad
 
 constexpr size_t block_size(GgmlType t) {
   return t == GgmlType::Q4_0 ? sizeof(block_q4_0) : t == GgmlType::Q4_1 ? sizeof(block_q4_1) : sizeof(block_q8_0);
 }
 
-template <GgmlType WT>
-void pack_acts(const block_q8_act* xq, int nb, int n_tok, ActPair* out) {
-  const int npairs = (nb + 1) / 2;
+void pack_acts(const block_q16_act* xq, int nb, int n_tok, ActQuad* out) {
+  const int nquads = (nb + 3) / 4;
+  const __m512i ones = _mm512_set1_epi16(1);
   for (int t = 0; t < n_tok; ++t) {
-    for (int p = 0; p < npairs; ++p) {
-      ActPair& a = out[t * npairs + p];
-      std::memset(&a, 0, sizeof(a));
-      std::memset(a.qs, 128, sizeof(a.qs));
-      for (int h = 0; h < 2; ++h) {
-        const int k = 2 * p + h;
-        if (k >= nb) break;
-        const block_q8_act& b = xq[static_cast<int64_t>(t) * nb + k];
-        for (int j = 0; j < 32; ++j) a.qs[32 * h + j] = static_cast<uint8_t>(b.qs[j] + 128);
-        for (int j = 0; j < 8; ++j) a.d[8 * h + j] = b.d;
-        if (WT == GgmlType::Q4_1) a.s[8 * h] = b.s;
+    const block_q16_act* blocks = xq + static_cast<int64_t>(t) * nb;
+    for (int p = 0; p < nquads; ++p) {
+      ActQuad& a = out[t * nquads + p];
+      if (4 * p + 4 > nb) {
+        std::memset(&a, 0, sizeof(a));  // missing blocks of the last quad: all zero, they add nothing
+      } else {
+        std::memset(a.bias, 0, sizeof(a.bias));
+        std::memset(a.s, 0, sizeof(a.s));
+      }
+      for (int x = 0; x < 4 && 4 * p + x < nb; ++x) {
+        const block_q16_act& b = blocks[4 * p + x];
+        const __m512i q = _mm512_loadu_si512(b.qs);
+        _mm_store_si128(reinterpret_cast<__m128i*>(&a.qs[0][8 * x]), _mm512_extracti32x4_epi32(q, 0));
+        _mm_store_si128(reinterpret_cast<__m128i*>(&a.qs[1][8 * x]), _mm512_extracti32x4_epi32(q, 1));
+        _mm_store_si128(reinterpret_cast<__m128i*>(&a.qs[2][8 * x]), _mm512_extracti32x4_epi32(q, 2));
+        _mm_store_si128(reinterpret_cast<__m128i*>(&a.qs[3][8 * x]), _mm512_extracti32x4_epi32(q, 3));
+        _mm_store_ps(&a.d[4 * x], _mm_set1_ps(b.d));
+        a.bias[4 * x] = -8 * _mm512_reduce_add_epi32(_mm512_madd_epi16(q, ones));
+        a.s[4 * x] = b.s;
       }
     }
   }
 }
 
-// The fp16 scales (and Q4_1 mins) of two blocks, broadcast to the lanes of their block.
-inline __m512 spread_pair(__m128 v, int lane0, int lane1) {
-  const __m512i idx = _mm512_setr_epi32(lane0, lane0, lane0, lane0, lane0, lane0, lane0, lane0, lane1, lane1, lane1,
-                                        lane1, lane1, lane1, lane1, lane1);
-  return _mm512_permutexvar_ps(idx, _mm512_castps128_ps512(v));
-}
-
-inline uint32_t load_u32(const uint8_t* p) {
-  uint32_t v;
-  std::memcpy(&v, p, 4);
+inline uint64_t load_u16(const uint8_t* p) {
+  uint16_t v;
+  std::memcpy(&v, p, 2);
   return v;
 }
 
-// Two blocks of nibbles as 64 unsigned bytes in weight order: [lo(b0), hi(b0), lo(b1), hi(b1)].
-inline __m512i unpack_nibbles(const uint8_t* q0, const uint8_t* q1) {
-  const __m256i both = _mm256_inserti128_si256(_mm256_castsi128_si256(_mm_loadu_si128((const __m128i*)q0)),
-                                               _mm_loadu_si128((const __m128i*)q1), 1);
-  const __m512i dup = _mm512_permutexvar_epi64(_mm512_setr_epi64(0, 1, 0, 1, 2, 3, 2, 3), _mm512_castsi256_si512(both));
-  const __m512i shifted = _mm512_mask_srli_epi16(dup, 0xFF00FF00u, dup, 4);  // high nibbles in 128-bit lanes 1 and 3
-  return _mm512_and_si512(shifted, _mm512_set1_epi8(0x0F));
+// The fp16 values at b[X] + off (a block's scale or min), widened and spread to lanes 4X..4X+3. The four
+// halves are gathered with scalar loads (idle integer ports) into one 64-bit move.
+inline __m512 spread_halves(const uint8_t* const b[4], int off) {
+  const uint64_t h = load_u16(b[0] + off) | load_u16(b[1] + off) << 16 | load_u16(b[2] + off) << 32 |
+                     load_u16(b[3] + off) << 48;
+  const __m128 f = _mm_cvtph_ps(_mm_cvtsi64_si128(static_cast<long long>(h)));
+  const __m512i idx = _mm512_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3);
+  return _mm512_permutexvar_ps(idx, _mm512_castps128_ps512(f));
 }
 
-// Decoded weights of one pair of blocks of one row.
-struct WeightPair {
-  __m512i q;     // signed bytes (Q4_0: nibble - 8; Q4_1: nibble; Q8_0: as stored)
-  __m512i bias;  // -128 * (sum of the 4 weights of each int32 lane): cancels the +128 of the activations
-  __m512 d;      // scale per lane
-  __m512 m;      // Q4_1 min per lane (unused otherwise)
+// 16 bytes from b[X] + off in 128-bit lane X.
+inline __m512i load_lanes(const uint8_t* const b[4], int off) {
+  const __m256i lo = _mm256_inserti128_si256(_mm256_castsi128_si256(_mm_loadu_si128((const __m128i*)(b[0] + off))),
+                                             _mm_loadu_si128((const __m128i*)(b[1] + off)), 1);
+  const __m256i hi = _mm256_inserti128_si256(_mm256_castsi128_si256(_mm_loadu_si128((const __m128i*)(b[2] + off))),
+                                             _mm_loadu_si128((const __m128i*)(b[3] + off)), 1);
+  return _mm512_inserti64x4(_mm512_castsi256_si512(lo), hi, 1);
+}
+
+// Decoded weights of one quad of blocks of one row, in ActQuad's layout.
+struct WeightQuad {
+  __m512i q[4];  // int16 (Q4: nibble 0..15; Q8_0: as stored)
+  __m512 d;      // lanes 4X..4X+3: scale of block X
+  __m512 m;      // Q4_1: min of block X (unused otherwise)
 };
 
 template <GgmlType WT>
-inline WeightPair load_pair(const uint8_t* b0, const uint8_t* b1) {
-  WeightPair w;
-  if constexpr (WT == GgmlType::Q4_0) {
-    w.q = _mm512_sub_epi8(unpack_nibbles(b0 + 2, b1 + 2), _mm512_set1_epi8(8));
-    const __m128 d = _mm_cvtph_ps(_mm_cvtsi32_si128(static_cast<int>((load_u32(b0) & 0xFFFFu) | (load_u32(b1) << 16))));
-    w.d = spread_pair(d, 0, 1);
-  } else if constexpr (WT == GgmlType::Q4_1) {
-    w.q = unpack_nibbles(b0 + 4, b1 + 4);
-    const __m128 dm = _mm_cvtph_ps(_mm_setr_epi32(static_cast<int>(load_u32(b0)), static_cast<int>(load_u32(b1)), 0, 0));
-    w.d = spread_pair(dm, 0, 2);
-    w.m = spread_pair(dm, 1, 3);
+inline WeightQuad load_quad(const uint8_t* const b[4]) {
+  WeightQuad w;
+  w.d = spread_halves(b, 0);
+  if constexpr (WT == GgmlType::Q8_0) {
+    // unpack(v, v) puts each byte in both halves of a word; the arithmetic shift sign-extends it, in lane.
+    const __m512i v0 = load_lanes(b, 2), v1 = load_lanes(b, 18);  // weights 0..15, 16..31
+    w.q[0] = _mm512_srai_epi16(_mm512_unpacklo_epi8(v0, v0), 8);
+    w.q[1] = _mm512_srai_epi16(_mm512_unpackhi_epi8(v0, v0), 8);
+    w.q[2] = _mm512_srai_epi16(_mm512_unpacklo_epi8(v1, v1), 8);
+    w.q[3] = _mm512_srai_epi16(_mm512_unpackhi_epi8(v1, v1), 8);
   } else {
-    const __m512i q = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_loadu_si256((const __m256i*)(b0 + 2))),
-                                         _mm256_loadu_si256((const __m256i*)(b1 + 2)), 1);
-    w.q = q;
-    const __m128 d = _mm_cvtph_ps(_mm_cvtsi32_si128(static_cast<int>((load_u32(b0) & 0xFFFFu) | (load_u32(b1) << 16))));
-    w.d = spread_pair(d, 0, 1);
+    // Byte j holds weight j (low nibble) and weight j + 16 (high nibble).
+    const __m512i v = load_lanes(b, WT == GgmlType::Q4_1 ? 4 : 2);
+    const __m512i nibble = _mm512_set1_epi8(0x0F), zero = _mm512_setzero_si512();
+    const __m512i lo = _mm512_and_si512(v, nibble), hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), nibble);
+    w.q[0] = _mm512_unpacklo_epi8(lo, zero);
+    w.q[1] = _mm512_unpackhi_epi8(lo, zero);
+    w.q[2] = _mm512_unpacklo_epi8(hi, zero);
+    w.q[3] = _mm512_unpackhi_epi8(hi, zero);
+    if constexpr (WT == GgmlType::Q4_1) w.m = spread_halves(b, 2);
   }
-  const __m512i sum128 = _mm512_dpbusd_epi32(_mm512_setzero_si512(), _mm512_set1_epi8(static_cast<char>(0x80)), w.q);
-  w.bias = _mm512_sub_epi32(_mm512_setzero_si512(), sum128);
   return w;
 }
 
-// Fixed reduction tree (shared by every tile shape, so results do not depend on tiling).
+// Fixed reduction tree (shared by every tile shape, so results do not depend on tiling):
+// h[i] = v[i] + v[i+8], q[i] = h[i] + h[i+4], p[i] = q[i] + q[i+2], sum = p[0] + p[1].
 inline float reduce(__m512 v) {
   const __m256 h = _mm256_add_ps(_mm512_castps512_ps256(v), _mm512_extractf32x8_ps(v, 1));
   const __m128 q = _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1));
@@ -133,62 +148,103 @@ inline float reduce(__m512 v) {
   return _mm_cvtss_f32(_mm_add_ss(p, _mm_movehdup_ps(p)));
 }
 
+// The same tree for 16 vectors at once (each level adds the same pairs as reduce(), so the sums are bit for
+// bit the same), 15 shuffle-shuffle-add steps instead of 16 separate reductions. out[k] = sum of v[k].
+inline void reduce16(const __m512 v[16], float out[16]) {
+  __m512 h[8], q[4], p[2];
+  for (int k = 0; k < 8; ++k)  // 256-bit halves of v[2k] | v[2k+1]
+    h[k] = _mm512_add_ps(_mm512_shuffle_f32x4(v[2 * k], v[2 * k + 1], _MM_SHUFFLE(1, 0, 1, 0)),
+                         _mm512_shuffle_f32x4(v[2 * k], v[2 * k + 1], _MM_SHUFFLE(3, 2, 3, 2)));
+  for (int k = 0; k < 4; ++k)  // 128-bit lane L of q[k]: q of v[4k + L]
+    q[k] = _mm512_add_ps(_mm512_shuffle_f32x4(h[2 * k], h[2 * k + 1], _MM_SHUFFLE(2, 0, 2, 0)),
+                         _mm512_shuffle_f32x4(h[2 * k], h[2 * k + 1], _MM_SHUFFLE(3, 1, 3, 1)));
+  for (int k = 0; k < 2; ++k)  // lane L of p[k]: p[0..1] of v[8k + L], then of v[8k + 4 + L]
+    p[k] = _mm512_add_ps(_mm512_shuffle_ps(q[2 * k], q[2 * k + 1], _MM_SHUFFLE(1, 0, 1, 0)),
+                         _mm512_shuffle_ps(q[2 * k], q[2 * k + 1], _MM_SHUFFLE(3, 2, 3, 2)));
+  // Element 4L + j: sum of v[L + 4j].
+  const __m512 s = _mm512_add_ps(_mm512_shuffle_ps(p[0], p[1], _MM_SHUFFLE(2, 0, 2, 0)),
+                                 _mm512_shuffle_ps(p[0], p[1], _MM_SHUFFLE(3, 1, 3, 1)));
+  alignas(64) float lanes[16];
+  _mm512_store_ps(lanes, s);
+  for (int L = 0; L < 4; ++L)
+    for (int j = 0; j < 4; ++j) out[L + 4 * j] = lanes[4 * L + j];
+}
+
+// Writes the R x T sums of a tile: y[t * ldy + i] = sum of acc[i][t].
+template <int R, int T>
+inline void store_sums(const __m512 (&acc)[R][T], float* y, int64_t ldy) {
+  if constexpr (R * T == 16) {
+    float sums[16];
+    reduce16(&acc[0][0], sums);
+    for (int i = 0; i < R; ++i)
+      for (int t = 0; t < T; ++t) y[t * ldy + i] = sums[i * T + t];
+  } else {
+    for (int i = 0; i < R; ++i)
+      for (int t = 0; t < T; ++t) y[t * ldy + i] = reduce(acc[i][t]);
+  }
+}
+
 // R rows x T tokens of a quantized matrix, accumulators in registers.
 template <GgmlType WT, int R, int T>
-void q_tile(const uint8_t* row0, size_t stride, int nb, const ActPair* acts, int npairs, float* y, int64_t ldy) {
+void q_tile(const uint8_t* row0, size_t stride, int nb, const ActQuad* acts, int nquads, float* y, int64_t ldy) {
   constexpr size_t bs = block_size(WT);
   __m512 acc[R][T];
   for (int i = 0; i < R; ++i)
     for (int t = 0; t < T; ++t) acc[i][t] = _mm512_setzero_ps();
-  for (int p = 0; p < npairs; ++p) {
-    WeightPair wp[R];
+  for (int p = 0; p < nquads; ++p) {
+    WeightQuad wq[R];
     for (int i = 0; i < R; ++i) {
-      const uint8_t* b0 = row0 + i * stride + (2 * p) * bs;
-      wp[i] = load_pair<WT>(b0, 2 * p + 1 < nb ? b0 + bs : kZeroBlock);
+      const uint8_t* b[4];
+      for (int x = 0; x < 4; ++x) b[x] = 4 * p + x < nb ? row0 + i * stride + (4 * p + x) * bs : kZeroBlock;
+      wq[i] = load_quad<WT>(b);
     }
     for (int t = 0; t < T; ++t) {
-      const ActPair& a = acts[t * npairs + p];
-      const __m512i aq = _mm512_load_si512(a.qs);
+      const ActQuad& a = acts[t * nquads + p];
+      const __m512i a0 = _mm512_load_si512(a.qs[0]), a1 = _mm512_load_si512(a.qs[1]);
+      const __m512i a2 = _mm512_load_si512(a.qs[2]), a3 = _mm512_load_si512(a.qs[3]);
+      const __m512i seed = WT == GgmlType::Q4_0 ? _mm512_load_si512(a.bias) : _mm512_setzero_si512();
       const __m512 ad = _mm512_load_ps(a.d);
       for (int i = 0; i < R; ++i) {
-        const __m512i dot = _mm512_dpbusd_epi32(wp[i].bias, aq, wp[i].q);  // exact signed dot per lane
-        acc[i][t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), _mm512_mul_ps(wp[i].d, ad), acc[i][t]);
-        if constexpr (WT == GgmlType::Q4_1) acc[i][t] = _mm512_fmadd_ps(wp[i].m, _mm512_load_ps(a.s), acc[i][t]);
+        __m512i dot = _mm512_dpwssd_epi32(seed, wq[i].q[0], a0);  // exact: see the top of the file
+        dot = _mm512_dpwssd_epi32(dot, wq[i].q[1], a1);
+        dot = _mm512_dpwssd_epi32(dot, wq[i].q[2], a2);
+        dot = _mm512_dpwssd_epi32(dot, wq[i].q[3], a3);
+        acc[i][t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), _mm512_mul_ps(wq[i].d, ad), acc[i][t]);
+        if constexpr (WT == GgmlType::Q4_1) acc[i][t] = _mm512_fmadd_ps(wq[i].m, _mm512_load_ps(a.s), acc[i][t]);
       }
     }
   }
-  for (int i = 0; i < R; ++i)
-    for (int t = 0; t < T; ++t) y[t * ldy + i] = reduce(acc[i][t]);
+  store_sums<R, T>(acc, y, ldy);
 }
 
 template <GgmlType WT, int T>
-void q_rows(const WeightView& w, int64_t r0, int64_t r1, const ActPair* acts, float* Y, int64_t ldy) {
-  constexpr int R = T >= 4 ? 2 : 4;  // R*T accumulators + R decoded pairs (3-4 registers each) fit in 32
-  const int nb = static_cast<int>(w.cols / kQuantBlock), npairs = (nb + 1) / 2;
+void q_rows(const WeightView& w, int64_t r0, int64_t r1, const ActQuad* acts, float* Y, int64_t ldy) {
+  constexpr int R = T >= 4 ? 2 : 4;  // R*T accumulators + R decoded quads (5-6 registers each) fit in 32
+  const int nb = static_cast<int>(w.cols / kQuantBlock), nquads = (nb + 3) / 4;
   const size_t stride = w.row_stride();
   int64_t r = r0;
   for (; r + R <= r1; r += R) {
     prefetch_rows<R>(w.row(r), stride);
-    q_tile<WT, R, T>(w.row(r), stride, nb, acts, npairs, Y + r, ldy);
+    q_tile<WT, R, T>(w.row(r), stride, nb, acts, nquads, Y + r, ldy);
   }
-  for (; r < r1; ++r) q_tile<WT, 1, T>(w.row(r), stride, nb, acts, npairs, Y + r, ldy);
+  for (; r < r1; ++r) q_tile<WT, 1, T>(w.row(r), stride, nb, acts, nquads, Y + r, ldy);
 }
 
 template <GgmlType WT>
-void q_matmul(const WeightView& w, const block_q8_act* Xq, int n_tok, float* Y, int64_t ldy, int64_t r0, int64_t r1) {
-  const int nb = static_cast<int>(w.cols / kQuantBlock), npairs = (nb + 1) / 2;
-  thread_local std::vector<ActPair> packed;
-  if (packed.size() < static_cast<size_t>(kTokenTile * npairs)) packed.resize(kTokenTile * npairs);
+void q_matmul(const WeightView& w, const block_q16_act* Xq, int n_tok, float* Y, int64_t ldy, int64_t r0, int64_t r1) {
+  const int nb = static_cast<int>(w.cols / kQuantBlock), nquads = (nb + 3) / 4;
+  thread_local std::vector<ActQuad> packed;
+  if (packed.size() < static_cast<size_t>(kTokenTile * nquads)) packed.resize(kTokenTile * nquads);
   // Large matrices are walked in row chunks so each chunk stays in cache while every token tile passes.
   const int64_t chunk = std::max<int64_t>(8, static_cast<int64_t>(kRowChunkBytes / w.row_stride()) / 8 * 8);
   for (int64_t c0 = r0; c0 < r1; c0 += chunk) {
     const int64_t c1 = std::min(r1, c0 + chunk);
     for (int t0 = 0; t0 < n_tok; t0 += kTokenTile) {
       const int tt = std::min(kTokenTile, n_tok - t0);
-      pack_acts<WT>(Xq + static_cast<int64_t>(t0) * nb, nb, tt, packed.data());
+      pack_acts(Xq + static_cast<int64_t>(t0) * nb, nb, tt, packed.data());
       for (int t = 0; t < tt;) {
         float* y = Y + (t0 + t) * ldy;
-        const ActPair* a = packed.data() + t * npairs;
+        const ActQuad* a = packed.data() + t * nquads;
         if (tt - t >= 8) {
           q_rows<WT, 8>(w, c0, c1, a, y, ldy);
           t += 8;
@@ -272,14 +328,14 @@ void f_matmul(const WeightView& w, const float* X, int n_tok, float* Y, int64_t 
 
 }  // namespace
 
-void quantize_acts(const float* x, int64_t n, block_q8_act* out) {
+void quantize_acts(const float* x, int64_t n, block_q16_act* out) {
   const __m512 abs_mask = _mm512_castsi512_ps(_mm512_set1_epi32(0x7fffffff));
   for (int64_t b = 0; b < n / kQuantBlock; ++b) {
     const __m512 x0 = _mm512_loadu_ps(x + b * 32), x1 = _mm512_loadu_ps(x + b * 32 + 16);
     const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_and_ps(x0, abs_mask), _mm512_and_ps(x1, abs_mask)));
-    const float d = amax / 127.f;
+    const float d = amax / 32767.f;
     if (d == 0.f) {
-      std::memset(out[b].qs, 0, 32);
+      std::memset(out[b].qs, 0, sizeof(out[b].qs));
       out[b].d = 0.f;
       out[b].s = 0.f;
       continue;
@@ -287,14 +343,14 @@ void quantize_acts(const float* x, int64_t n, block_q8_act* out) {
     // Division (not multiplication by 1/d) and round-half-even: bit-identical to the scalar path.
     const __m512 vd = _mm512_set1_ps(d);
     const __m512i q0 = _mm512_cvtps_epi32(_mm512_div_ps(x0, vd)), q1 = _mm512_cvtps_epi32(_mm512_div_ps(x1, vd));
-    _mm_storeu_si128(reinterpret_cast<__m128i*>(out[b].qs), _mm512_cvtepi32_epi8(q0));
-    _mm_storeu_si128(reinterpret_cast<__m128i*>(out[b].qs + 16), _mm512_cvtepi32_epi8(q1));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(out[b].qs), _mm512_cvtepi32_epi16(q0));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(out[b].qs + 16), _mm512_cvtepi32_epi16(q1));
     out[b].d = d;
     out[b].s = d * static_cast<float>(_mm512_reduce_add_epi32(_mm512_add_epi32(q0, q1)));
   }
 }
 
-void matmul(const WeightView& w, const float* X, const block_q8_act* Xq, int n_tok, float* Y, int64_t ldy,
+void matmul(const WeightView& w, const float* X, const block_q16_act* Xq, int n_tok, float* Y, int64_t ldy,
             int64_t r0, int64_t r1) {
   switch (w.type) {
     case GgmlType::Q4_0: return q_matmul<GgmlType::Q4_0>(w, Xq, n_tok, Y, ldy, r0, r1);

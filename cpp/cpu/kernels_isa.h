@@ -8,19 +8,19 @@
 namespace metalattn::cpu {
 
 namespace scalar {
-void quantize_acts(const float* x, int64_t n, block_q8_act* out);
+void quantize_acts(const float* x, int64_t n, block_q16_act* out);
 }
 
 #ifdef METALATTN_X86
 // matvec is matmul with n_tok = 1: one code path, so the two agree bit for bit.
 namespace avx2 {
-void quantize_acts(const float* x, int64_t n, block_q8_act* out);
-void matmul(const WeightView& w, const float* X, const block_q8_act* Xq, int n_tok, float* Y, int64_t ldy,
+void quantize_acts(const float* x, int64_t n, block_q16_act* out);
+void matmul(const WeightView& w, const float* X, const block_q16_act* Xq, int n_tok, float* Y, int64_t ldy,
             int64_t r0, int64_t r1);
 }  // namespace avx2
 namespace avx512 {
-void quantize_acts(const float* x, int64_t n, block_q8_act* out);
-void matmul(const WeightView& w, const float* X, const block_q8_act* Xq, int n_tok, float* Y, int64_t ldy,
+void quantize_acts(const float* x, int64_t n, block_q16_act* out);
+void matmul(const WeightView& w, const float* X, const block_q16_act* Xq, int n_tok, float* Y, int64_t ldy,
             int64_t r0, int64_t r1);
 }  // namespace avx512
 #endif

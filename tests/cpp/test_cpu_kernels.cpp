@@ -170,7 +170,7 @@ std::vector<float> random_acts(int64_t n, uint32_t seed) {
   return x;
 }
 
-std::vector<float> dequantize_acts(const std::vector<block_q8_act>& xq) {
+std::vector<float> dequantize_acts(const std::vector<block_q16_act>& xq) {
   std::vector<float> out(xq.size() * 32);
   for (size_t b = 0; b < xq.size(); ++b)
     for (int j = 0; j < 32; ++j) out[b * 32 + j] = xq[b].d * xq[b].qs[j];
@@ -178,22 +178,24 @@ std::vector<float> dequantize_acts(const std::vector<block_q8_act>& xq) {
 }
 
 // Error budget of one row r, from the data itself.
-//  int8: activations quantized with step d_b (per block b) are off by at most d_b/2 each, so the dot product of
-//        the dequantized row w with them moves by at most sum_b d_b/2 * sum_{j in b} |w_j|. This is the exact
-//        worst case of the quantization, not a guess; random data typically lands ~sqrt(32) below it.
-//  float: the kernels accumulate exact int32 block dots in float (one rounding for the scale product, one
-//        per fma, ~24 pairs + a 4-level reduction tree), the reference sums each block in float (32 terms) and
-//        blocks in double: together < 60 roundings of 2^-24 relative to mag = sum_j (|d q_j| + |m|) |x_j|,
-//        i.e. < 4e-6 * mag; we allow 1e-5 * mag.
+//  acts: activations quantized to int16 with step d_b = amax_b / 32767 (per block b) are off by at most d_b/2
+//        each, so the dot product of the dequantized row w with them moves by at most
+//        sum_b d_b/2 * sum_{j in b} |w_j|. This is the exact worst case of the quantization, not a guess;
+//        random data typically lands ~sqrt(32) below it.
+//  float: the kernels accumulate exact int32 partial block dots (one rounding when a Q8_0 partial sum passes
+//        2^24 on its way to float), one rounding for the scale product, one per fma (~12 quads + a 4-level
+//        reduction tree); the reference sums each block in float (32 terms) and blocks in double; the test's
+//        dequantized activations d * q are rounded once each: together < 60 roundings of 2^-24 relative to
+//        mag = sum_j (|d q_j| + |m|) |x_j|, i.e. < 4e-6 * mag; we allow 1e-5 * mag.
 struct RowBudget {
-  std::vector<double> int8;  // activation quantization
+  std::vector<double> acts;  // activation quantization
   std::vector<double> mag;   // magnitude scale for float rounding
 };
 
-RowBudget row_budget(const WeightView& w, const float* x, const std::vector<block_q8_act>* xq, int64_t r0,
+RowBudget row_budget(const WeightView& w, const float* x, const std::vector<block_q16_act>* xq, int64_t r0,
                      int64_t r1) {
   RowBudget b;
-  b.int8.assign(w.rows, 0.0);
+  b.acts.assign(w.rows, 0.0);
   b.mag.assign(w.rows, 0.0);
   std::vector<float> row(w.cols);
   for (int64_t r = r0; r < r1; ++r) {
@@ -209,7 +211,7 @@ RowBudget row_budget(const WeightView& w, const float* x, const std::vector<bloc
       e += step / 2 * std::fabs(row[c]);
       m += (std::fabs(row[c]) + 2 * min_term) * (std::fabs(x[c]) + step);
     }
-    b.int8[r] = e;
+    b.acts[r] = e;
     b.mag[r] = m;
   }
   return b;
@@ -238,8 +240,8 @@ void check_matvec(GgmlType type, int64_t rows, int64_t cols, uint32_t seed) {
   std::vector<float> ref_y(rows);
   ref::matvec(m.view, x.data(), ref_y.data(), 0, rows);
 
-  std::vector<block_q8_act> xq;
-  std::vector<float> ref_yhat(rows);  // reference on the dequantized int8 activations
+  std::vector<block_q16_act> xq;
+  std::vector<float> ref_yhat(rows);  // reference on the dequantized int16 activations
   if (is_quantized(type) && cols % 32 == 0) {
     xq.resize(cols / 32);
     quantize_acts(Isa::Scalar, x.data(), cols, xq.data());
@@ -262,14 +264,14 @@ void check_matvec(GgmlType type, int64_t rows, int64_t cols, uint32_t seed) {
     int failures = 0;
     for (int64_t r = 0; r < rows && failures < 5; ++r) {
       const double float_tol = 1e-5 * budget.mag[r] + 1e-30;
-      const double tol = (quant_acts ? budget.int8[r] : 0.0) + float_tol;
+      const double tol = (quant_acts ? budget.acts[r] : 0.0) + float_tol;
       const double err = std::fabs(static_cast<double>(y[r]) - ref_y[r]);
       if (!(err <= tol)) {
         ADD_FAILURE() << "row " << r << ": " << y[r] << " vs reference " << ref_y[r] << " (err " << err << " > " << tol
                       << ")";
         ++failures;
       }
-      if (quant_acts) {  // same int8 activations as the kernel: only float rounding may differ
+      if (quant_acts) {  // same int16 activations as the kernel: only float rounding may differ
         const double err_hat = std::fabs(static_cast<double>(y[r]) - ref_yhat[r]);
         if (!(err_hat <= float_tol)) {
           ADD_FAILURE() << "row " << r << ": " << y[r] << " vs reference on int8 activations " << ref_yhat[r]
@@ -328,7 +330,7 @@ TEST_P(QuantTypes, MatmulEqualsPerTokenMatvec) {
       for (Isa isa : supported_isas()) {
         SCOPED_TRACE(isa_name(isa));
         const bool quant_acts = uses_quantized_acts(isa, type);
-        std::vector<block_q8_act> Xq(n_tok * cols / 32);
+        std::vector<block_q16_act> Xq(n_tok * cols / 32);
         if (quant_acts) quantize_acts(isa, X.data(), n_tok * cols, Xq.data());
         std::vector<float> Y(n_tok * ldy, kPoison);
         matmul(isa, m.view, X.data(), quant_acts ? Xq.data() : nullptr, n_tok, Y.data(), ldy, 0, rows);
@@ -370,32 +372,86 @@ TEST(QuantizeActs, RoundTripAndIdenticalAcrossIsas) {
   std::vector<float> x = random_acts(n, 5);
   for (int j = 64; j < 96; ++j) x[j] = 0.f;  // one all-zero block: d = 0, no division by zero
   x[200] = -1e4f;                           // a large negative extreme
-  std::vector<block_q8_act> ref(n / 32);
+  std::vector<block_q16_act> ref(n / 32);
   quantize_acts(Isa::Scalar, x.data(), n, ref.data());
   for (Isa isa : supported_isas()) {
     SCOPED_TRACE(isa_name(isa));
-    std::vector<block_q8_act> q(n / 32);
-    std::memset(q.data(), 0x5a, q.size() * sizeof(block_q8_act));  // poison
+    std::vector<block_q16_act> q(n / 32);
+    std::memset(q.data(), 0x5a, q.size() * sizeof(block_q16_act));  // poison
     quantize_acts(isa, x.data(), n, q.data());
     for (int64_t b = 0; b < n / 32; ++b) {
       float amax = 0.f;
       for (int j = 0; j < 32; ++j) amax = std::fmax(amax, std::fabs(x[b * 32 + j]));
-      ASSERT_EQ(q[b].d, amax / 127.f) << "block " << b;
+      ASSERT_EQ(q[b].d, amax / 32767.f) << "block " << b;
       int sum = 0, qmax = 0;
       for (int j = 0; j < 32; ++j) {
         const int v = q[b].qs[j];
         sum += v;
         qmax = std::max(qmax, std::abs(v));
-        ASSERT_LE(std::abs(v), 127);
-        // Round to nearest: off by at most half a step (plus the rounding of x/d itself).
-        ASSERT_LE(std::fabs(x[b * 32 + j] - q[b].d * v), q[b].d * (0.5f + 1e-5f)) << "block " << b << " j " << j;
+        ASSERT_LE(std::abs(v), 32767);
+        // Round to nearest: off by at most half a step, plus the rounding of x/d itself (half an ulp of a
+        // float below 32768: 2^-10 steps). Checked in double so the check adds no rounding of its own.
+        const double err = std::fabs(static_cast<double>(x[b * 32 + j]) - static_cast<double>(q[b].d) * v);
+        ASSERT_LE(err, q[b].d * (0.5 + 1.0 / 1024)) << "block " << b << " j " << j;
       }
-      ASSERT_EQ(qmax, amax == 0.f ? 0 : 127) << "the largest element maps to +-127";
+      ASSERT_EQ(qmax, amax == 0.f ? 0 : 32767) << "the largest element maps to +-32767";
       ASSERT_EQ(q[b].s, q[b].d * static_cast<float>(sum));
-      ASSERT_EQ(std::memcmp(&q[b], &ref[b], sizeof(block_q8_act)), 0) << "block " << b << " differs from scalar";
+      ASSERT_EQ(std::memcmp(&q[b], &ref[b], sizeof(block_q16_act)), 0) << "block " << b << " differs from scalar";
     }
     EXPECT_EQ(q[2].d, 0.f);
     EXPECT_EQ(q[2].s, 0.f);
+  }
+}
+
+// The integer path at its limits: every activation at +-amax (so every q is +-32767) against weights at their
+// extremes (Q4_0 nibbles 0 and 15, i.e. -8 and 7; Q4_1 nibbles 0 and 15; Q8_0 bytes -128 and 127). Any int16
+// saturation or int32 overflow would show as a gross error against the reference on the same activations.
+TEST(QuantizedDot, ExtremeValuesDoNotOverflow) {
+  const int64_t rows = 37, cols = 1536;
+  std::mt19937 rng(21);
+  std::uniform_int_distribution<int> coin(0, 1);
+  std::vector<float> x(cols);
+  for (float& v : x) v = coin(rng) ? 3.5f : -3.5f;
+  std::vector<block_q16_act> xq(cols / 32);
+  quantize_acts(Isa::Scalar, x.data(), cols, xq.data());
+  for (const block_q16_act& b : xq)
+    for (int16_t q : b.qs) ASSERT_EQ(std::abs(q), 32767);
+  for (GgmlType type : {GgmlType::Q4_0, GgmlType::Q4_1, GgmlType::Q8_0}) {
+    SCOPED_TRACE(type_name(type));
+    Matrix m = random_matrix(type, rows, cols, 22);
+    // Keep the random fp16 scales (and mins); set every quant to an extreme, in most blocks the one whose sign
+    // matches the activation's (7 times in 8), so the products are large and add up (the worst case for the
+    // integer partial sums); in the other blocks the opposite, so the sums run negative.
+    for (int64_t r = 0; r < rows; ++r) {
+      for (int64_t k = 0; k < cols / 32; ++k) {
+        const bool agree = coin(rng);
+        uint8_t* blk = m.bytes.data() + r * m.view.row_stride() + k * row_bytes(type, 32);
+        for (int j = 0; j < 32; ++j) {
+          const bool positive = (x[k * 32 + j] > 0) == (agree == (rng() % 8 != 0));
+          if (type == GgmlType::Q8_0) {
+            reinterpret_cast<block_q8_0*>(blk)->qs[j] = static_cast<int8_t>(positive ? 127 : -128);
+          } else {
+            uint8_t& byte = blk[(type == GgmlType::Q4_1 ? 4 : 2) + j % 16];
+            const uint8_t nib = positive ? 15 : 0;
+            byte = static_cast<uint8_t>(j < 16 ? (byte & 0xF0) | nib : (byte & 0x0F) | nib << 4);
+          }
+        }
+      }
+    }
+    const std::vector<float> xhat = dequantize_acts(xq);
+    std::vector<float> ref_yhat(rows);
+    ref::matvec(m.view, xhat.data(), ref_yhat.data(), 0, rows);
+    const RowBudget budget = row_budget(m.view, x.data(), &xq, 0, rows);
+    for (Isa isa : supported_isas()) {
+      if (!uses_quantized_acts(isa, type)) continue;
+      SCOPED_TRACE(isa_name(isa));
+      std::vector<float> y(rows, kPoison);
+      matvec(isa, m.view, x.data(), xq.data(), y.data(), 0, rows);
+      for (int64_t r = 0; r < rows; ++r) {
+        const double err = std::fabs(static_cast<double>(y[r]) - ref_yhat[r]);
+        ASSERT_LE(err, 1e-5 * budget.mag[r]) << "row " << r << ": " << y[r] << " vs " << ref_yhat[r];
+      }
+    }
   }
 }
 
