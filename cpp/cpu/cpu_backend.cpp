@@ -18,10 +18,16 @@ namespace {
 using cpu::block_q16_act;
 using cpu::Isa;
 
-// Rows per work item (multiples of 16: whole cache lines of output). Decode items are small enough to balance
-// 192-row matrices over the threads; prompt items are larger because each one runs every prompt token.
-constexpr int64_t kDecodeRowChunk = 32;
-constexpr int64_t kPromptRowChunk = 64;
+// Rows per work item of a parallel projection: a few items per thread, so a thread slowed by another process
+// does not hold the others up, but large enough that re-packing the activations, which every kernel call does,
+// stays small next to the weights the item streams (decode), and that the tiled matmul of a prompt keeps its
+// packed activations for many rows (prefill). Multiples of 16 keep items on whole cache lines of output.
+int64_t row_chunk(int64_t total_rows, int n_threads, int n_tok) {
+  const int64_t items = n_tok == 1 ? 4 * n_threads : 2 * n_threads;
+  const int64_t chunk = (total_rows + items - 1) / items;
+  return std::max<int64_t>((chunk + 15) / 16 * 16, n_tok == 1 ? 64 : 16);
+}
+
 // Prompt tokens processed per layer-major pass; longer prompts run in chunks (attention stays causal).
 constexpr int kPromptChunk = 512;
 
@@ -34,28 +40,10 @@ struct Projection {
   int64_t ldy;
 };
 
-// Dot product with independent lanes so the compiler vectorises it without reassociation flags.
-__attribute__((target_clones("avx512f", "avx2", "default")))
-float dot(const float* a, const float* b, int n) {
-  float lanes[16] = {0};
-  int i = 0;
-  for (; i + 16 <= n; i += 16)
-    for (int j = 0; j < 16; ++j) lanes[j] += a[i + j] * b[i + j];
-  float s = 0.f;
-  for (; i < n; ++i) s += a[i] * b[i];
-  for (int j = 0; j < 16; ++j) s += lanes[j];
-  return s;
-}
-
-__attribute__((target_clones("avx512f", "avx2", "default")))
-void axpy(float a, const float* x, float* y, int n) {
-  for (int i = 0; i < n; ++i) y[i] += a * x[i];
-}
-
-// exp(x) for x <= 0 (softmax after subtracting the max), branch-free so the loop below vectorises:
-// 2^t = 2^round(t) * 2^f with |f| <= 1/2 and a degree-6 Taylor polynomial for 2^f (relative error ~1e-7).
-inline float exp_nonpositive(float x) {
-  x = std::max(x, -87.f);
+// exp(x), branch-free so loops over it vectorise: 2^t = 2^round(t) * 2^f with |f| <= 1/2 and a degree-6 Taylor
+// polynomial for 2^f (relative error ~1e-7). Inputs are clamped to [-87, 88], where float exp is normal.
+inline float fast_exp(float x) {
+  x = std::min(std::max(x, -87.f), 88.f);
   const float t = x * 1.44269504f;
   const float r = std::nearbyint(t);
   const float f = (t - r) * 0.693147181f;
@@ -65,6 +53,12 @@ inline float exp_nonpositive(float x) {
   return p * __builtin_bit_cast(float, bits);
 }
 
+// gate[i] = silu(gate[i]) * up[i], the SwiGLU input of the down projection.
+__attribute__((target_clones("avx512f", "avx2", "default")))
+void swiglu(float* gate, const float* up, int64_t n) {
+  for (int64_t i = 0; i < n; ++i) gate[i] = gate[i] / (1.f + fast_exp(-gate[i])) * up[i];
+}
+
 // x[i] = exp(x[i] - shift); returns the sum.
 __attribute__((target_clones("avx512f", "avx2", "default")))
 float exp_shifted_sum(float* x, int n, float shift) {
@@ -72,30 +66,41 @@ float exp_shifted_sum(float* x, int n, float shift) {
   int i = 0;
   for (; i + 16 <= n; i += 16)
     for (int j = 0; j < 16; ++j) {
-      x[i + j] = exp_nonpositive(x[i + j] - shift);
+      x[i + j] = fast_exp(x[i + j] - shift);
       lanes[j] += x[i + j];
     }
   float s = 0.f;
   for (; i < n; ++i) {
-    x[i] = exp_nonpositive(x[i] - shift);
+    x[i] = fast_exp(x[i] - shift);
     s += x[i];
   }
   for (int j = 0; j < 16; ++j) s += lanes[j];
   return s;
 }
 
-// One query head over n_pos cached positions. scores: n_pos floats of scratch.
-void attend_head(const float* q, const float* k_cache, const float* v_cache, int kv_stride, int n_pos, int head_dim,
-                 float* scores, float* out) {
+// One query head over n_pos cached positions. The K cache of a KV head is stored transposed (head_dim rows of
+// n_ctx floats), so the scores of many positions accumulate side by side in vector lanes with no horizontal sums;
+// V stays row-major (one row of head_dim per position), so the weighted sum is a run of short FMA sweeps.
+// scores: n_pos floats of scratch.
+__attribute__((target_clones("avx512f", "avx2", "default")))
+void attend_head(const float* q, const float* k_t, int k_t_stride, const float* v, int v_stride, int n_pos,
+                 int head_dim, float* scores, float* out) {
   const float scale = 1.f / std::sqrt(static_cast<float>(head_dim));
-  float mx = -INFINITY;
-  for (int t = 0; t < n_pos; ++t) {
-    scores[t] = dot(q, k_cache + static_cast<int64_t>(t) * kv_stride, head_dim) * scale;
-    mx = std::max(mx, scores[t]);
+  for (int t = 0; t < n_pos; ++t) scores[t] = 0.f;
+  for (int j = 0; j < head_dim; ++j) {
+    const float qj = q[j] * scale;
+    const float* row = k_t + static_cast<int64_t>(j) * k_t_stride;
+    for (int t = 0; t < n_pos; ++t) scores[t] += qj * row[t];
   }
+  float mx = -INFINITY;
+  for (int t = 0; t < n_pos; ++t) mx = std::max(mx, scores[t]);
   const float inv = 1.f / exp_shifted_sum(scores, n_pos, mx);
-  std::fill(out, out + head_dim, 0.f);
-  for (int t = 0; t < n_pos; ++t) axpy(scores[t] * inv, v_cache + static_cast<int64_t>(t) * kv_stride, out, head_dim);
+  for (int j = 0; j < head_dim; ++j) out[j] = 0.f;
+  for (int t = 0; t < n_pos; ++t) {
+    const float p = scores[t] * inv;
+    const float* vr = v + static_cast<int64_t>(t) * v_stride;
+    for (int j = 0; j < head_dim; ++j) out[j] += p * vr[j];
+  }
 }
 
 // RoPE with angles from a table: the same values ref::rope computes, without a pow/cos/sin per element.
@@ -202,13 +207,34 @@ class CpuBackend final : public Backend {
     xq_.resize(n * (std::max<size_t>({d, ff, static_cast<size_t>(s_.q_dim())}) / kQuantBlock));
   }
 
+  // Runs fn(first_token, end_token) over the n tokens: on the calling thread for one token (decode: a few KB
+  // of work, not worth a wake-up), split over the pool for a prompt.
+  template <class F>
+  void for_tokens(int n, F&& fn) {
+    if (n == 1) return fn(0, 1);
+    pool_.parallel([&](int ti, int nt) {
+      int64_t b, e;
+      cpu::split_range(n, ti, nt, 1, &b, &e);
+      if (b < e) fn(static_cast<int>(b), static_cast<int>(e));
+    });
+  }
+
+  void rmsnorm_rows(const float* x, const float* weight, float* out, int n) {
+    const int d = s_.d_model;
+    for_tokens(n, [&](int b, int e) {
+      for (int t = b; t < e; ++t) ref::rmsnorm(x + static_cast<int64_t>(t) * d, weight, s_.rms_eps, d, out + static_cast<int64_t>(t) * d);
+    });
+  }
+
   // Fills xq (n rows of cols/32 blocks) from x when any of the given weights needs quantized activations.
   const block_q16_act* quantize_if_needed(const float* x, int n, int64_t cols, std::initializer_list<const WeightView*> ws) {
     bool need = false;
     for (const WeightView* w : ws) need |= cpu::uses_quantized_acts(isa_, w->type);
     if (!need) return nullptr;
     const int64_t blocks = cols / 32;
-    for (int t = 0; t < n; ++t) cpu::quantize_acts(isa_, x + t * cols, cols, xq_.data() + t * blocks);
+    for_tokens(n, [&](int b, int e) {
+      for (int t = b; t < e; ++t) cpu::quantize_acts(isa_, x + t * cols, cols, xq_.data() + t * blocks);
+    });
     return xq_.data();
   }
 
@@ -219,7 +245,7 @@ class CpuBackend final : public Backend {
     const int count = static_cast<int>(list.size());
     int64_t total = 0;
     for (int i = 0; i < count; ++i) total += ps[i].w->rows;
-    const int64_t chunk = n_tok == 1 ? kDecodeRowChunk : kPromptRowChunk;
+    const int64_t chunk = row_chunk(total, pool_.size(), n_tok);
     std::atomic<int64_t> next{0};
     pool_.parallel([&](int, int) {
       for (;;) {
@@ -254,11 +280,11 @@ class CpuBackend final : public Backend {
 
     for (int l = 0; l < s_.n_layers; ++l) {
       const LayerWeights& L = w_.layers[l];
-      float* kc = k_cache_.data() + static_cast<size_t>(l) * s_.n_ctx * kvd;
-      float* vc = v_cache_.data() + static_cast<size_t>(l) * s_.n_ctx * kvd;
+      float* kc = k_cache_.data() + static_cast<size_t>(l) * s_.n_ctx * kvd;  // [kv_head][head_dim][n_ctx]
+      float* vc = v_cache_.data() + static_cast<size_t>(l) * s_.n_ctx * kvd;  // [n_ctx][kv_dim]
 
       // Attention block.
-      for (int t = 0; t < n; ++t) ref::rmsnorm(&x_[t * d], L.attn_norm, s_.rms_eps, d, &xn_[t * d]);
+      rmsnorm_rows(x_.data(), L.attn_norm, xn_.data(), n);
       const block_q16_act* xq = quantize_if_needed(xn_.data(), n, d, {&L.wq, &L.wk, &L.wv});
       project({{&L.wq, xn_.data(), xq, q_.data(), qd}, {&L.wk, xn_.data(), xq, k_.data(), kvd},
                {&L.wv, xn_.data(), xq, v_.data(), kvd}},
@@ -268,7 +294,7 @@ class CpuBackend final : public Backend {
         const float* sn = &rope_sin_[static_cast<size_t>(pos + t) * (hd / 2)];
         rope_from_table(&q_[t * qd], s_.n_heads, hd, cs, sn);
         rope_from_table(&k_[t * kvd], s_.n_kv_heads, hd, cs, sn);
-        std::memcpy(kc + static_cast<size_t>(pos + t) * kvd, &k_[t * kvd], kvd * sizeof(float));
+        for (int i = 0; i < kvd; ++i) kc[static_cast<size_t>(i) * s_.n_ctx + pos + t] = k_[t * kvd + i];
         std::memcpy(vc + static_cast<size_t>(pos + t) * kvd, &v_[t * kvd], kvd * sizeof(float));
       }
       const int group = s_.n_heads / s_.n_kv_heads;
@@ -278,7 +304,8 @@ class CpuBackend final : public Backend {
         float* scores = scores_.data() + static_cast<size_t>(ti) * s_.n_ctx;
         for (int j; (j = next_job.fetch_add(1, std::memory_order_relaxed)) < jobs;) {
           const int t = j / s_.n_heads, h = j % s_.n_heads, kvh = h / group;
-          attend_head(&q_[t * qd + h * hd], kc + kvh * hd, vc + kvh * hd, kvd, pos + t + 1, hd, scores,
+          attend_head(&q_[t * qd + h * hd], kc + static_cast<size_t>(kvh) * hd * s_.n_ctx, s_.n_ctx, vc + kvh * hd, kvd,
+                      pos + t + 1, hd, scores,
                       &att_[t * qd + h * hd]);
         }
       });
@@ -287,10 +314,12 @@ class CpuBackend final : public Backend {
       for (int64_t i = 0; i < static_cast<int64_t>(n) * d; ++i) x_[i] += tmp_[i];
 
       // Feed-forward block: down(silu(gate x) * up x).
-      for (int t = 0; t < n; ++t) ref::rmsnorm(&x_[t * d], L.ffn_norm, s_.rms_eps, d, &xn_[t * d]);
+      rmsnorm_rows(x_.data(), L.ffn_norm, xn_.data(), n);
       const block_q16_act* fq = quantize_if_needed(xn_.data(), n, d, {&L.w_gate, &L.w_up});
       project({{&L.w_gate, xn_.data(), fq, gate_.data(), ff}, {&L.w_up, xn_.data(), fq, up_.data(), ff}}, n);
-      for (int64_t i = 0; i < static_cast<int64_t>(n) * ff; ++i) gate_[i] = ref::silu(gate_[i]) * up_[i];
+      for_tokens(n, [&](int b, int e) {
+        swiglu(&gate_[static_cast<int64_t>(b) * ff], &up_[static_cast<int64_t>(b) * ff], static_cast<int64_t>(e - b) * ff);
+      });
       const block_q16_act* hq = quantize_if_needed(gate_.data(), n, ff, {&L.w_down});
       project({{&L.w_down, gate_.data(), hq, tmp_.data(), d}}, n);
       for (int64_t i = 0; i < static_cast<int64_t>(n) * d; ++i) x_[i] += tmp_[i];
