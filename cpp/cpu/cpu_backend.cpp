@@ -78,29 +78,76 @@ float exp_shifted_sum(float* x, int n, float shift) {
   return s;
 }
 
-// One query head over n_pos cached positions. The K cache of a KV head is stored transposed (head_dim rows of
-// n_ctx floats), so the scores of many positions accumulate side by side in vector lanes with no horizontal sums;
-// V stays row-major (one row of head_dim per position), so the weighted sum is a run of short FMA sweeps.
-// scores: n_pos floats of scratch.
+// The query heads that share one KV head (GQA group), over n_pos cached positions, written with GCC vector
+// types (16 floats: one AVX-512 register, two AVX2 ones) so the accumulators stay in registers.
+// The K cache of a KV head is stored transposed (head_dim rows of n_ctx floats): scores of 16 positions
+// accumulate in one vector per head over head_dim, each K row loaded once for the whole group, no horizontal sums.
+// V stays row-major: each 16-float column slice of a position's row is loaded once and added into every head.
+// q: G x head_dim; scores: G rows of scratch (stride scores_stride); out: G x head_dim (row stride out_stride).
+// head_dim must be a multiple of 16 (checked at construction).
+typedef float v16f __attribute__((vector_size(64)));
+// The helpers below pass v16f by value; they are always inlined into the ISA clones, so GCC's note that such a
+// signature's ABI differs with and without AVX-512 does not apply.
+#pragma GCC diagnostic ignored "-Wpsabi"
+constexpr int kMaxGroup = 8;
+
+__attribute__((always_inline)) inline v16f load16(const float* p) {
+  v16f v;
+  std::memcpy(&v, p, sizeof(v));
+  return v;
+}
+__attribute__((always_inline)) inline void store16(float* p, v16f v) { std::memcpy(p, &v, sizeof(v)); }
+
+template <int G>
 __attribute__((target_clones("avx512f", "avx2", "default")))
-void attend_head(const float* q, const float* k_t, int k_t_stride, const float* v, int v_stride, int n_pos,
-                 int head_dim, float* scores, float* out) {
+void attend_group(const float* q, const float* k_t, int k_t_stride, const float* v, int v_stride, int n_pos,
+                  int head_dim, float* scores, int scores_stride, float* out, int out_stride) {
   const float scale = 1.f / std::sqrt(static_cast<float>(head_dim));
-  for (int t = 0; t < n_pos; ++t) scores[t] = 0.f;
-  for (int j = 0; j < head_dim; ++j) {
-    const float qj = q[j] * scale;
-    const float* row = k_t + static_cast<int64_t>(j) * k_t_stride;
-    for (int t = 0; t < n_pos; ++t) scores[t] += qj * row[t];
+  const int full = n_pos / 16 * 16;
+  for (int t0 = 0; t0 < full; t0 += 16) {
+    v16f acc[G] = {};
+    for (int j = 0; j < head_dim; ++j) {
+      const v16f kr = load16(k_t + static_cast<int64_t>(j) * k_t_stride + t0);
+      for (int h = 0; h < G; ++h) acc[h] += q[h * head_dim + j] * kr;
+    }
+    for (int h = 0; h < G; ++h) store16(scores + h * scores_stride + t0, acc[h] * scale);
   }
-  float mx = -INFINITY;
-  for (int t = 0; t < n_pos; ++t) mx = std::max(mx, scores[t]);
-  const float inv = 1.f / exp_shifted_sum(scores, n_pos, mx);
-  for (int j = 0; j < head_dim; ++j) out[j] = 0.f;
-  for (int t = 0; t < n_pos; ++t) {
-    const float p = scores[t] * inv;
-    const float* vr = v + static_cast<int64_t>(t) * v_stride;
-    for (int j = 0; j < head_dim; ++j) out[j] += p * vr[j];
+  for (int t = full; t < n_pos; ++t)
+    for (int h = 0; h < G; ++h) {
+      float sum = 0.f;
+      for (int j = 0; j < head_dim; ++j) sum += q[h * head_dim + j] * k_t[static_cast<int64_t>(j) * k_t_stride + t];
+      scores[h * scores_stride + t] = sum * scale;
+    }
+  for (int h = 0; h < G; ++h) {
+    float* sc = scores + h * scores_stride;
+    float mx = -INFINITY;
+    for (int t = 0; t < n_pos; ++t) mx = std::max(mx, sc[t]);
+    const float inv = 1.f / exp_shifted_sum(sc, n_pos, mx);
+    for (int t = 0; t < n_pos; ++t) sc[t] *= inv;
   }
+  for (int c = 0; c < head_dim; c += 16) {
+    v16f acc[G] = {};
+    for (int t = 0; t < n_pos; ++t) {
+      const v16f vr = load16(v + static_cast<int64_t>(t) * v_stride + c);
+      for (int h = 0; h < G; ++h) acc[h] += scores[h * scores_stride + t] * vr;
+    }
+    for (int h = 0; h < G; ++h) store16(out + h * out_stride + c, acc[h]);
+  }
+}
+
+using AttendFn = void (*)(const float*, const float*, int, const float*, int, int, int, float*, int, float*, int);
+AttendFn attend_group_for(int group) {
+  switch (group) {
+    case 1: return attend_group<1>;
+    case 2: return attend_group<2>;
+    case 3: return attend_group<3>;
+    case 4: return attend_group<4>;
+    case 5: return attend_group<5>;
+    case 6: return attend_group<6>;
+    case 7: return attend_group<7>;
+    case 8: return attend_group<8>;
+  }
+  throw EngineError("cpu backend: 1 to 8 query heads per KV head are supported");
 }
 
 // RoPE with angles from a table: the same values ref::rope computes, without a pow/cos/sin per element.
@@ -124,7 +171,9 @@ class CpuBackend final : public Backend {
     k_cache_.assign(cache, 0.f);
     v_cache_.assign(cache, 0.f);
     ensure_scratch(1);
-    scores_.resize(static_cast<size_t>(pool_.size()) * s_.n_ctx);
+    if (s_.head_dim % 16 != 0) throw EngineError("cpu backend: head_dim must be a multiple of 16");
+    attend_ = attend_group_for(s_.n_heads / s_.n_kv_heads);
+    scores_.resize(static_cast<size_t>(pool_.size()) * (s_.n_heads / s_.n_kv_heads) * s_.n_ctx);
     const int half = s_.head_dim / 2;
     rope_cos_.resize(static_cast<size_t>(s_.n_ctx) * half);
     rope_sin_.resize(rope_cos_.size());
@@ -297,16 +346,16 @@ class CpuBackend final : public Backend {
         for (int i = 0; i < kvd; ++i) kc[static_cast<size_t>(i) * s_.n_ctx + pos + t] = k_[t * kvd + i];
         std::memcpy(vc + static_cast<size_t>(pos + t) * kvd, &v_[t * kvd], kvd * sizeof(float));
       }
+      // One job per (token, KV head): the group of query heads sharing that KV head runs together.
       const int group = s_.n_heads / s_.n_kv_heads;
-      const int jobs = n * s_.n_heads;
+      const int jobs = n * s_.n_kv_heads;
       std::atomic<int> next_job{0};
       pool_.parallel([&](int ti, int) {
-        float* scores = scores_.data() + static_cast<size_t>(ti) * s_.n_ctx;
+        float* scores = scores_.data() + static_cast<size_t>(ti) * group * s_.n_ctx;
         for (int j; (j = next_job.fetch_add(1, std::memory_order_relaxed)) < jobs;) {
-          const int t = j / s_.n_heads, h = j % s_.n_heads, kvh = h / group;
-          attend_head(&q_[t * qd + h * hd], kc + static_cast<size_t>(kvh) * hd * s_.n_ctx, s_.n_ctx, vc + kvh * hd, kvd,
-                      pos + t + 1, hd, scores,
-                      &att_[t * qd + h * hd]);
+          const int t = j / s_.n_kv_heads, kvh = j % s_.n_kv_heads;
+          attend_(&q_[t * qd + kvh * group * hd], kc + static_cast<size_t>(kvh) * hd * s_.n_ctx, s_.n_ctx, vc + kvh * hd,
+                  kvd, pos + t + 1, hd, scores, s_.n_ctx, &att_[t * qd + kvh * group * hd], hd);
         }
       });
       const block_q16_act* aq = quantize_if_needed(att_.data(), n, qd, {&L.wo});
@@ -348,6 +397,7 @@ class CpuBackend final : public Backend {
   std::vector<float> rope_cos_, rope_sin_;  // [n_ctx][head_dim/2]
   std::vector<block_q16_act> xq_;
   float* hidden_out_ = nullptr;
+  AttendFn attend_ = nullptr;
 };
 
 }  // namespace
