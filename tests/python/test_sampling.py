@@ -36,3 +36,20 @@ def test_nan_never_drawn_and_errors():
     with pytest.raises(ValueError):
         sample(np.zeros(3), rng, top_p=0)
     assert sample(np.array([0.0, np.inf, np.inf]), rng) == 1
+
+
+def test_nucleus_probe_matches_full_sort():
+    """Top-p over a flat distribution (the 1024-token probe holds too little mass) and a peaked one (it holds
+    enough) must keep exactly the tokens a full sort keeps."""
+    from metalattn.sampling import _nucleus
+
+    rng = np.random.default_rng(4)
+    for scale in (0.01, 5.0):
+        x = rng.normal(size=49152) * scale
+        w = np.exp(x - x.max())
+        cands = np.arange(x.size)
+        for p in (0.1, 0.5, 0.9, 0.99):
+            got, _ = _nucleus(cands, w, w.sum(), p)
+            order = np.argsort(-w, kind="stable")
+            keep = int(np.searchsorted(np.cumsum(w[order]) / w.sum(), p) + 1)
+            assert set(got.tolist()) == set(order[:keep].tolist())
