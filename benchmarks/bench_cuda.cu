@@ -1,6 +1,6 @@
 // CUDA backend benchmark on a random SmolLM2-135M-shaped model (layers Q4_0, token_embd Q8_0 tied), as in
 // benchmarks/RESULTS.md: decode tg128 after a 32-token prompt, prefill pp512, time to first token of a 32-token
-// prompt, and the time of each decode kernel (each captured 200 times in a graph and replayed).
+// prompt, and the time of each decode kernel (each captured 200 times in a graph and replayed, without PDL).
 //   bench_cuda [n_ctx=2048]
 // Environment: METALATTN_CUDA_PDL=0 turns off Programmatic Dependent Launch in the decode graph,
 // METALATTN_CUDA_PREFILL_SPLIT=0 runs the prefill GEMMs on fp16 activations only.
@@ -188,6 +188,22 @@ int main(int argc, char** argv) {
       }
       std::printf("decode at pos ~%d: median %.1f us/token\n", p0, median(tt));
     }
+    // Decode just below and just above the fused-attention switch-over (both graphs).
+    {
+      const int sw = kFusedAttnDefaultMaxPositions;
+      if (sw + 64 < s.n_ctx) {
+        be->forward_prompt(prompt.data(), sw - 64, 0, nullptr, nullptr);
+        std::vector<double> below, above;
+        ArgmaxResult r{1, 0.f};
+        for (int p = sw - 64; p < sw + 64; ++p) {
+          const auto ti = Clock::now();
+          r = be->forward_token_greedy(static_cast<int32_t>(r.token), p);
+          (p + 1 <= sw ? below : above).push_back(seconds_since(ti) * 1e6);
+        }
+        std::printf("decode around the switch-over (n_pos %d): median %.1f us/token below, %.1f above\n", sw,
+                    median(below), median(above));
+      }
+    }
 
     // Prefill pp512 and time to first token of a 32-token prompt.
     for (int n : {32, 128, 512, 2048}) {
@@ -249,10 +265,12 @@ int main(int argc, char** argv) {
       float* kc = static_cast<float*>(dalloc(static_cast<size_t>(s.n_ctx) * 192 * 4));
       float* vc = static_cast<float*>(dalloc(static_cast<size_t>(s.n_ctx) * 192 * 4));
       float2* rope = static_cast<float2*>(dalloc(static_cast<size_t>(s.n_ctx) * 32 * 8));
-      AttnPartials ap;
-      ap.n_splits = std::max(1, std::min({(s.n_ctx + kAttnMinChunk - 1) / kAttnMinChunk, kMaxAttnSplits, 2 * prop.multiProcessorCount / 3}));
-      ap.o = static_cast<float*>(dalloc(9 * ap.n_splits * 64 * 4));
-      ap.ml = static_cast<float*>(dalloc(9 * ap.n_splits * 2 * 4));
+      AttnScratch ap;
+      ap.max_splits = attn_max_splits(s.n_ctx, 3, prop.multiProcessorCount);
+      ap.o = static_cast<float*>(dalloc(9 * ap.max_splits * 64 * 4));
+      ap.ml = static_cast<float*>(dalloc(9 * ap.max_splits * 2 * 4));
+      ap.counters = static_cast<unsigned*>(dalloc(3 * 4));
+      float* attn_out = static_cast<float*>(dalloc(576 * 4));
       ArgmaxScratch am;
       am.capacity = argmax_partials_needed(lm);
       am.partials = static_cast<ArgmaxPartial*>(dalloc(am.capacity * sizeof(ArgmaxPartial)));
@@ -272,23 +290,43 @@ int main(int argc, char** argv) {
         DecodeIO h{1, pos};
         CUDA_CHECK(cudaMemcpy(io, &h, 8, cudaMemcpyHostToDevice));
       };
+      float* x0 = static_cast<float*>(dalloc(576 * 4));
       set_pos(160);
-      const double t_embed = graph_time_us(sm, [&] { launch_embed(lm, io, x, sm); });
+      const double t_embqkv = graph_time_us(sm, [&] { launch_embed_norm_matvec_qkv(lm, x0, qkv, nw, 1e-5f, tg, sm); });
       const double t_qkv = graph_time_us(sm, [&] { launch_norm_matvec_qkv(qkv, x, nw, 1e-5f, tg, sm); });
-      const double t_att = graph_time_us(sm, [&] { launch_attention_decode(q, kc, vc, io, 9, 3, 64, s.n_ctx, ap, sm); });
-      const double t_o = graph_time_us(sm, [&] { launch_matvec_residual_attn(o, ap, io, 64, q, sm); });
+      const double t_att = graph_time_us(sm, [&] { launch_attention_decode(q, kc, vc, io, 9, 3, 64, s.n_ctx, ap, attn_out, sm); });
+      const double t_o = graph_time_us(sm, [&] { launch_matvec_residual(o, attn_out, q, sm); });
       const double t_gu = graph_time_us(sm, [&] { launch_norm_matvec(gu, x, nw, 1e-5f, gate_up, sm); });
       const double t_down = graph_time_us(sm, [&] { launch_matvec_residual_silu(down, gate_up, q, sm); });
       const double t_lm = graph_time_us(sm, [&] { launch_norm_matvec_argmax(lm, x, nw, 1e-5f, logits, am, res, nullptr, sm); });
+      set_pos(300);
+      const double t_att_300 = graph_time_us(sm, [&] { launch_attention_decode(q, kc, vc, io, 9, 3, 64, s.n_ctx, ap, attn_out, sm); });
       set_pos(s.n_ctx - 1);
-      const double t_att_long = graph_time_us(sm, [&] { launch_attention_decode(q, kc, vc, io, 9, 3, 64, s.n_ctx, ap, sm); });
-      const double t_o_long = graph_time_us(sm, [&] { launch_matvec_residual_attn(o, ap, io, 64, q, sm); });
-      const double layer = t_qkv + t_att + t_o + t_gu + t_down;
-      std::printf("per-kernel (graph replay, us): embed %.2f | qkv %.2f | attn@160 %.2f (@%d %.2f) | comb+O %.2f (@%d %.2f)"
+      const double t_att_long = graph_time_us(sm, [&] { launch_attention_decode(q, kc, vc, io, 9, 3, 64, s.n_ctx, ap, attn_out, sm); });
+      std::printf("per-kernel (graph replay, us): embed+qkv %.2f | qkv %.2f | attn@160 %.2f (@300 %.2f, @%d %.2f) | O %.2f"
                   " | norm+gate/up %.2f | silu+down %.2f | lm_head+argmax %.2f\n",
-                  t_embed, t_qkv, t_att, s.n_ctx - 1, t_att_long, t_o, s.n_ctx - 1, t_o_long, t_gu, t_down, t_lm);
-      std::printf("sum for one token at pos 160: %.1f us (layer %.2f x 30 + %.2f); kernels per token: %d\n",
-                  t_embed + 30 * layer + t_lm, layer, t_embed + t_lm, 5 * s.n_layers + 2);
+                  t_embqkv, t_qkv, t_att, t_att_300, s.n_ctx - 1, t_att_long, t_o, t_gu, t_down, t_lm);
+      // Fused attention + O + residual against split attention + O, by position (picks the switch-over).
+      double t_fused_160 = 0;
+      for (int pos : {32, 64, 160, 255, 383, 511, 767, 1023}) {
+        if (pos >= s.n_ctx || pos >= kFusedAttnMaxPositions) continue;
+        set_pos(pos);
+        const double split = graph_time_us(sm, [&] { launch_attention_decode(q, kc, vc, io, 9, 3, 64, s.n_ctx, ap, attn_out, sm); });
+        double fused[2];
+        for (int k = 0; k < 2; ++k)
+          fused[k] = graph_time_us(sm, [&] {
+            launch_attention_o_residual(q, kc, vc, io, 9, 3, 64, kFusedAttnMaxPositions, o, x0, sm, k == 0 ? 256 : 512);
+          });
+        if (pos == 160) t_fused_160 = std::min(fused[0], fused[1]);
+        std::printf("  pos %4d: attn %.2f + O %.2f = %.2f | fused attn+O: 256 thr %.2f, 512 thr %.2f\n", pos, split, t_o,
+                    split + t_o, fused[0], fused[1]);
+      }
+      const double layer = t_qkv + t_att + t_o + t_gu + t_down;
+      const double layer_fused = t_qkv + t_fused_160 + t_gu + t_down;
+      std::printf("sum for one token at pos 160: %.1f us split (layer %.2f x 30 + %.2f), %.1f us fused (layer %.2f);"
+                  " kernels per token: %d\n",
+                  30 * layer + (t_embqkv - t_qkv) + t_lm, layer, (t_embqkv - t_qkv) + t_lm,
+                  30 * layer_fused + (t_embqkv - t_qkv) + t_lm, layer_fused, be->kernels_per_token());
       for (void* p : bufs) cudaFree(p);
       cudaStreamDestroy(sm);
     }

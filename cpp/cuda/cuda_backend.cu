@@ -86,15 +86,28 @@ bool env_flag(const char* name, bool fallback) {
 struct Resources {
   cudaStream_t stream = nullptr;
   cublasHandle_t cublas = nullptr;
-  cudaGraph_t graph = nullptr;
-  cudaGraphExec_t graph_exec = nullptr;
+  // Decode graphs: [0] the long-context path, [1] the fused short-context path (each captured at first use).
+  cudaGraph_t graph[2] = {nullptr, nullptr};
+  cudaGraphExec_t graph_exec[2] = {nullptr, nullptr};
   std::vector<void*> device;
   std::vector<void*> pinned;
+  // Prefill graphs, one per chunk length (a small LRU); exec stays null until the length's second use.
+  struct PrefillGraph {
+    int n = 0;
+    int uses = 0;
+    uint64_t last_use = 0;
+    cudaGraphExec_t exec = nullptr;
+  };
+  std::vector<PrefillGraph> prefill_graphs;
 
   ~Resources() {
     if (stream != nullptr) cudaStreamSynchronize(stream);
-    if (graph_exec != nullptr) cudaGraphExecDestroy(graph_exec);
-    if (graph != nullptr) cudaGraphDestroy(graph);
+    for (PrefillGraph& g : prefill_graphs)
+      if (g.exec != nullptr) cudaGraphExecDestroy(g.exec);
+    for (cudaGraphExec_t e : graph_exec)
+      if (e != nullptr) cudaGraphExecDestroy(e);
+    for (cudaGraph_t g : graph)
+      if (g != nullptr) cudaGraphDestroy(g);
     if (cublas != nullptr) cublasDestroy(cublas);
     for (void* p : device) cudaFree(p);
     for (void* p : pinned) cudaFreeHost(p);
@@ -118,7 +131,11 @@ class CudaBackend final : public Backend {
   void forward_token_debug(int32_t token, int pos, float* hidden, float* logits) override;
   ArgmaxResult forward_prompt(const int32_t* tokens, int n, int pos, float* last_logits, float* all_logits) override;
   MemoryInfo memory_info() const override { return mem_; }
-  int kernels_per_token() const override { return 5 * spec_.n_layers + 2; }
+  // At short contexts (the fused attention path when it is on); longer contexts take one more kernel per layer.
+  int kernels_per_token() const override {
+    if (spec_.n_layers == 0) return 2;
+    return (fused_attn_max_npos_ > 0 ? 3 : 4) * spec_.n_layers + 1;
+  }
 
  private:
   template <typename T>
@@ -137,16 +154,20 @@ class CudaBackend final : public Backend {
   void check_token(int32_t token) const;
   void set_io(int32_t token, int pos);
   void after_launch();
-  void enqueue_decode(bool capture_hidden);
-  void run_decode();
+  bool fused_attention_at(int pos) const { return pos + 1 <= fused_attn_max_npos_; }
+  void enqueue_decode(bool capture_hidden, bool fused_attention);
+  void run_decode(int pos);
   ArgmaxResult finish_decode(int pos);
   void gemm(const __half* w, int rows, int cols, int n, const __half* a_hi, const __half* a_lo, float* c, float beta);
-  void ensure_lm_head_half();
+  void ensure_all_logits_buffer();
+  void enqueue_prefill_chunk(int m, const int32_t* io);
+  void run_prefill_chunk(int m, const int32_t* io);
 
   ModelSpec spec_;
   bool debug_;
   bool use_pdl_;
   bool split_acts_;
+  int fused_attn_max_npos_ = 0;  // decode takes the fused attention + O path while pos + 1 <= this
   Resources res_;
   MemoryInfo mem_;
 
@@ -163,17 +184,20 @@ class CudaBackend final : public Backend {
   ArgmaxResult* result_host_ = nullptr;  // mapped pinned: written by the last kernel
   ArgmaxResult* result_dev_ = nullptr;   // its device alias
   float *x_ = nullptr, *q_ = nullptr, *gate_up_ = nullptr, *logits_ = nullptr, *hidden_ = nullptr;
-  AttnPartials attn_;
+  AttnScratch attn_;
+  float* attn_out_ = nullptr;  // [q_dim]: attention output, the O projection's input
   ArgmaxScratch argmax_;
   DecodeIO io_shadow_{0, 0};
   bool io_shadow_valid_ = false;
 
   // prefill scratch (chunk_ tokens at a time)
   int chunk_ = 0;
-  int32_t* tokens_dev_ = nullptr;
+  int32_t* tokens_dev_ = nullptr;  // [start position, chunk_ tokens]: the one address every prefill graph reads
+  int32_t* tokens_host_ = nullptr;  // pinned staging: one [position, tokens] slot per chunk of the longest prompt
+  int max_chunks_ = 0;
+  uint64_t prefill_clock_ = 0;
   float *px_ = nullptr, *pq_ = nullptr, *pc_ = nullptr;
   __half *pa_hi_ = nullptr, *pa_lo_ = nullptr;
-  __half* lm_head16_ = nullptr;  // made on the first all_logits request
   float* plogits_ = nullptr;
   int logits_chunk_ = 0;
 };
@@ -216,6 +240,8 @@ CudaBackend::CudaBackend(const ModelSpec& spec, const ModelWeights& w, bool debu
     : spec_(spec),
       debug_(debug),
       use_pdl_(env_flag("METALATTN_CUDA_PDL", true)),  // measured +5% decode on H100; =0 turns it off
+      // On by default: without it the SmolLM2-shaped model stays ~5e-5 rel L2 from decode, but a 4-layer test model
+      // reached 1.1e-3 (bound 1e-3). =0 runs fp16 activations only (H100 pp512 2.5 vs 3.2 ms): see NOTES.
       split_acts_(env_flag("METALATTN_CUDA_PREFILL_SPLIT", true)) {
   validate_model(spec, w);
   if (cuda_device_count() <= 0) throw EngineError("no CUDA device is available");
@@ -273,12 +299,18 @@ CudaBackend::CudaBackend(const ModelSpec& spec, const ModelWeights& w, bool debu
   // Decode scratch.
   cudaDeviceProp prop{};
   CUDA_CHECK(cudaGetDeviceProperties(&prop, 0));
-  // Splits: enough blocks to spread a long context, few enough that the combine (repeated by every O-projection
-  // block) stays cheap: 64 splits cost the combine ~12 us at pos 2047 on an H100, 16 keep it small.
-  attn_.n_splits = std::max(1, std::min({(spec.n_ctx + kAttnMinChunk - 1) / kAttnMinChunk, kMaxAttnSplits,
-                                         std::max(1, 2 * prop.multiProcessorCount / spec.n_kv_heads)}));
-  attn_.o = device_alloc<float>(static_cast<size_t>(spec.n_heads) * attn_.n_splits * spec.head_dim, mem_.scratch);
-  attn_.ml = device_alloc<float>(static_cast<size_t>(spec.n_heads) * attn_.n_splits * 2, mem_.scratch);
+  // Attention splits the context only past kAttnSinglePassMax positions, into at most one block per SM.
+  attn_.max_splits = attn_max_splits(spec.n_ctx, spec.n_kv_heads, prop.multiProcessorCount);
+  attn_.o = device_alloc<float>(static_cast<size_t>(spec.n_heads) * attn_.max_splits * spec.head_dim, mem_.scratch);
+  attn_.ml = device_alloc<float>(static_cast<size_t>(spec.n_heads) * attn_.max_splits * 2, mem_.scratch);
+  attn_.counters = device_alloc<unsigned int>(spec.n_kv_heads, mem_.scratch);
+  CUDA_CHECK(cudaMemsetAsync(attn_.counters, 0, spec.n_kv_heads * sizeof(unsigned int), res_.stream));
+  attn_out_ = device_alloc<float>(q_dim, mem_.scratch);
+  if (attention_o_fusable(spec.n_heads, spec.n_kv_heads, spec.head_dim)) {
+    const char* v = std::getenv("METALATTN_CUDA_FUSED_ATTN");
+    const int want = (v != nullptr && *v != '\0') ? std::atoi(v) : kFusedAttnDefaultMaxPositions;
+    fused_attn_max_npos_ = std::max(0, std::min({want, spec.n_ctx, kFusedAttnMaxPositions}));
+  }
   argmax_.capacity = argmax_partials_needed(lm_head_);
   argmax_.partials = device_alloc<ArgmaxPartial>(argmax_.capacity, mem_.scratch);
   argmax_.counter = device_alloc<unsigned int>(1, mem_.scratch);
@@ -307,7 +339,21 @@ CudaBackend::CudaBackend(const ModelSpec& spec, const ModelWeights& w, bool debu
   chunk_ = std::min(spec.n_ctx, 1024);
   const size_t widest_in = std::max({static_cast<size_t>(d), static_cast<size_t>(q_dim), static_cast<size_t>(spec.d_ff)});
   const size_t widest_out = std::max(static_cast<size_t>(q_dim + 2 * kv_dim), 2 * static_cast<size_t>(spec.d_ff));
-  tokens_dev_ = device_alloc<int32_t>(chunk_, mem_.scratch);
+  max_chunks_ = (spec.n_ctx + chunk_ - 1) / chunk_;
+  tokens_dev_ = device_alloc<int32_t>(static_cast<size_t>(chunk_) + 1, mem_.scratch);
+  {
+    void* p = nullptr;
+    CUDA_CHECK(cudaHostAlloc(&p, static_cast<size_t>(max_chunks_) * (chunk_ + 1) * sizeof(int32_t),
+                             cudaHostAllocDefault));
+    res_.pinned.push_back(p);
+    tokens_host_ = static_cast<int32_t*>(p);
+  }
+  {
+    // cuBLAS inside a captured graph must not allocate: give it a fixed workspace (32 MiB suits Hopper).
+    const size_t ws_bytes = size_t{32} << 20;
+    void* ws = device_alloc<uint8_t>(ws_bytes, mem_.scratch);
+    CUBLAS_CHECK(cublasSetWorkspace(res_.cublas, ws, ws_bytes));
+  }
   px_ = device_alloc<float>(static_cast<size_t>(chunk_) * d, mem_.scratch);
   pq_ = device_alloc<float>(static_cast<size_t>(chunk_) * q_dim, mem_.scratch);
   pc_ = device_alloc<float>(static_cast<size_t>(chunk_) * widest_out, mem_.scratch);
@@ -338,13 +384,15 @@ void CudaBackend::after_launch() {
   CUDA_CHECK(cudaStreamSynchronize(res_.stream));
 }
 
-void CudaBackend::enqueue_decode(bool capture_hidden) {
+void CudaBackend::enqueue_decode(bool capture_hidden, bool fused_attention) {
   const ModelSpec& s = spec_;
   const size_t layer_cache = static_cast<size_t>(s.n_ctx) * s.kv_dim();
   cudaStream_t st = res_.stream;
-  launch_embed(embd_, io_dev_, x_, st);
-  after_launch();
-  if (capture_hidden) CUDA_CHECK(cudaMemcpyAsync(hidden_, x_, s.d_model * sizeof(float), cudaMemcpyDeviceToDevice, st));
+  if (s.n_layers == 0) {  // no first layer to fold the embedding gather into
+    launch_embed(embd_, io_dev_, x_, st);
+    after_launch();
+    if (capture_hidden) CUDA_CHECK(cudaMemcpyAsync(hidden_, x_, s.d_model * sizeof(float), cudaMemcpyDeviceToDevice, st));
+  }
   for (int l = 0; l < s.n_layers; ++l) {
     const DevLayer& L = layers_[l];
     float* kc = k_cache_ + l * layer_cache;
@@ -358,12 +406,25 @@ void CudaBackend::enqueue_decode(bool capture_hidden) {
     t.q_out = q_;
     t.k_cache = kc;
     t.v_cache = vc;
-    launch_norm_matvec_qkv(L.qkv, x_, L.attn_norm, s.rms_eps, t, st);
-    after_launch();
-    launch_attention_decode(q_, kc, vc, io_dev_, s.n_heads, s.n_kv_heads, s.head_dim, s.n_ctx, attn_, st);
-    after_launch();
-    launch_matvec_residual_attn(L.o, attn_, io_dev_, s.head_dim, x_, st);
-    after_launch();
+    if (l == 0) {
+      launch_embed_norm_matvec_qkv(embd_, x_, L.qkv, L.attn_norm, s.rms_eps, t, st);  // also x_ = embedding row
+      after_launch();
+      if (capture_hidden)
+        CUDA_CHECK(cudaMemcpyAsync(hidden_, x_, s.d_model * sizeof(float), cudaMemcpyDeviceToDevice, st));
+    } else {
+      launch_norm_matvec_qkv(L.qkv, x_, L.attn_norm, s.rms_eps, t, st);
+      after_launch();
+    }
+    if (fused_attention) {
+      launch_attention_o_residual(q_, kc, vc, io_dev_, s.n_heads, s.n_kv_heads, s.head_dim, fused_attn_max_npos_, L.o,
+                                  x_, st);
+      after_launch();
+    } else {
+      launch_attention_decode(q_, kc, vc, io_dev_, s.n_heads, s.n_kv_heads, s.head_dim, s.n_ctx, attn_, attn_out_, st);
+      after_launch();
+      launch_matvec_residual(L.o, attn_out_, x_, st);
+      after_launch();
+    }
     launch_norm_matvec(L.gate_up, x_, L.ffn_norm, s.rms_eps, gate_up_, st);
     after_launch();
     launch_matvec_residual_silu(L.down, gate_up_, x_, st);
@@ -376,17 +437,21 @@ void CudaBackend::enqueue_decode(bool capture_hidden) {
   after_launch();
 }
 
-void CudaBackend::run_decode() {
+// The host knows the position, so it picks the graph: the fused short-context one or the long-context one.
+void CudaBackend::run_decode(int pos) {
+  const bool fused = fused_attention_at(pos);
   if (debug_) {
-    enqueue_decode(false);
+    enqueue_decode(false, fused);
     return;
   }
-  if (res_.graph_exec == nullptr) {
+  cudaGraph_t& graph = res_.graph[fused ? 1 : 0];
+  cudaGraphExec_t& graph_exec = res_.graph_exec[fused ? 1 : 0];
+  if (graph_exec == nullptr) {
     const bool previous = programmatic_launch();
     set_programmatic_launch(use_pdl_);
     CUDA_CHECK(cudaStreamBeginCapture(res_.stream, cudaStreamCaptureModeThreadLocal));
     try {
-      enqueue_decode(false);
+      enqueue_decode(false, fused);
     } catch (...) {
       cudaGraph_t g = nullptr;
       cudaStreamEndCapture(res_.stream, &g);
@@ -395,10 +460,10 @@ void CudaBackend::run_decode() {
       throw;
     }
     set_programmatic_launch(previous);
-    CUDA_CHECK(cudaStreamEndCapture(res_.stream, &res_.graph));
-    CUDA_CHECK(cudaGraphInstantiate(&res_.graph_exec, res_.graph, 0));
+    CUDA_CHECK(cudaStreamEndCapture(res_.stream, &graph));
+    CUDA_CHECK(cudaGraphInstantiate(&graph_exec, graph, 0));
   }
-  CUDA_CHECK(cudaGraphLaunch(res_.graph_exec, res_.stream));
+  CUDA_CHECK(cudaGraphLaunch(graph_exec, res_.stream));
 }
 
 ArgmaxResult CudaBackend::finish_decode(int pos) {
@@ -415,20 +480,20 @@ ArgmaxResult CudaBackend::finish_decode(int pos) {
 
 ArgmaxResult CudaBackend::forward_token_greedy(int32_t token, int pos) {
   set_io(token, pos);
-  run_decode();
+  run_decode(pos);
   return finish_decode(pos);
 }
 
 void CudaBackend::forward_token(int32_t token, int pos, float* logits) {
   set_io(token, pos);
-  run_decode();
+  run_decode(pos);
   finish_decode(pos);
   CUDA_CHECK(cudaMemcpy(logits, logits_, spec_.vocab * sizeof(float), cudaMemcpyDeviceToHost));
 }
 
 void CudaBackend::forward_token_debug(int32_t token, int pos, float* hidden, float* logits) {
   set_io(token, pos);
-  enqueue_decode(true);
+  enqueue_decode(true, fused_attention_at(pos));
   finish_decode(pos);
   CUDA_CHECK(cudaMemcpy(hidden, hidden_, static_cast<size_t>(spec_.n_layers + 1) * spec_.d_model * sizeof(float),
                         cudaMemcpyDeviceToHost));
@@ -449,11 +514,96 @@ void CudaBackend::gemm(const __half* w, int rows, int cols, int n, const __half*
   }
 }
 
-void CudaBackend::ensure_lm_head_half() {
-  if (lm_head16_ != nullptr) return;
-  lm_head16_ = half_copy(lm_head_);
+void CudaBackend::ensure_all_logits_buffer() {
+  if (plogits_ != nullptr) return;
   logits_chunk_ = std::min(chunk_, 64);
   plogits_ = device_alloc<float>(static_cast<size_t>(logits_chunk_) * spec_.vocab, mem_.scratch);
+}
+
+// One chunk of a prompt, layer-major: io points at [start position, m tokens] in device memory, so the same
+// sequence (captured once as a graph) serves every start position. Per layer 8 launches (12 with the hi/lo split;
+// 9 / 13 when head_dim != 64): norm->fp16, QKV GEMM, RoPE+KV append+attention->fp16, O GEMM (+residual via beta 1),
+// norm->fp16, gate/up GEMM, SiLU*up->fp16, down GEMM (+residual); then the last token's norm+lm_head+argmax from
+// the exact quantized weights. Our kernels launch with PDL (unless METALATTN_CUDA_PDL=0).
+void CudaBackend::enqueue_prefill_chunk(int m, const int32_t* io) {
+  struct ProgrammaticLaunchScope {
+    bool previous = programmatic_launch();
+    explicit ProgrammaticLaunchScope(bool on) { set_programmatic_launch(on); }
+    ~ProgrammaticLaunchScope() { set_programmatic_launch(previous); }
+  } pdl_scope(use_pdl_);
+  const ModelSpec& s = spec_;
+  cudaStream_t st = res_.stream;
+  const int d = s.d_model, q_dim = s.q_dim(), kv_dim = s.kv_dim(), qkv_rows = q_dim + 2 * kv_dim;
+  const size_t layer_cache = static_cast<size_t>(s.n_ctx) * kv_dim;
+  __half* lo = split_acts_ ? pa_lo_ : nullptr;
+  launch_embed_rows(embd_, io + 1, m, px_, st);
+  after_launch();
+  for (int l = 0; l < s.n_layers; ++l) {
+    const DevLayer& L = layers_[l];
+    float* kc = k_cache_ + l * layer_cache;
+    float* vc = v_cache_ + l * layer_cache;
+    launch_rmsnorm_to_half(px_, m, d, L.attn_norm, s.rms_eps, pa_hi_, lo, st);
+    after_launch();
+    gemm(L.qkv16, qkv_rows, d, m, pa_hi_, lo, pc_, 0.f);
+    launch_rope_attention_prefill(pc_, m, io, rope_, s.n_heads, s.n_kv_heads, s.head_dim, kc, vc, pq_, pa_hi_, lo, st);
+    after_launch();
+    gemm(L.o16, d, q_dim, m, pa_hi_, lo, px_, 1.f);  // beta = 1: the GEMM adds into the residual stream
+    launch_rmsnorm_to_half(px_, m, d, L.ffn_norm, s.rms_eps, pa_hi_, lo, st);
+    after_launch();
+    gemm(L.gate_up16, 2 * s.d_ff, d, m, pa_hi_, lo, pc_, 0.f);
+    launch_silu_to_half(pc_, m, s.d_ff, pa_hi_, lo, st);
+    after_launch();
+    gemm(L.down16, d, s.d_ff, m, pa_hi_, lo, px_, 1.f);
+  }
+  launch_norm_matvec_argmax(lm_head_, px_ + static_cast<size_t>(m - 1) * d, out_norm_, s.rms_eps, logits_, argmax_,
+                            result_dev_, nullptr, st);
+  after_launch();
+}
+
+// A chunk length's first use runs eagerly (modules load, cuBLAS picks its kernels, no capture cost for a one-off
+// length); from the second use on it is one graph launch.
+void CudaBackend::run_prefill_chunk(int m, const int32_t* io) {
+  constexpr size_t kMaxPrefillGraphs = 8;
+  if (debug_) {
+    enqueue_prefill_chunk(m, io);
+    return;
+  }
+  auto& graphs = res_.prefill_graphs;
+  auto it = std::find_if(graphs.begin(), graphs.end(), [m](const Resources::PrefillGraph& g) { return g.n == m; });
+  if (it == graphs.end()) {
+    if (graphs.size() >= kMaxPrefillGraphs) {
+      it = std::min_element(graphs.begin(), graphs.end(),
+                            [](const Resources::PrefillGraph& a, const Resources::PrefillGraph& b) {
+                              return a.last_use < b.last_use;
+                            });
+      if (it->exec != nullptr) CUDA_CHECK(cudaGraphExecDestroy(it->exec));
+      *it = Resources::PrefillGraph{};
+    } else {
+      it = graphs.emplace(graphs.end());
+    }
+    it->n = m;
+  }
+  it->last_use = ++prefill_clock_;
+  if (it->exec == nullptr && it->uses++ == 0) {
+    enqueue_prefill_chunk(m, io);
+    return;
+  }
+  if (it->exec == nullptr) {
+    cudaGraph_t g = nullptr;
+    CUDA_CHECK(cudaStreamBeginCapture(res_.stream, cudaStreamCaptureModeThreadLocal));
+    try {
+      enqueue_prefill_chunk(m, io);
+    } catch (...) {
+      cudaStreamEndCapture(res_.stream, &g);
+      if (g != nullptr) cudaGraphDestroy(g);
+      throw;
+    }
+    CUDA_CHECK(cudaStreamEndCapture(res_.stream, &g));
+    const cudaError_t e = cudaGraphInstantiate(&it->exec, g, 0);
+    cudaGraphDestroy(g);
+    CUDA_CHECK(e);
+  }
+  CUDA_CHECK(cudaGraphLaunch(it->exec, res_.stream));
 }
 
 ArgmaxResult CudaBackend::forward_prompt(const int32_t* tokens, int n, int pos, float* last_logits,
@@ -464,52 +614,33 @@ ArgmaxResult CudaBackend::forward_prompt(const int32_t* tokens, int n, int pos, 
     throw EngineError("prompt of " + std::to_string(n) + " tokens at position " + std::to_string(pos) +
                       " does not fit the context of " + std::to_string(s.n_ctx));
   for (int i = 0; i < n; ++i) check_token(tokens[i]);
-  if (all_logits != nullptr) ensure_lm_head_half();
+  if (all_logits != nullptr) ensure_all_logits_buffer();
 
   cudaStream_t st = res_.stream;
-  const int d = s.d_model, q_dim = s.q_dim(), kv_dim = s.kv_dim(), qkv_rows = q_dim + 2 * kv_dim;
-  const size_t layer_cache = static_cast<size_t>(s.n_ctx) * kv_dim;
-  __half* lo = split_acts_ ? pa_lo_ : nullptr;
-  for (int c0 = 0; c0 < n; c0 += chunk_) {
-    const int m = std::min(chunk_, n - c0), p0 = pos + c0;
-    CUDA_CHECK(cudaMemcpyAsync(tokens_dev_, tokens + c0, m * sizeof(int32_t), cudaMemcpyHostToDevice, st));
-    launch_embed_rows(embd_, tokens_dev_, m, px_, st);
-    after_launch();
-    for (int l = 0; l < s.n_layers; ++l) {
-      const DevLayer& L = layers_[l];
-      float* kc = k_cache_ + l * layer_cache;
-      float* vc = v_cache_ + l * layer_cache;
-      launch_rmsnorm_to_half(px_, m, d, L.attn_norm, s.rms_eps, pa_hi_, lo, st);
-      after_launch();
-      gemm(L.qkv16, qkv_rows, d, m, pa_hi_, lo, pc_, 0.f);
-      launch_rope_append(pc_, m, p0, rope_, q_dim, kv_dim, s.head_dim, pq_, kc, vc, st);
-      after_launch();
-      launch_attention_prefill(pq_, kc, vc, m, p0, s.n_heads, s.n_kv_heads, s.head_dim, pa_hi_, lo, st);
-      after_launch();
-      gemm(L.o16, d, q_dim, m, pa_hi_, lo, px_, 1.f);  // beta = 1: the GEMM adds into the residual stream
-      launch_rmsnorm_to_half(px_, m, d, L.ffn_norm, s.rms_eps, pa_hi_, lo, st);
-      after_launch();
-      gemm(L.gate_up16, 2 * s.d_ff, d, m, pa_hi_, lo, pc_, 0.f);
-      launch_silu_to_half(pc_, m, s.d_ff, pa_hi_, lo, st);
-      after_launch();
-      gemm(L.down16, d, s.d_ff, m, pa_hi_, lo, px_, 1.f);
-    }
+  const int d = s.d_model;
+  for (int c0 = 0, c = 0; c0 < n; c0 += chunk_, ++c) {
+    const int m = std::min(chunk_, n - c0);
+    // Each chunk has its own pinned staging slot (an earlier chunk's copy may still be queued); the device slot is
+    // shared, its copy is ordered after the previous chunk's kernels.
+    int32_t* io_host = tokens_host_ + static_cast<size_t>(c) * (chunk_ + 1);
+    io_host[0] = pos + c0;
+    std::memcpy(io_host + 1, tokens + c0, m * sizeof(int32_t));
+    CUDA_CHECK(cudaMemcpyAsync(tokens_dev_, io_host, (m + 1) * sizeof(int32_t), cudaMemcpyHostToDevice, st));
+    run_prefill_chunk(m, tokens_dev_);
     if (all_logits != nullptr) {
-      launch_rmsnorm_to_half(px_, m, d, out_norm_, s.rms_eps, pa_hi_, lo, st);
-      after_launch();
+      // Every row through the exact quantized lm_head (the decode kernel), not an fp16 copy of it: rounding the
+      // weights to fp16 cost up to 8e-3 relative error on some models. Rows run in order, so the last one leaves
+      // the prompt's argmax in result_dev_, as the chunk's own last-token launch did.
       for (int t0 = 0; t0 < m; t0 += logits_chunk_) {
         const int k = std::min(logits_chunk_, m - t0);
-        gemm(lm_head16_, s.vocab, d, k, pa_hi_ + static_cast<size_t>(t0) * d,
-             lo != nullptr ? lo + static_cast<size_t>(t0) * d : nullptr, plogits_, 0.f);
+        for (int t = 0; t < k; ++t) {
+          launch_norm_matvec_argmax(lm_head_, px_ + static_cast<size_t>(t0 + t) * d, out_norm_, s.rms_eps,
+                                    plogits_ + static_cast<size_t>(t) * s.vocab, argmax_, result_dev_, nullptr, st);
+          after_launch();
+        }
         CUDA_CHECK(cudaMemcpyAsync(all_logits + static_cast<size_t>(c0 + t0) * s.vocab, plogits_,
                                    static_cast<size_t>(k) * s.vocab * sizeof(float), cudaMemcpyDeviceToHost, st));
       }
-    }
-    if (c0 + m == n) {
-      // The last token's logits from the exact quantized weights, as decode computes them.
-      launch_norm_matvec_argmax(lm_head_, px_ + static_cast<size_t>(m - 1) * d, out_norm_, s.rms_eps, logits_,
-                                argmax_, result_dev_, nullptr, st);
-      after_launch();
     }
   }
   CUDA_CHECK(cudaStreamSynchronize(st));

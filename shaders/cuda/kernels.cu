@@ -327,15 +327,44 @@ __device__ __forceinline__ int smem_index(int i) { return (i >> 5) * kSmemBlockS
 
 // ------------------------------------------------------------------ fused RMSNorm + matvec
 
-enum class NormOut : int { Plain = 0, Qkv = 1, Argmax = 2 };
+// Stages x[0..n) (zero past `cols`) into the padded shared layout and scales it by rmsnorm when norm_w is set.
+// Loads first, in batches of kStageBatch per thread: the staging costs one L2 round trip, not one per element.
+// Ends with a barrier.
+__device__ __forceinline__ void stage_normed(const float* __restrict__ x, const float* __restrict__ norm_w, float eps,
+                                             int cols, int n, float* x_s, float* red) {
+  float ss = 0.f;
+  for (int i0 = threadIdx.x; i0 < n; i0 += kStageBatch * blockDim.x) {
+    float v[kStageBatch];
+#pragma unroll
+    for (int u = 0; u < kStageBatch; ++u) {
+      const int i = i0 + u * blockDim.x;
+      v[u] = i < cols ? x[i] : 0.f;
+    }
+#pragma unroll
+    for (int u = 0; u < kStageBatch; ++u) {
+      const int i = i0 + u * blockDim.x;
+      if (i < n) {
+        x_s[smem_index(i)] = v[u];
+        ss += v[u] * v[u];
+      }
+    }
+  }
+  if (norm_w != nullptr) {
+    const float total = detail::block_sum(ss, red);
+    const float scale = 1.f / sqrtf(total / static_cast<float>(cols) + eps);
+    for (int i = threadIdx.x; i < cols; i += blockDim.x) x_s[smem_index(i)] = x_s[smem_index(i)] * scale * norm_w[i];
+  }
+  __syncthreads();
+}
+
+enum class NormOut : int { Plain = 0, Qkv = 1 };
 
 struct NormMatvecArgs {
   NormOut mode = NormOut::Plain;
-  float* y = nullptr;  // Plain and Argmax: the output rows
+  float* y = nullptr;  // Plain: the output rows
   QkvTargets qkv;
-  ArgmaxScratch am;
-  ArgmaxResult* result = nullptr;
-  DecodeIO* io_next = nullptr;
+  DevMatrix embed;           // Qkv with embed.payload set: x is row qkv.io->token of embed
+  float* x_out = nullptr;    // ... and block 0 writes that row here (the residual stream)
 };
 
 template <GgmlType T, int TPR>
@@ -349,43 +378,41 @@ __global__ void __launch_bounds__(256) norm_matvec_kernel(DevMatrix W, const flo
   const int rows_per_block = blockDim.x / TPR;
   const int local = threadIdx.x / TPR, sub = threadIdx.x % TPR;
   const int row = blockIdx.x * rows_per_block + local;
+  const int n = W.nb * 32;
 
   detail::launch_dependents();
   RowDot<T, TPR> rd;
   rd.prefetch(W, row, sub);
-  grid_dependency_wait();
 
-  const int n = W.nb * 32;
-  float ss = 0.f;
-  // Loads first, in batches of kStageBatch per thread: the staging costs one L2 round trip, not one per element.
-  for (int i0 = threadIdx.x; i0 < n; i0 += kStageBatch * blockDim.x) {
-    float v[kStageBatch];
-#pragma unroll
-    for (int u = 0; u < kStageBatch; ++u) {
-      const int i = i0 + u * blockDim.x;
-      v[u] = i < W.cols ? x[i] : 0.f;
+  if (a.embed.payload != nullptr) {
+    // The token id was written before this graph launch (by the host or the previous step's argmax), and the
+    // embedding is a weight, so the whole gather and the norm run before the wait.
+    const int64_t token = a.qkv.io->token;
+    float ss = 0.f;
+    for (int i = threadIdx.x; i < n; i += blockDim.x) {
+      const float v = i < W.cols ? detail::load_weight(a.embed, token, i) : 0.f;
+      x_s[smem_index(i)] = v;
+      ss += v * v;
     }
-#pragma unroll
-    for (int u = 0; u < kStageBatch; ++u) {
-      const int i = i0 + u * blockDim.x;
-      if (i < n) {
-        x_s[smem_index(i)] = v[u];
-        ss += v[u] * v[u];
-      }
-    }
-  }
-  if (norm_w != nullptr) {
     const float total = detail::block_sum(ss, red);
     const float scale = 1.f / sqrtf(total / static_cast<float>(W.cols) + eps);
-    for (int i = threadIdx.x; i < W.cols; i += blockDim.x) x_s[smem_index(i)] = x_s[smem_index(i)] * scale * norm_w[i];
+    grid_dependency_wait();  // the previous step's kernels may still read x
+    for (int i = threadIdx.x; i < W.cols; i += blockDim.x) {
+      const float v = x_s[smem_index(i)];
+      if (blockIdx.x == 0) a.x_out[i] = v;
+      x_s[smem_index(i)] = v * scale * norm_w[i];
+    }
+    __syncthreads();
+  } else {
+    grid_dependency_wait();
+    stage_normed(x, norm_w, eps, W.cols, n, x_s, red);
   }
-  __syncthreads();
 
   const float acc = rd.finish(W, row, sub, x_s);
 
   if (a.mode == NormOut::Plain) {
     if (sub == 0 && row < W.rows) a.y[row] = acc;
-  } else if (a.mode == NormOut::Qkv) {
+  } else {
     if (sub == 0) y_s[local] = acc;
     __syncthreads();
     const int pair = threadIdx.x;
@@ -395,30 +422,63 @@ __global__ void __launch_bounds__(256) norm_matvec_kernel(DevMatrix W, const flo
       detail::store_qkv_pair(r0, y_s[2 * pair], y_s[2 * pair + 1], t.io->pos, t.rope_table, t.q_dim, t.kv_dim,
                              t.head_dim, t.q_out, t.k_cache, t.v_cache);
     }
-  } else {
-    if (sub == 0 && row < W.rows) a.y[row] = acc;
-    ArgmaxPartial c{0.f, kNoIndex};
-    if (sub == 0 && row < W.rows && !isnan(acc)) c = ArgmaxPartial{acc, static_cast<uint32_t>(row)};
-    __shared__ ArgmaxPartial am_red[32];
-    c = detail::block_argmax(c, am_red);
-    detail::argmax_finish(c, a.am, a.result, a.io_next);
   }
+}
+
+// ------------------------------------------------------------------ final norm + lm_head + argmax
+
+struct ArgmaxArgs {
+  float* logits = nullptr;
+  ArgmaxScratch am;
+  ArgmaxResult* result = nullptr;
+  DecodeIO* io_next = nullptr;
+};
+
+// Few blocks, each looping over several row groups: the norm is staged and the argmax reduced once per block, not
+// once per 32 rows, and the next group's weights are loaded while the current one is summed.
+template <GgmlType T, int TPR>
+__global__ void __launch_bounds__(256) norm_matvec_argmax_kernel(DevMatrix W, const float* __restrict__ x,
+                                                                 const float* __restrict__ norm_w, float eps,
+                                                                 ArgmaxArgs a) {
+  extern __shared__ float4 smem_dyn[];
+  float* x_s = reinterpret_cast<float*>(smem_dyn);
+  __shared__ float red[32];
+  __shared__ ArgmaxPartial am_red[32];
+  const int rows_per_pass = blockDim.x / TPR;
+  const int local = threadIdx.x / TPR, sub = threadIdx.x % TPR;
+  const int stride = gridDim.x * rows_per_pass;
+  int base = blockIdx.x * rows_per_pass;
+
+  detail::launch_dependents();
+  RowDot<T, TPR> rd;
+  rd.prefetch(W, base + local, sub);
+  grid_dependency_wait();
+  stage_normed(x, norm_w, eps, W.cols, W.nb * 32, x_s, red);
+
+  ArgmaxPartial best{0.f, kNoIndex};
+  for (; base < W.rows; base += stride) {  // block-uniform: every lane takes part in the group shuffles
+    RowDot<T, TPR> next;
+    next.prefetch(W, base + stride + local, sub);
+    const int row = base + local;
+    const float acc = rd.finish(W, row, sub, x_s);
+    if (sub == 0 && row < W.rows) {
+      a.logits[row] = acc;
+      if (!isnan(acc) && detail::argmax_better(ArgmaxPartial{acc, static_cast<uint32_t>(row)}, best))
+        best = ArgmaxPartial{acc, static_cast<uint32_t>(row)};
+    }
+    rd = next;
+  }
+  best = detail::block_argmax(best, am_red);
+  detail::argmax_finish(best, a.am, a.result, a.io_next);
 }
 
 // ------------------------------------------------------------------ matvec + residual
 
-enum class ResidualIn : int { Plain = 0, Silu = 1, Attn = 2 };
-
-struct ResidualArgs {
-  ResidualIn mode = ResidualIn::Plain;
-  const float* x = nullptr;        // Plain: the input vector; Silu: [gate; up]
-  AttnPartials attn;               // Attn
-  const DecodeIO* io = nullptr;    // Attn
-  int head_dim = 0;                // Attn
-};
+enum class ResidualIn : int { Plain = 0, Silu = 1 };
 
 template <GgmlType T, int TPR>
-__global__ void __launch_bounds__(256) matvec_residual_kernel(DevMatrix W, ResidualArgs a, float* residual) {
+__global__ void __launch_bounds__(256) matvec_residual_kernel(DevMatrix W, ResidualIn mode,
+                                                              const float* __restrict__ x, float* residual) {
   extern __shared__ float4 smem_dyn[];
   float* x_s = reinterpret_cast<float*>(smem_dyn);
   const int rows_per_block = blockDim.x / TPR;
@@ -431,57 +491,19 @@ __global__ void __launch_bounds__(256) matvec_residual_kernel(DevMatrix W, Resid
   grid_dependency_wait();
 
   const int n = W.nb * 32;
-  if (a.mode != ResidualIn::Attn) {
-    const bool silu = a.mode == ResidualIn::Silu;
-    for (int i0 = threadIdx.x; i0 < n; i0 += kStageBatch * blockDim.x) {
-      float g[kStageBatch], up[kStageBatch];
+  const bool silu = mode == ResidualIn::Silu;
+  for (int i0 = threadIdx.x; i0 < n; i0 += kStageBatch * blockDim.x) {
+    float g[kStageBatch], up[kStageBatch];
 #pragma unroll
-      for (int u = 0; u < kStageBatch; ++u) {
-        const int i = i0 + u * blockDim.x;
-        g[u] = i < W.cols ? a.x[i] : 0.f;
-        up[u] = silu && i < W.cols ? a.x[W.cols + i] : 0.f;
-      }
+    for (int u = 0; u < kStageBatch; ++u) {
+      const int i = i0 + u * blockDim.x;
+      g[u] = i < W.cols ? x[i] : 0.f;
+      up[u] = silu && i < W.cols ? x[W.cols + i] : 0.f;
+    }
 #pragma unroll
-      for (int u = 0; u < kStageBatch; ++u) {
-        const int i = i0 + u * blockDim.x;
-        if (i < n) x_s[smem_index(i)] = silu ? g[u] / (1.f + expf(-g[u])) * up[u] : g[u];
-      }
-    }
-  } else {
-    // Combine the flash-decoding partials: o = sum_s o_s w_s with w_s = e^(m_s - M) / sum_s' l_s' e^(m_s' - M).
-    // One warp per head computes the split weights once; then every output sums its splits (independent loads).
-    const int n_pos = a.io->pos + 1;
-    const int n_splits = a.attn.n_splits;
-    const int chunk = attn_chunk(n_pos, n_splits);
-    const int active = (n_pos + chunk - 1) / chunk;
-    const int hd = a.head_dim, n_heads = W.cols / hd;
-    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, n_warps = blockDim.x >> 5;
-    float* weights = x_s + W.nb * kSmemBlockStride;  // [n_heads][n_splits]
-    for (int h = warp; h < n_heads; h += n_warps) {
-      const float* ml = a.attn.ml + static_cast<int64_t>(h) * n_splits * 2;
-      float m = -INFINITY;
-      for (int s = lane; s < active; s += 32) m = fmaxf(m, ml[2 * s]);
-      m = detail::warp_max(m);
-      float l = 0.f;
-      for (int s = lane; s < active; s += 32) {
-        const float w = expf(ml[2 * s] - m);
-        weights[h * n_splits + s] = w;
-        l += ml[2 * s + 1] * w;
-      }
-      const float inv = 1.f / detail::warp_sum(l);
-      for (int s = lane; s < active; s += 32) weights[h * n_splits + s] *= inv;
-    }
-    __syncthreads();
-    for (int i = threadIdx.x; i < n; i += blockDim.x) {
-      float v = 0.f;
-      if (i < W.cols) {
-        const int h = i / hd, d = i % hd;
-        const float* o = a.attn.o + static_cast<int64_t>(h) * n_splits * hd + d;
-        const float* w = weights + h * n_splits;
-#pragma unroll 4
-        for (int s = 0; s < active; ++s) v += w[s] * o[static_cast<int64_t>(s) * hd];
-      }
-      x_s[smem_index(i)] = v;
+    for (int u = 0; u < kStageBatch; ++u) {
+      const int i = i0 + u * blockDim.x;
+      if (i < n) x_s[smem_index(i)] = silu ? g[u] / (1.f + expf(-g[u])) * up[u] : g[u];
     }
   }
   __syncthreads();
@@ -490,58 +512,88 @@ __global__ void __launch_bounds__(256) matvec_residual_kernel(DevMatrix W, Resid
   if (sub == 0 && row < W.rows) residual[row] += acc;
 }
 
-// ------------------------------------------------------------------ attention (flash-decoding partials)
+// ------------------------------------------------------------------ attention
 
-constexpr int kMaxGroup = 8;     // query heads per KV head the decode attention supports
-constexpr int kAttnThreads = 128;
-constexpr int kMaxPairsPerLane = 2;  // head_dim <= 128: a lane owns up to 2 float2 columns in P.V
+constexpr int kMaxGroup = 8;  // query heads per KV head the decode attention supports
+constexpr int kAttnThreads = kAttnSinglePassMax;  // also: the block holds up to 256 rows in registers
+constexpr int kAttnWarps = kAttnThreads / 32;
 
 // Shared memory of one attention block: q of the group, the scores of the chunk, per-warp P.V partial sums.
 inline size_t attention_smem_bytes(int group, int head_dim, int chunk_cap) {
-  return static_cast<size_t>(group) * (head_dim + chunk_cap + (kAttnThreads / 32) * head_dim) * sizeof(float);
+  return static_cast<size_t>(group) * (head_dim + chunk_cap + kAttnWarps * head_dim) * sizeof(float);
 }
 
-// One block per (KV head, split): every thread scores whole cache rows (16-byte loads, no shuffles), so a chunk's
-// K rows are all in flight at once; P.V then runs with warps over positions and lanes over columns.
-__global__ void __launch_bounds__(kAttnThreads) attention_decode_kernel(const float* __restrict__ q,
-                                                                        const float* __restrict__ k_cache,
-                                                                        const float* __restrict__ v_cache,
+__device__ __forceinline__ void prefetch_l2(const void* p) {
+  asm volatile("prefetch.global.L2 [%0];" ::"l"(p));
+}
+
+// One block per (KV head, split); splits = attn_splits(pos + 1), blocks past it exit at once. Cache rows before pos
+// were written by earlier steps, so before the programmatic wait each thread loads its K row into registers and
+// pulls its V row into L2: only q and row pos come from the kernel before. Scores: a thread per position (16-byte
+// loads, no shuffles); P.V: warps over positions, lanes over float2 columns.
+template <int HD>
+__global__ void __launch_bounds__(kAttnThreads) attention_decode_kernel(const float* q, const float* k_cache,
+                                                                        const float* v_cache,
                                                                         const DecodeIO* io, int n_heads,
-                                                                        int n_kv_heads, int hd, int chunk_cap,
-                                                                        AttnPartials p) {
+                                                                        int n_kv_heads, int chunk_cap,
+                                                                        AttnScratch p, float* __restrict__ out) {
+  constexpr int kHd4 = HD / 4, kPairs = HD / 2, kPairsPerLane = (kPairs + 31) / 32;
   detail::launch_dependents();
-  grid_dependency_wait();
   extern __shared__ float4 smem_dyn[];
   float* q_s = reinterpret_cast<float*>(smem_dyn);
-  const int group = n_heads / n_kv_heads, kv_dim = n_kv_heads * hd;
-  float* sc = q_s + group * hd;          // [group][chunk_cap] scores, then probabilities
-  float* part = sc + group * chunk_cap;  // [n_warps][group][hd]
-  const int kvh = blockIdx.x, split = blockIdx.y;
-  const int n_pos = io->pos + 1;
-  const int chunk = attn_chunk(n_pos, p.n_splits);
-  const int start = split * chunk;
-  if (start >= n_pos) return;  // whole block: this split is past the context
-  const int len = min(chunk, n_pos - start);
-  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, n_warps = blockDim.x >> 5;
+  const int group = n_heads / n_kv_heads, kv_dim = n_kv_heads * HD;
+  float* sc = q_s + group * HD;          // [group][chunk_cap] scores, then probabilities
+  float* part = sc + group * chunk_cap;  // [kAttnWarps][group][HD]
+  __shared__ float m_s[kMaxGroup], l_s[kMaxGroup];
+  __shared__ bool is_last;
 
-  for (int i = threadIdx.x; i < group * hd; i += blockDim.x) q_s[i] = q[static_cast<int64_t>(kvh) * group * hd + i];
+  const int kvh = blockIdx.x, split = blockIdx.y;
+  const int pos = io->pos, n_pos = pos + 1;  // io was written before this graph launch
+  const int n_splits = attn_splits(n_pos, p.max_splits);
+  if (split >= n_splits) return;
+  const int chunk = attn_chunk(n_pos, n_splits);
+  const int start = split * chunk;
+  const int len = min(chunk, n_pos - start);
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+
+  const float* k_head = k_cache + kvh * HD;
+  const float* v_head = v_cache + kvh * HD;
+  float4 k_own[kHd4];
+  const int t0 = threadIdx.x;
+  const bool own_early = t0 < len && start + t0 < pos;
+  if (own_early) {
+    const float4* k4 = reinterpret_cast<const float4*>(k_head + static_cast<int64_t>(start + t0) * kv_dim);
+#pragma unroll
+    for (int c = 0; c < kHd4; ++c) k_own[c] = __ldg(k4 + c);
+    const char* vrow = reinterpret_cast<const char*>(v_head + static_cast<int64_t>(start + t0) * kv_dim);
+#pragma unroll
+    for (int b = 0; b < HD * 4; b += 128) prefetch_l2(vrow + b);
+  }
+  grid_dependency_wait();
+
+  // After the wait, data the kernel before wrote (q, K and V row pos) is read through L2 only (__ldcg).
+  for (int i = threadIdx.x; i < group * HD; i += blockDim.x)
+    q_s[i] = __ldcg(q + static_cast<int64_t>(kvh) * group * HD + i);
   __syncthreads();
 
-  const float scale = 1.f / sqrtf(static_cast<float>(hd));
-  const int hd4 = hd / 4;
-  for (int t = threadIdx.x; t < len; t += blockDim.x) {
-    const float4* k4 = reinterpret_cast<const float4*>(k_cache + static_cast<int64_t>(start + t) * kv_dim + kvh * hd);
-    const float4* q4 = reinterpret_cast<const float4*>(q_s);
+  const float scale = 1.f / sqrtf(static_cast<float>(HD));
+  const float4* q4 = reinterpret_cast<const float4*>(q_s);
+  for (int t = t0; t < len; t += blockDim.x) {
+    if (t != t0 || !own_early) {
+      const float4* k4 = reinterpret_cast<const float4*>(k_head + static_cast<int64_t>(start + t) * kv_dim);
+#pragma unroll
+      for (int c = 0; c < kHd4; ++c) k_own[c] = __ldcg(k4 + c);
+    }
     float acc[kMaxGroup];
 #pragma unroll
     for (int g = 0; g < kMaxGroup; ++g) acc[g] = 0.f;
-#pragma unroll 8
-    for (int c = 0; c < hd4; ++c) {
-      const float4 k = k4[c];
+#pragma unroll
+    for (int c = 0; c < kHd4; ++c) {
+      const float4 k = k_own[c];
 #pragma unroll
       for (int g = 0; g < kMaxGroup; ++g) {
         if (g < group) {
-          const float4 qq = q4[g * hd4 + c];
+          const float4 qq = q4[g * kHd4 + c];
           acc[g] += qq.x * k.x + qq.y * k.y + qq.z * k.z + qq.w * k.w;
         }
       }
@@ -552,7 +604,7 @@ __global__ void __launch_bounds__(kAttnThreads) attention_decode_kernel(const fl
   }
   __syncthreads();
 
-  for (int g = warp; g < group; g += n_warps) {
+  for (int g = warp; g < group; g += kAttnWarps) {
     float* sg = sc + g * chunk_cap;
     float m = -INFINITY;
     for (int t = lane; t < len; t += 32) m = fmaxf(m, sg[t]);
@@ -565,27 +617,25 @@ __global__ void __launch_bounds__(kAttnThreads) attention_decode_kernel(const fl
     }
     l = detail::warp_sum(l);
     if (lane == 0) {
-      float* ml = p.ml + (static_cast<int64_t>(kvh * group + g) * p.n_splits + split) * 2;
-      ml[0] = m;
-      ml[1] = l;
+      m_s[g] = m;
+      l_s[g] = l;
     }
   }
   __syncthreads();
 
-  // P.V: warp w takes positions w, w + n_warps, ...; lane owns float2 columns lane and lane + 32.
-  const int pairs = hd / 2;
-  float2 o[kMaxGroup][kMaxPairsPerLane];
+  // P.V: warp w takes positions w, w + kAttnWarps, ...; lane owns float2 columns lane, lane + 32.
+  float2 o[kMaxGroup][kPairsPerLane];
 #pragma unroll
   for (int g = 0; g < kMaxGroup; ++g)
 #pragma unroll
-    for (int c = 0; c < kMaxPairsPerLane; ++c) o[g][c] = make_float2(0.f, 0.f);
-#pragma unroll 8
-  for (int t = warp; t < len; t += n_warps) {
-    const float2* v2 = reinterpret_cast<const float2*>(v_cache + static_cast<int64_t>(start + t) * kv_dim + kvh * hd);
+    for (int c = 0; c < kPairsPerLane; ++c) o[g][c] = make_float2(0.f, 0.f);
+#pragma unroll 4
+  for (int t = warp; t < len; t += kAttnWarps) {
+    const float2* v2 = reinterpret_cast<const float2*>(v_head + static_cast<int64_t>(start + t) * kv_dim);
 #pragma unroll
-    for (int c = 0; c < kMaxPairsPerLane; ++c) {
-      if (lane + 32 * c < pairs) {
-        const float2 v = v2[lane + 32 * c];
+    for (int c = 0; c < kPairsPerLane; ++c) {
+      if (lane + 32 * c < kPairs) {
+        const float2 v = __ldcg(v2 + lane + 32 * c);
 #pragma unroll
         for (int g = 0; g < kMaxGroup; ++g) {
           if (g < group) {
@@ -600,16 +650,199 @@ __global__ void __launch_bounds__(kAttnThreads) attention_decode_kernel(const fl
 #pragma unroll
   for (int g = 0; g < kMaxGroup; ++g)
 #pragma unroll
-    for (int c = 0; c < kMaxPairsPerLane; ++c)
-      if (g < group && lane + 32 * c < pairs)
-        reinterpret_cast<float2*>(part + (warp * group + g) * hd)[lane + 32 * c] = o[g][c];
+    for (int c = 0; c < kPairsPerLane; ++c)
+      if (g < group && lane + 32 * c < kPairs)
+        reinterpret_cast<float2*>(part + (warp * group + g) * HD)[lane + 32 * c] = o[g][c];
   __syncthreads();
-  for (int i = threadIdx.x; i < group * hd; i += blockDim.x) {
-    float sum = 0.f;
-    for (int w = 0; w < n_warps; ++w) sum += part[w * group * hd + i];
-    const int g = i / hd, d = i % hd;
-    p.o[(static_cast<int64_t>(kvh * group + g) * p.n_splits + split) * hd + d] = sum;
+
+  if (n_splits == 1) {
+    for (int i = threadIdx.x; i < group * HD; i += blockDim.x) {
+      float sum = 0.f;
+#pragma unroll
+      for (int w = 0; w < kAttnWarps; ++w) sum += part[w * group * HD + i];
+      out[static_cast<int64_t>(kvh) * group * HD + i] = sum / l_s[i / HD];
+    }
+    return;
   }
+
+  // Split: post this chunk's partial; the last block of this KV head combines all of them:
+  // o = sum_s o_s e^(m_s - M) / sum_s l_s e^(m_s - M), M = max_s m_s.
+  for (int i = threadIdx.x; i < group * HD; i += blockDim.x) {
+    float sum = 0.f;
+#pragma unroll
+    for (int w = 0; w < kAttnWarps; ++w) sum += part[w * group * HD + i];
+    const int g = i / HD, d = i % HD;
+    p.o[(static_cast<int64_t>(kvh * group + g) * p.max_splits + split) * HD + d] = sum;
+  }
+  if (threadIdx.x < group) {
+    float* ml = p.ml + (static_cast<int64_t>(kvh * group + threadIdx.x) * p.max_splits + split) * 2;
+    ml[0] = m_s[threadIdx.x];
+    ml[1] = l_s[threadIdx.x];
+  }
+  __threadfence();
+  __syncthreads();
+  if (threadIdx.x == 0) is_last = atomicAdd(p.counters + kvh, 1u) == static_cast<unsigned>(n_splits) - 1;
+  __syncthreads();
+  if (!is_last) return;
+  __threadfence();
+  for (int i = threadIdx.x; i < group * HD; i += blockDim.x) {
+    const int g = i / HD, d = i % HD;
+    const int64_t head = kvh * group + g;
+    const float* ml = p.ml + head * p.max_splits * 2;
+    float m = -INFINITY;
+    for (int s = 0; s < n_splits; ++s) m = fmaxf(m, __ldcg(ml + 2 * s));
+    float num = 0.f, den = 0.f;
+    for (int s = 0; s < n_splits; ++s) {
+      const float w = expf(__ldcg(ml + 2 * s) - m);
+      den += __ldcg(ml + 2 * s + 1) * w;
+      num += __ldcg(p.o + (head * p.max_splits + s) * HD + d) * w;
+    }
+    out[head * HD + d] = num / den;
+  }
+  if (threadIdx.x == 0) p.counters[kvh] = 0u;  // re-armed for the next launch
+}
+
+// ------------------------------------------------------------------ fused attention + O projection + residual
+
+// Short contexts: every block computes the attention of all heads (redundant across blocks, but the K/V rows are
+// few and L2-resident) and then its own W_o rows, so the attention output never leaves shared memory.
+// Scores: one (KV head, position) item per thread and round, the K row in registers (the first round's row is
+// loaded before the programmatic wait: rows before pos come from earlier steps); softmax: a warp per head;
+// P.V: warps over positions, lane l owns column pair l of every KV head (head_dim 64 = 32 pairs), then a sum over
+// the warps' partials in a fixed order (every block gets bit-identical attention outputs).
+constexpr int kFusedAttnThreads = 512;  // default block size: one score round up to 512 / n_kv positions
+
+template <GgmlType T, int THREADS>
+__global__ void __launch_bounds__(THREADS) attention_o_residual_kernel(const float* q, const float* k_cache,
+                                                                       const float* v_cache, const DecodeIO* io,
+                                                                       int n_heads, int n_kv_heads, int pos_cap,
+                                                                       DevMatrix W, float* residual) {
+  constexpr int HD = kFusedAttnHeadDim, kHd4 = HD / 4, kWarps = THREADS / 32;
+  constexpr int TPR = 8;  // W_o has 2 * n_heads <= 32 blocks per row
+  extern __shared__ float4 smem_dyn[];
+  const int group = n_heads / n_kv_heads, q_dim = n_heads * HD, kv_dim = n_kv_heads * HD;
+  float* q_s = reinterpret_cast<float*>(smem_dyn);  // [q_dim]
+  float* sc = q_s + q_dim;                           // [n_heads][pos_cap]: scores, then exp(score - max)
+  float* part = sc + n_heads * pos_cap;              // [kWarps][q_dim]: per-warp P.V sums
+  float* a_s = part + kWarps * q_dim;                // attention output in the padded matvec layout
+  __shared__ float l_s[kFusedAttnMaxKv * kFusedAttnMaxGroup];
+
+  const int local = threadIdx.x / TPR, sub = threadIdx.x % TPR;
+  const int row = blockIdx.x * (THREADS / TPR) + local;
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+
+  detail::launch_dependents();
+  RowDot<T, TPR> rd;
+  rd.prefetch(W, row, sub);
+
+  const int pos = io->pos, n_pos = pos + 1;  // io was written before this graph launch
+  if (n_pos > pos_cap) __trap();             // the host picks this path only for short contexts
+  const int n_items = n_kv_heads * n_pos;
+  const int i0 = threadIdx.x;
+  const int kvh0 = i0 / n_pos, t0 = i0 - kvh0 * n_pos;
+  const bool own_early = i0 < n_items && t0 < pos;
+  float4 k_own[kHd4];
+  if (own_early) {
+    const float4* k4 = reinterpret_cast<const float4*>(k_cache + static_cast<int64_t>(t0) * kv_dim + kvh0 * HD);
+#pragma unroll
+    for (int c = 0; c < kHd4; ++c) k_own[c] = __ldg(k4 + c);
+  }
+  for (int t = threadIdx.x; t < pos; t += THREADS) {
+    const char* vrow = reinterpret_cast<const char*>(v_cache + static_cast<int64_t>(t) * kv_dim);
+    for (int b = 0; b < kv_dim * 4; b += 128) prefetch_l2(vrow + b);
+  }
+  grid_dependency_wait();
+
+  // After the wait, data the kernel before wrote (q, K and V row pos) is read through L2 only (__ldcg).
+  for (int i = threadIdx.x; i < q_dim; i += THREADS) q_s[i] = __ldcg(q + i);
+  __syncthreads();
+
+  const float scale = 1.f / sqrtf(static_cast<float>(HD));
+  for (int i = i0; i < n_items; i += THREADS) {
+    const int kvh = i / n_pos, t = i - kvh * n_pos;
+    if (i != i0 || !own_early) {
+      const float4* k4 = reinterpret_cast<const float4*>(k_cache + static_cast<int64_t>(t) * kv_dim + kvh * HD);
+#pragma unroll
+      for (int c = 0; c < kHd4; ++c) k_own[c] = __ldcg(k4 + c);
+    }
+    const float4* q4 = reinterpret_cast<const float4*>(q_s + kvh * group * HD);
+    float acc[kFusedAttnMaxGroup];
+#pragma unroll
+    for (int g = 0; g < kFusedAttnMaxGroup; ++g) acc[g] = 0.f;
+#pragma unroll
+    for (int c = 0; c < kHd4; ++c) {
+      const float4 k = k_own[c];
+#pragma unroll
+      for (int g = 0; g < kFusedAttnMaxGroup; ++g) {
+        if (g < group) {
+          const float4 qq = q4[g * kHd4 + c];
+          acc[g] += qq.x * k.x + qq.y * k.y + qq.z * k.z + qq.w * k.w;
+        }
+      }
+    }
+#pragma unroll
+    for (int g = 0; g < kFusedAttnMaxGroup; ++g)
+      if (g < group) sc[(kvh * group + g) * pos_cap + t] = acc[g] * scale;
+  }
+  __syncthreads();
+
+  for (int h = warp; h < n_heads; h += kWarps) {
+    float* sh = sc + h * pos_cap;
+    float m = -INFINITY;
+    for (int t = lane; t < n_pos; t += 32) m = fmaxf(m, sh[t]);
+    m = detail::warp_max(m);
+    float l = 0.f;
+    for (int t = lane; t < n_pos; t += 32) {
+      const float e = expf(sh[t] - m);
+      sh[t] = e;
+      l += e;
+    }
+    l = detail::warp_sum(l);
+    if (lane == 0) l_s[h] = l;
+  }
+  __syncthreads();
+
+  float2 o[kFusedAttnMaxKv][kFusedAttnMaxGroup];
+#pragma unroll
+  for (int kv = 0; kv < kFusedAttnMaxKv; ++kv)
+#pragma unroll
+    for (int g = 0; g < kFusedAttnMaxGroup; ++g) o[kv][g] = make_float2(0.f, 0.f);
+#pragma unroll 4
+  for (int t = warp; t < n_pos; t += kWarps) {
+    const float2* v2 = reinterpret_cast<const float2*>(v_cache + static_cast<int64_t>(t) * kv_dim) + lane;
+#pragma unroll
+    for (int kv = 0; kv < kFusedAttnMaxKv; ++kv) {
+      if (kv < n_kv_heads) {
+        const float2 v = __ldcg(v2 + kv * (HD / 2));
+#pragma unroll
+        for (int g = 0; g < kFusedAttnMaxGroup; ++g) {
+          if (g < group) {
+            const float p = sc[(kv * group + g) * pos_cap + t];
+            o[kv][g].x += p * v.x;
+            o[kv][g].y += p * v.y;
+          }
+        }
+      }
+    }
+  }
+#pragma unroll
+  for (int kv = 0; kv < kFusedAttnMaxKv; ++kv)
+#pragma unroll
+    for (int g = 0; g < kFusedAttnMaxGroup; ++g)
+      if (kv < n_kv_heads && g < group)
+        reinterpret_cast<float2*>(part + warp * q_dim + (kv * group + g) * HD)[lane] = o[kv][g];
+  __syncthreads();
+
+  for (int i = threadIdx.x; i < q_dim; i += THREADS) {
+    float sum = 0.f;
+#pragma unroll
+    for (int w = 0; w < kWarps; ++w) sum += part[w * q_dim + i];
+    a_s[smem_index(i)] = sum / l_s[i / HD];
+  }
+  __syncthreads();
+
+  const float acc = rd.finish(W, row, sub, a_s);
+  if (sub == 0 && row < W.rows) residual[row] += acc;
 }
 
 // ------------------------------------------------------------------ embedding, argmax, dequant
@@ -664,7 +897,8 @@ Geometry matvec_geometry(const DevMatrix& W) {
 }
 
 using NormKernel = void (*)(DevMatrix, const float*, const float*, float, NormMatvecArgs);
-using ResidualKernel = void (*)(DevMatrix, ResidualArgs, float*);
+using ArgmaxKernel = void (*)(DevMatrix, const float*, const float*, float, ArgmaxArgs);
+using ResidualKernel = void (*)(DevMatrix, ResidualIn, const float*, float*);
 
 template <int TPR>
 NormKernel norm_kernel_for(GgmlType t) {
@@ -675,6 +909,18 @@ NormKernel norm_kernel_for(GgmlType t) {
     case GgmlType::F16: return norm_matvec_kernel<GgmlType::F16, TPR>;
     case GgmlType::BF16: return norm_matvec_kernel<GgmlType::BF16, TPR>;
     case GgmlType::F32: return norm_matvec_kernel<GgmlType::F32, TPR>;
+  }
+  throw EngineError("matvec: unsupported weight type");
+}
+template <int TPR>
+ArgmaxKernel argmax_kernel_for(GgmlType t) {
+  switch (t) {
+    case GgmlType::Q4_0: return norm_matvec_argmax_kernel<GgmlType::Q4_0, TPR>;
+    case GgmlType::Q4_1: return norm_matvec_argmax_kernel<GgmlType::Q4_1, TPR>;
+    case GgmlType::Q8_0: return norm_matvec_argmax_kernel<GgmlType::Q8_0, TPR>;
+    case GgmlType::F16: return norm_matvec_argmax_kernel<GgmlType::F16, TPR>;
+    case GgmlType::BF16: return norm_matvec_argmax_kernel<GgmlType::BF16, TPR>;
+    case GgmlType::F32: return norm_matvec_argmax_kernel<GgmlType::F32, TPR>;
   }
   throw EngineError("matvec: unsupported weight type");
 }
@@ -711,19 +957,25 @@ void run_norm_matvec(const DevMatrix& W, const float* x, const float* norm_w, fl
   launch(k, dim3(g.grid), dim3(g.threads), g.smem, s, W, x, norm_w, eps, a);
 }
 
-void run_matvec_residual(const DevMatrix& W, const ResidualArgs& a, float* residual, cudaStream_t s) {
-  Geometry g = matvec_geometry(W);
-  if (a.mode == ResidualIn::Attn) g.smem += static_cast<size_t>(W.cols / a.head_dim) * a.attn.n_splits * sizeof(float);
+void run_matvec_residual(const DevMatrix& W, ResidualIn mode, const float* x, float* residual, cudaStream_t s) {
+  const Geometry g = matvec_geometry(W);
   ResidualKernel k =
       pick(g.tpr, residual_kernel_for<8>(W.type), residual_kernel_for<16>(W.type), residual_kernel_for<32>(W.type));
   allow_smem(k, g.smem);
-  launch(k, dim3(g.grid), dim3(g.threads), g.smem, s, W, a, residual);
+  launch(k, dim3(g.grid), dim3(g.threads), g.smem, s, W, mode, x, residual);
+}
+
+// The lm_head kernel's row groups (rows_per_pass rows each); its grid is at most this many blocks.
+constexpr int kArgmaxThreads = 256;
+int argmax_row_groups(const DevMatrix& W) {
+  const int rows_per_pass = kArgmaxThreads / matvec_geometry(W).tpr;
+  return (W.rows + rows_per_pass - 1) / rows_per_pass;
 }
 
 }  // namespace
 
 int argmax_partials_needed(const DevMatrix& lm_head) {
-  const int g = matvec_geometry(lm_head).grid;
+  const int g = argmax_row_groups(lm_head);
   return g > kArgmaxMaxBlocks ? g : kArgmaxMaxBlocks;
 }
 
@@ -760,55 +1012,111 @@ void launch_norm_matvec_qkv(const DevMatrix& W, const float* x, const float* nor
   run_norm_matvec(W, x, norm_w, eps, a, s);
 }
 
-void launch_norm_matvec_argmax(const DevMatrix& W, const float* x, const float* norm_w, float eps, float* logits,
-                               const ArgmaxScratch& scratch, ArgmaxResult* result, DecodeIO* io_next,
-                               cudaStream_t s) {
-  if (matvec_geometry(W).grid > scratch.capacity) throw EngineError("argmax scratch too small");
+void launch_embed_norm_matvec_qkv(const DevMatrix& emb, float* x, const DevMatrix& W, const float* norm_w, float eps,
+                                  const QkvTargets& t, cudaStream_t s) {
+  if (W.rows != t.q_dim + 2 * t.kv_dim || t.head_dim % 2 != 0) throw EngineError("qkv matvec: bad geometry");
+  if (emb.cols != W.cols || norm_w == nullptr) throw EngineError("embedding + qkv matvec: bad geometry");
   NormMatvecArgs a;
-  a.mode = NormOut::Argmax;
-  a.y = logits;
-  a.am = scratch;
-  a.result = result;
-  a.io_next = io_next;
+  a.mode = NormOut::Qkv;
+  a.qkv = t;
+  a.embed = emb;
+  a.x_out = x;
   run_norm_matvec(W, x, norm_w, eps, a, s);
 }
 
+void launch_norm_matvec_argmax(const DevMatrix& W, const float* x, const float* norm_w, float eps, float* logits,
+                               const ArgmaxScratch& scratch, ArgmaxResult* result, DecodeIO* io_next,
+                               cudaStream_t s) {
+  const Geometry g = matvec_geometry(W);
+  ArgmaxKernel k =
+      pick(g.tpr, argmax_kernel_for<8>(W.type), argmax_kernel_for<16>(W.type), argmax_kernel_for<32>(W.type));
+  allow_smem(k, g.smem);
+  // As many blocks as fit on the GPU at once, spread so that every block takes the same number of row groups.
+  int device = 0, n_sms = 0, per_sm = 0;
+  CUDA_CHECK(cudaGetDevice(&device));
+  CUDA_CHECK(cudaDeviceGetAttribute(&n_sms, cudaDevAttrMultiProcessorCount, device));
+  CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, k, kArgmaxThreads, g.smem));
+  const int groups = argmax_row_groups(W);
+  const int resident = std::max(1, per_sm * n_sms);
+  const int passes = (groups + resident - 1) / resident;
+  const int grid = (groups + passes - 1) / passes;
+  if (grid > scratch.capacity) throw EngineError("argmax scratch too small");
+  ArgmaxArgs a;
+  a.logits = logits;
+  a.am = scratch;
+  a.result = result;
+  a.io_next = io_next;
+  launch(k, dim3(grid), dim3(kArgmaxThreads), g.smem, s, W, x, norm_w, eps, a);
+}
+
 void launch_matvec_residual(const DevMatrix& W, const float* x, float* residual, cudaStream_t s) {
-  ResidualArgs a;
-  a.mode = ResidualIn::Plain;
-  a.x = x;
-  run_matvec_residual(W, a, residual, s);
+  run_matvec_residual(W, ResidualIn::Plain, x, residual, s);
 }
 
 void launch_matvec_residual_silu(const DevMatrix& W, const float* gate_up, float* residual, cudaStream_t s) {
-  ResidualArgs a;
-  a.mode = ResidualIn::Silu;
-  a.x = gate_up;
-  run_matvec_residual(W, a, residual, s);
-}
-
-void launch_matvec_residual_attn(const DevMatrix& W, const AttnPartials& p, const DecodeIO* io, int head_dim,
-                                 float* residual, cudaStream_t s) {
-  ResidualArgs a;
-  a.mode = ResidualIn::Attn;
-  a.attn = p;
-  a.io = io;
-  a.head_dim = head_dim;
-  run_matvec_residual(W, a, residual, s);
+  run_matvec_residual(W, ResidualIn::Silu, gate_up, residual, s);
 }
 
 void launch_attention_decode(const float* q, const float* k_cache, const float* v_cache, const DecodeIO* io,
-                             int n_heads, int n_kv_heads, int head_dim, int n_ctx, const AttnPartials& p,
+                             int n_heads, int n_kv_heads, int head_dim, int n_ctx, const AttnScratch& p, float* out,
                              cudaStream_t s) {
   const int group = n_heads / n_kv_heads;
   if (group > kMaxGroup || group * n_kv_heads != n_heads) throw EngineError("attention: unsupported head grouping");
-  const int chunk_cap = attn_chunk(n_ctx, p.n_splits);
-  if (head_dim % 32 != 0 || head_dim > 64 * kMaxPairsPerLane)
-    throw EngineError("decode attention needs head_dim a multiple of 32, at most 128");
+  if (p.max_splits < 1 || p.max_splits > kMaxAttnSplits) throw EngineError("attention: bad split capacity");
+  using AttnKernel = void (*)(const float*, const float*, const float*, const DecodeIO*, int, int, int, AttnScratch,
+                              float*);
+  AttnKernel k = head_dim == 32    ? attention_decode_kernel<32>
+                 : head_dim == 64  ? attention_decode_kernel<64>
+                 : head_dim == 96  ? attention_decode_kernel<96>
+                 : head_dim == 128 ? attention_decode_kernel<128>
+                                   : nullptr;
+  if (k == nullptr) throw EngineError("decode attention needs head_dim 32, 64, 96 or 128");
+  const int chunk_cap = attn_chunk_cap(n_ctx, p.max_splits);
   const size_t smem = attention_smem_bytes(group, head_dim, chunk_cap);
-  allow_smem(attention_decode_kernel, smem);
-  launch(attention_decode_kernel, dim3(n_kv_heads, p.n_splits), dim3(kAttnThreads), smem, s, q, k_cache, v_cache, io, n_heads,
-         n_kv_heads, head_dim, chunk_cap, p);
+  allow_smem(k, smem);
+  launch(k, dim3(n_kv_heads, p.max_splits), dim3(kAttnThreads), smem, s, q, k_cache, v_cache, io, n_heads, n_kv_heads,
+         chunk_cap, p, out);
+}
+
+bool attention_o_fusable(int n_heads, int n_kv_heads, int head_dim) {
+  return head_dim == kFusedAttnHeadDim && n_kv_heads >= 1 && n_kv_heads <= kFusedAttnMaxKv &&
+         n_heads % n_kv_heads == 0 && n_heads / n_kv_heads <= kFusedAttnMaxGroup;
+}
+
+namespace {
+using FusedAttnKernel = void (*)(const float*, const float*, const float*, const DecodeIO*, int, int, int, DevMatrix,
+                                 float*);
+template <int THREADS>
+FusedAttnKernel fused_attn_kernel_for(GgmlType t) {
+  switch (t) {
+    case GgmlType::Q4_0: return attention_o_residual_kernel<GgmlType::Q4_0, THREADS>;
+    case GgmlType::Q4_1: return attention_o_residual_kernel<GgmlType::Q4_1, THREADS>;
+    case GgmlType::Q8_0: return attention_o_residual_kernel<GgmlType::Q8_0, THREADS>;
+    case GgmlType::F16: return attention_o_residual_kernel<GgmlType::F16, THREADS>;
+    case GgmlType::BF16: return attention_o_residual_kernel<GgmlType::BF16, THREADS>;
+    case GgmlType::F32: return attention_o_residual_kernel<GgmlType::F32, THREADS>;
+  }
+  throw EngineError("fused attention: unsupported weight type");
+}
+}  // namespace
+
+void launch_attention_o_residual(const float* q, const float* k_cache, const float* v_cache, const DecodeIO* io,
+                                 int n_heads, int n_kv_heads, int head_dim, int pos_cap, const DevMatrix& W_o,
+                                 float* residual, cudaStream_t s, int threads) {
+  if (!attention_o_fusable(n_heads, n_kv_heads, head_dim)) throw EngineError("fused attention: unsupported geometry");
+  if (W_o.cols != n_heads * head_dim) throw EngineError("fused attention: W_o columns differ from q_dim");
+  if (pos_cap < 1 || pos_cap > kFusedAttnMaxPositions) throw EngineError("fused attention: bad position capacity");
+  if (threads == 0) threads = kFusedAttnThreads;
+  if (threads != 256 && threads != 512) throw EngineError("fused attention: threads must be 256 or 512");
+  const int cap = (pos_cap + 3) / 4 * 4;  // keeps the buffers behind the scores 16-byte aligned
+  const int q_dim = n_heads * head_dim, warps = threads / 32;
+  const size_t smem = (static_cast<size_t>(q_dim) * (1 + warps) + static_cast<size_t>(n_heads) * cap +
+                       static_cast<size_t>(W_o.nb) * kSmemBlockStride) * sizeof(float);
+  FusedAttnKernel k = threads == 256 ? fused_attn_kernel_for<256>(W_o.type) : fused_attn_kernel_for<512>(W_o.type);
+  allow_smem(k, smem);
+  const int rows_per_block = threads / 8;
+  launch(k, dim3((W_o.rows + rows_per_block - 1) / rows_per_block), dim3(threads), smem, s, q, k_cache, v_cache, io,
+         n_heads, n_kv_heads, cap, W_o, residual);
 }
 
 void launch_argmax(const float* x, int n, const ArgmaxScratch& scratch, ArgmaxResult* result, DecodeIO* io_next,

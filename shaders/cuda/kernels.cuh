@@ -2,9 +2,11 @@
 // host, and host-callable launch helpers (each launches one kernel on the given stream and checks the launch).
 //
 // Decode step, per token (all kernels read the token id and position from DecodeIO in device memory):
-//   embed  ->  L x [ norm+QKV matvec (+RoPE +KV append) -> attention partials -> combine+O matvec+residual
-//                    -> norm+gate/up matvec -> SiLU*up+down matvec+residual ]  ->  final norm+lm_head+argmax
-// that is 5 kernels per layer and 2 more: 5L + 2 launches, captured once as one CUDA graph.
+//   L x [ norm+QKV matvec (+RoPE +KV append; layer 0 also gathers the embedding row) -> attention
+//         -> O matvec+residual -> norm+gate/up matvec -> SiLU*up+down matvec+residual ]  ->  final norm+lm_head+argmax
+// that is 4 kernels per layer and 1 more: 4L + 1 launches, captured once as one CUDA graph. Short contexts fuse
+// attention and O matvec+residual into one kernel (3L + 1 launches), captured as a second graph; the host picks
+// the graph by position.
 #pragma once
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
@@ -83,18 +85,39 @@ struct ArgmaxScratch {
   int capacity = 0;  // number of partials
 };
 
-// Flash-decoding split of the context: n_splits chunks of attn_chunk(n_pos, n_splits) positions each.
-struct AttnPartials {
-  float* o = nullptr;   // [n_heads][n_splits][head_dim]
-  float* ml = nullptr;  // [n_heads][n_splits][2]: running max, sum of exp
-  int n_splits = 0;
+// Decode attention splits the context only when it is long (flash-decoding): up to kAttnSinglePassMax positions one
+// block per KV head does the whole softmax and writes the output directly; beyond that, attn_splits() blocks per KV
+// head (chosen from the position at run time, inside the kernel, since the graph is captured once) write partials,
+// and the last block of each KV head to finish combines them. Scratch for the split case:
+struct AttnScratch {
+  float* o = nullptr;                  // [n_heads][max_splits][head_dim]: unnormalized partial outputs
+  float* ml = nullptr;                 // [n_heads][max_splits][2]: running max, sum of exp
+  unsigned int* counters = nullptr;    // [n_kv_heads] done-counters, zero between launches
+  int max_splits = 1;
 };
-constexpr int kAttnMinChunk = 32;
-constexpr int kMaxAttnSplits = 16;
-__host__ __device__ inline int attn_chunk(int n_pos, int n_splits) {
-  int c = (n_pos + n_splits - 1) / n_splits;
-  c = (c + 31) / 32 * 32;
-  return c < kAttnMinChunk ? kAttnMinChunk : c;
+constexpr int kAttnSinglePassMax = 256;  // = the attention block size: one position per thread in the score pass
+constexpr int kAttnMinChunk = 64;        // positions per split block once the context is split
+constexpr int kMaxAttnSplits = 32;
+__host__ __device__ inline int attn_splits(int n_pos, int max_splits) {
+  if (n_pos <= kAttnSinglePassMax) return 1;
+  const int s = (n_pos + kAttnMinChunk - 1) / kAttnMinChunk;
+  return s < max_splits ? s : max_splits;
+}
+__host__ __device__ inline int attn_chunk(int n_pos, int n_splits) { return (n_pos + n_splits - 1) / n_splits; }
+// The longest chunk any n_pos <= n_ctx gets (sizes the score buffer in shared memory).
+__host__ __device__ inline int attn_chunk_cap(int n_ctx, int max_splits) {
+  const int single = n_ctx < kAttnSinglePassMax ? n_ctx : kAttnSinglePassMax;
+  const int split = attn_chunk(n_ctx, max_splits);
+  const int cap = single > split ? single : split;
+  return (cap + 3) / 4 * 4;  // keeps the buffers behind the scores 16-byte aligned
+}
+// Split capacity worth allocating for a context of n_ctx on a GPU with n_sms SMs.
+inline int attn_max_splits(int n_ctx, int n_kv_heads, int n_sms) {
+  int s = (n_ctx + kAttnMinChunk - 1) / kAttnMinChunk;
+  s = s < kMaxAttnSplits ? s : kMaxAttnSplits;
+  const int by_sms = n_sms / n_kv_heads;
+  s = s < by_sms ? s : by_sms;
+  return s < 1 ? 1 : s;
 }
 
 // Enables Programmatic Dependent Launch for the decode launches that follow (captured into the decode graph):
@@ -270,6 +293,10 @@ struct QkvTargets {
 };
 void launch_norm_matvec_qkv(const DevMatrix& W, const float* x, const float* norm_w, float eps, const QkvTargets& t,
                             cudaStream_t s);
+// The first layer's variant with the embedding gather folded in: x = row t.io->token of emb (written to x for the
+// residual stream), then as launch_norm_matvec_qkv. The embedding row is gathered before the programmatic wait.
+void launch_embed_norm_matvec_qkv(const DevMatrix& emb, float* x, const DevMatrix& W, const float* norm_w, float eps,
+                                  const QkvTargets& t, cudaStream_t s);
 
 // logits = W . rmsnorm(x); then argmax of the logits into *result (device or mapped-host pointer); if io_next is
 // non-null, also io_next->token = argmax, io_next->pos += 1.
@@ -281,15 +308,29 @@ void launch_norm_matvec_argmax(const DevMatrix& W, const float* x, const float* 
 void launch_matvec_residual(const DevMatrix& W, const float* x, float* residual, cudaStream_t s);
 // residual += W . (silu(gate) * up), gate_up = [gate (W.cols); up (W.cols)]
 void launch_matvec_residual_silu(const DevMatrix& W, const float* gate_up, float* residual, cudaStream_t s);
-// residual += W . combine(partials): the attention output is assembled from the split partials first.
-void launch_matvec_residual_attn(const DevMatrix& W, const AttnPartials& p, const DecodeIO* io, int head_dim,
-                                 float* residual, cudaStream_t s);
 
-// Partial attention of q (all heads, roped) over cache positions [0, io->pos] of one layer.
-// n_ctx bounds the chunk length (sizes shared memory).
+// out[n_heads * head_dim] = attention of q (all heads, roped) over cache positions [0, io->pos] of one layer.
+// n_ctx bounds the position (sizes shared memory); the scratch serves the long-context split.
 void launch_attention_decode(const float* q, const float* k_cache, const float* v_cache, const DecodeIO* io,
-                             int n_heads, int n_kv_heads, int head_dim, int n_ctx, const AttnPartials& p,
-                             cudaStream_t s);
+                             int n_heads, int n_kv_heads, int head_dim, int n_ctx, const AttnScratch& scratch,
+                             float* out, cudaStream_t s);
+
+// Short-context decode: attention + O projection + residual in one kernel, residual += W_o . attention(q). Every
+// block recomputes the attention of all heads (the K/V rows are few and L2-resident) and then multiplies its own
+// rows of W_o, so no attention output goes through global memory and one launch per layer disappears.
+// Supported geometry (attention_o_fusable): head_dim 64, at most 4 KV heads, at most 4 query heads per KV head.
+// pos_cap (<= kFusedAttnMaxPositions) sizes shared memory: io->pos + 1 must not exceed it (the kernel traps).
+constexpr int kFusedAttnHeadDim = 64;
+constexpr int kFusedAttnMaxKv = 4;
+constexpr int kFusedAttnMaxGroup = 4;
+constexpr int kFusedAttnMaxPositions = 1024;
+// The backend takes the fused path while n_pos = pos + 1 <= this (METALATTN_CUDA_FUSED_ATTN=<n> overrides, 0 = off).
+constexpr int kFusedAttnDefaultMaxPositions = 256;
+bool attention_o_fusable(int n_heads, int n_kv_heads, int head_dim);
+// threads: 256 or 512 (0 = the default); the grid is W_o.rows / (threads / 8) blocks.
+void launch_attention_o_residual(const float* q, const float* k_cache, const float* v_cache, const DecodeIO* io,
+                                 int n_heads, int n_kv_heads, int head_dim, int pos_cap, const DevMatrix& W_o,
+                                 float* residual, cudaStream_t s, int threads = 0);
 
 // Two-stage argmax of x[0..n) in one launch (last block reduces the per-block partials).
 void launch_argmax(const float* x, int n, const ArgmaxScratch& scratch, ArgmaxResult* result, DecodeIO* io_next,
@@ -315,5 +356,22 @@ void launch_attention_prefill(const float* q, const float* k_cache, const float*
                               cudaStream_t s);
 // hi[t][i] (+lo) = fp16(silu(gate[t][i]) * up[t][i]); gate_up rows of 2*d_ff floats.
 void launch_silu_to_half(const float* gate_up, int n, int d_ff, __half* hi, __half* lo, cudaStream_t s);
+
+// ------------------------------------------------------------------ prefill launches reading the start position
+// from device memory (prefill.cu), so one captured prefill graph serves every start position. Same results as
+// launch_rope_append / launch_attention_prefill with pos0 = *pos0.
+void launch_rope_append_at(const float* qkv, int n, const int32_t* pos0, const float2* rope_table, int q_dim,
+                           int kv_dim, int head_dim, float* q_out, float* k_cache, float* v_cache, cudaStream_t s);
+// head_dim 64 runs on tensor cores (fp16 hi/lo operand pairs, fp32 accumulation), other head_dims on fp32 FMAs.
+void launch_attention_prefill_at(const float* q, const float* k_cache, const float* v_cache, int n,
+                                 const int32_t* pos0, int n_heads, int n_kv_heads, int head_dim, __half* out_hi,
+                                 __half* out_lo, cudaStream_t s);
+// RoPE + KV append + causal attention of one chunk from the raw QKV GEMM rows (n rows of q_dim + 2 kv_dim floats):
+// the cache rows pos0..pos0+n-1 get the roped k / plain v rows, out gets the attention as fp16 rows. head_dim 64
+// is one fused tensor-core kernel (q_scratch unused); others run launch_rope_append_at into q_scratch [n][q_dim]
+// and then launch_attention_prefill_at.
+void launch_rope_attention_prefill(const float* qkv, int n, const int32_t* pos0, const float2* rope_table,
+                                   int n_heads, int n_kv_heads, int head_dim, float* k_cache, float* v_cache,
+                                   float* q_scratch, __half* out_hi, __half* out_lo, cudaStream_t s);
 
 }  // namespace metalattn::cuda

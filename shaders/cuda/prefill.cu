@@ -6,6 +6,9 @@
 // (about 2^-12 relative) and leaves only the fp16 rounding of the weights.
 #include <algorithm>
 #include <cmath>
+#include <utility>
+
+#include <mma.h>
 
 #include "cuda/cuda_check.h"
 #include "kernels.cuh"
@@ -24,6 +27,7 @@ __global__ void __launch_bounds__(256) rmsnorm_to_half_kernel(const float* __res
                                                               const float* __restrict__ w, float eps, __half* hi,
                                                               __half* lo) {
   __shared__ float red[32];
+  detail::grid_dependency_wait();
   const int64_t base = static_cast<int64_t>(blockIdx.x) * d;
   float ss = 0.f;
   for (int i = threadIdx.x; i < d; i += blockDim.x) ss += x[base + i] * x[base + i];
@@ -32,9 +36,12 @@ __global__ void __launch_bounds__(256) rmsnorm_to_half_kernel(const float* __res
   for (int i = threadIdx.x; i < d; i += blockDim.x) store_split(x[base + i] * scale * w[i], base + i, hi, lo);
 }
 
-__global__ void rope_append_kernel(const float* __restrict__ qkv, int n, int pos0, const float2* rope_table,
-                                   int q_dim, int kv_dim, int head_dim, float* q_out, float* k_cache,
-                                   float* v_cache) {
+__global__ void rope_append_kernel(const float* __restrict__ qkv, int n, const int32_t* pos0_dev, int pos0_value,
+                                   const float2* rope_table, int q_dim, int kv_dim, int head_dim, float* q_out,
+                                   float* k_cache, float* v_cache) {
+  detail::grid_dependency_wait();
+  detail::launch_dependents();  // the attention may launch now; it waits for this grid before reading
+  const int pos0 = pos0_dev != nullptr ? *pos0_dev : pos0_value;
   const int rows = q_dim + 2 * kv_dim, pairs = rows / 2;
   const int64_t total = static_cast<int64_t>(n) * pairs;
   for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < total;
@@ -47,6 +54,7 @@ __global__ void rope_append_kernel(const float* __restrict__ qkv, int n, int pos
 }
 
 __global__ void silu_to_half_kernel(const float* __restrict__ gate_up, int n, int d_ff, __half* hi, __half* lo) {
+  detail::grid_dependency_wait();
   const int64_t total = static_cast<int64_t>(n) * d_ff;
   for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < total;
        i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
@@ -66,13 +74,15 @@ constexpr int kMaxDimsPerLane = 4;  // head_dim <= 128
 // head_dim/32 output dimensions for the P.V product).
 __global__ void __launch_bounds__(256) attention_prefill_kernel(const float* __restrict__ q,
                                                                 const float* __restrict__ k_cache,
-                                                                const float* __restrict__ v_cache, int n, int pos0,
-                                                                int n_heads, int n_kv_heads, int hd, __half* out_hi,
+                                                                const float* __restrict__ v_cache, int n,
+                                                                const int32_t* pos0_dev, int pos0_value, int n_heads, int n_kv_heads, int hd, __half* out_hi,
                                                                 __half* out_lo) {
   extern __shared__ float4 smem_dyn[];
   float* q_s = reinterpret_cast<float*>(smem_dyn);  // [kQTile][hd]
   float* k_s = q_s + kQTile * hd;                   // [kKTile][hd + 1]: the pad makes per-lane rows conflict-free
   float* v_s = k_s + kKTile * (hd + 1);             // [kKTile][hd]
+  detail::grid_dependency_wait();
+  const int pos0 = pos0_dev != nullptr ? *pos0_dev : pos0_value;
   const int h = blockIdx.x, kvh = h / (n_heads / n_kv_heads);
   const int q0 = blockIdx.y * kQTile, q_count = min(kQTile, n - q0);
   const int q_dim = n_heads * hd, kv_dim = n_kv_heads * hd, dims_per_lane = hd / 32;
@@ -144,44 +154,359 @@ __global__ void __launch_bounds__(256) attention_prefill_kernel(const float* __r
   }
 }
 
+
+// ------------------------------------------------------------------ tensor-core attention (head_dim 64)
+// Flash-attention tiling on wmma fp16 tiles with fp32 accumulation. Every fp16 operand is carried as a hi/lo
+// pair (v = hi + lo) and each product as hi.hi + hi.lo + lo.hi, which keeps about 21 bits of the fp32 inputs:
+// plain fp16 would put ~1e-3 relative error on the scores and the output, the float kernel above gets ~1e-6.
+// A block: one query head, 64 queries, 4 warps of 16 query rows; it streams 64-key K/V tiles through shared
+// memory. Scores live in log2 units (log2(e)/sqrt(64) is folded into Q) so the softmax uses exp2f.
+namespace wm = nvcuda::wmma;
+constexpr int kTcHeadDim = 64;
+constexpr int kTcRows = 16;  // query rows per warp: one wmma tile
+constexpr int kTcWarps = 4;
+constexpr int kTcQTile = kTcRows * kTcWarps;
+constexpr int kTcKTile = 64;
+constexpr int kTcHalfLd = kTcHeadDim + 8;  // 144-byte rows: 16-byte aligned, tiles at 32-byte multiples
+constexpr int kTcFloatLd = kTcKTile + 4;
+
+struct TcAttnSmem {
+  __half k_hi[kTcKTile][kTcHalfLd], k_lo[kTcKTile][kTcHalfLd];
+  __half v_hi[kTcKTile][kTcHalfLd], v_lo[kTcKTile][kTcHalfLd];
+  float s[kTcWarps][kTcRows][kTcFloatLd];               // scores, then the tile's P.V product
+  __half p_hi[kTcWarps][kTcRows][kTcHalfLd], p_lo[kTcWarps][kTcRows][kTcHalfLd];  // Q staging, then P
+};
+
+using FragA = wm::fragment<wm::matrix_a, 16, 16, 16, __half, wm::row_major>;
+using FragBCol = wm::fragment<wm::matrix_b, 16, 16, 16, __half, wm::col_major>;
+using FragBRow = wm::fragment<wm::matrix_b, 16, 16, 16, __half, wm::row_major>;
+using FragAcc = wm::fragment<wm::accumulator, 16, 16, 16, float>;
+
+__device__ __forceinline__ void split_half(float v, __half& hi, __half& lo) {
+  hi = __float2half_rn(v);
+  lo = __float2half_rn(v - __half2float(hi));
+}
+
+// Where the kernel reads its queries and the chunk's keys: either roped q rows plus a cache that already holds the
+// chunk (qkv == nullptr), or the raw QKV GEMM rows of the chunk, roped here; then the first query head of each KV
+// head also appends its query tile's K (roped) / V rows to the cache. Keys before pos0 always come from the cache.
+struct TcAttnArgs {
+  const float* q = nullptr;    // [n][q_dim], roped
+  const float* qkv = nullptr;  // [n][q_dim + 2 kv_dim], raw
+  const float2* rope_table = nullptr;
+  float* k_cache = nullptr;
+  float* v_cache = nullptr;
+  int n = 0;
+  const int32_t* pos0_dev = nullptr;
+  int pos0_value = 0;
+  int n_heads = 0, n_kv_heads = 0;
+  __half* out_hi = nullptr;
+  __half* out_lo = nullptr;
+};
+
+__device__ __forceinline__ float4 rope4(float4 v, const float2* table_row, int c) {
+  const float2 a = table_row[c / 2], b = table_row[c / 2 + 1];
+  return make_float4(v.x * a.x - v.y * a.y, v.x * a.y + v.y * a.x, v.z * b.x - v.w * b.y, v.z * b.y + v.w * b.x);
+}
+
+__global__ void __launch_bounds__(kTcWarps * 32) attention_prefill_tc_kernel(const TcAttnArgs a) {
+  extern __shared__ __align__(128) unsigned char tc_smem_raw[];
+  TcAttnSmem& sm = *reinterpret_cast<TcAttnSmem*>(tc_smem_raw);
+  detail::grid_dependency_wait();
+  const int pos0 = a.pos0_dev != nullptr ? *a.pos0_dev : a.pos0_value;
+  const int n_heads = a.n_heads, group = n_heads / a.n_kv_heads;
+  const int h = blockIdx.x, kvh = h / group;
+  const int q0 = blockIdx.y * kTcQTile, q_count = min(kTcQTile, a.n - q0);
+  const int q_dim = n_heads * kTcHeadDim, kv_dim = a.n_kv_heads * kTcHeadDim, qkv_rows = q_dim + 2 * kv_dim;
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  const int w_row0 = warp * kTcRows, w_rows = max(0, min(kTcRows, q_count - w_row0));
+  const float q_scale = 0.125f * 1.4426950408889634f;  // 1/sqrt(64) * log2(e)
+  const float* __restrict__ k_cache = a.k_cache;
+  const float* __restrict__ v_cache = a.v_cache;
+  const float* __restrict__ qkv = a.qkv;
+  constexpr int kHalfRow = kTcHeadDim / 2;  // rope table entries per position
+
+  // This warp's 16 query rows as hi/lo A fragments (staged through its P buffers), one pair of dims per step.
+  FragA qa_hi[kTcHeadDim / 16], qa_lo[kTcHeadDim / 16];
+  for (int i = lane; i < kTcRows * kHalfRow; i += 32) {
+    const int r = i / kHalfRow, c = 2 * (i % kHalfRow);
+    float2 v = make_float2(0.f, 0.f);
+    if (r < w_rows) {
+      const int t = q0 + w_row0 + r;
+      if (qkv == nullptr) {
+        v = *reinterpret_cast<const float2*>(a.q + static_cast<int64_t>(t) * q_dim + h * kTcHeadDim + c);
+      } else {
+        const float2 raw = *reinterpret_cast<const float2*>(qkv + static_cast<int64_t>(t) * qkv_rows + h * kTcHeadDim + c);
+        const float2 cs = a.rope_table[static_cast<int64_t>(pos0 + t) * kHalfRow + c / 2];
+        v = make_float2(raw.x * cs.x - raw.y * cs.y, raw.x * cs.y + raw.y * cs.x);
+      }
+    }
+    split_half(v.x * q_scale, sm.p_hi[warp][r][c], sm.p_lo[warp][r][c]);
+    split_half(v.y * q_scale, sm.p_hi[warp][r][c + 1], sm.p_lo[warp][r][c + 1]);
+  }
+  if (qkv != nullptr && h % group == 0) {
+    // Append this query tile's K/V rows: every other block reads the chunk's keys from qkv, never from these rows.
+    for (int i = threadIdx.x; i < q_count * (kTcHeadDim / 4); i += blockDim.x) {
+      const int t = q0 + i / (kTcHeadDim / 4), c = (i % (kTcHeadDim / 4)) * 4, pos = pos0 + t;
+      const float* src = qkv + static_cast<int64_t>(t) * qkv_rows + q_dim + kvh * kTcHeadDim + c;
+      const int64_t dst = static_cast<int64_t>(pos) * kv_dim + kvh * kTcHeadDim + c;
+      *reinterpret_cast<float4*>(a.k_cache + dst) =
+          rope4(*reinterpret_cast<const float4*>(src), a.rope_table + static_cast<int64_t>(pos) * kHalfRow, c);
+      *reinterpret_cast<float4*>(a.v_cache + dst) = *reinterpret_cast<const float4*>(src + kv_dim);
+    }
+  }
+  __syncwarp();
+#pragma unroll
+  for (int ks = 0; ks < kTcHeadDim / 16; ++ks) {
+    wm::load_matrix_sync(qa_hi[ks], &sm.p_hi[warp][0][ks * 16], kTcHalfLd);
+    wm::load_matrix_sync(qa_lo[ks], &sm.p_lo[warp][0][ks * 16], kTcHalfLd);
+  }
+  __syncwarp();
+
+  // Softmax state: lane owns row r of the warp tile and the columns 2i + half (i < 32) of scores and output.
+  const int r = lane >> 1, half = lane & 1;
+  const bool row_ok = r < w_rows;
+  const int qpos = pos0 + q0 + w_row0 + r;
+  const int warp_last_qpos = pos0 + q0 + w_row0 + w_rows - 1;
+  float m = -INFINITY, l = 0.f, o[kTcHeadDim / 2];
+#pragma unroll
+  for (int i = 0; i < kTcHeadDim / 2; ++i) o[i] = 0.f;
+
+  const int last_key = pos0 + q0 + q_count - 1;
+  for (int kt = 0; kt <= last_key; kt += kTcKTile) {
+    __syncthreads();  // the previous tile is no longer read
+    for (int i = threadIdx.x; i < kTcKTile * (kTcHeadDim / 4); i += blockDim.x) {
+      const int row = i / (kTcHeadDim / 4), c = (i % (kTcHeadDim / 4)) * 4, key = kt + row;
+      float4 kv = make_float4(0.f, 0.f, 0.f, 0.f), vv = kv;  // keys past the last one: zero, never NaN garbage
+      if (key <= last_key) {
+        if (qkv == nullptr || key < pos0) {
+          const int64_t src = static_cast<int64_t>(key) * kv_dim + kvh * kTcHeadDim + c;
+          kv = *reinterpret_cast<const float4*>(k_cache + src);
+          vv = *reinterpret_cast<const float4*>(v_cache + src);
+        } else {
+          const float* src = qkv + static_cast<int64_t>(key - pos0) * qkv_rows + q_dim + kvh * kTcHeadDim + c;
+          kv = rope4(*reinterpret_cast<const float4*>(src), a.rope_table + static_cast<int64_t>(key) * kHalfRow, c);
+          vv = *reinterpret_cast<const float4*>(src + kv_dim);
+        }
+      }
+      split_half(kv.x, sm.k_hi[row][c], sm.k_lo[row][c]);
+      split_half(kv.y, sm.k_hi[row][c + 1], sm.k_lo[row][c + 1]);
+      split_half(kv.z, sm.k_hi[row][c + 2], sm.k_lo[row][c + 2]);
+      split_half(kv.w, sm.k_hi[row][c + 3], sm.k_lo[row][c + 3]);
+      split_half(vv.x, sm.v_hi[row][c], sm.v_lo[row][c]);
+      split_half(vv.y, sm.v_hi[row][c + 1], sm.v_lo[row][c + 1]);
+      split_half(vv.z, sm.v_hi[row][c + 2], sm.v_lo[row][c + 2]);
+      split_half(vv.w, sm.v_hi[row][c + 3], sm.v_lo[row][c + 3]);
+    }
+    __syncthreads();
+    if (w_rows == 0 || kt > warp_last_qpos) continue;  // warp-uniform: the whole tile is masked for this warp
+
+    // S = Q . K^T (16 x 64 for this warp)
+#pragma unroll
+    for (int j = 0; j < kTcKTile / 16; ++j) {
+      FragAcc acc;
+      wm::fill_fragment(acc, 0.f);
+#pragma unroll
+      for (int ks = 0; ks < kTcHeadDim / 16; ++ks) {
+        FragBCol kb_hi, kb_lo;
+        wm::load_matrix_sync(kb_hi, &sm.k_hi[j * 16][ks * 16], kTcHalfLd);
+        wm::load_matrix_sync(kb_lo, &sm.k_lo[j * 16][ks * 16], kTcHalfLd);
+        wm::mma_sync(acc, qa_hi[ks], kb_hi, acc);
+        wm::mma_sync(acc, qa_hi[ks], kb_lo, acc);
+        wm::mma_sync(acc, qa_lo[ks], kb_hi, acc);
+      }
+      wm::store_matrix_sync(&sm.s[warp][0][j * 16], acc, kTcFloatLd, wm::mem_row_major);
+    }
+    __syncwarp();
+
+    // Online softmax over the tile (causal mask), P written as hi/lo fp16.
+    float sv[kTcKTile / 2];
+    float mx = -INFINITY;
+#pragma unroll
+    for (int i = 0; i < kTcKTile / 2; ++i) {
+      const int col = 2 * i + half;
+      sv[i] = row_ok && kt + col <= qpos ? sm.s[warp][r][col] : -INFINITY;
+      mx = fmaxf(mx, sv[i]);
+    }
+    mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
+    const float m_new = fmaxf(m, mx);
+    const float m_ref = m_new == -INFINITY ? 0.f : m_new;  // a row with nothing visible yet: all p = 0, no NaN
+    const float corr = exp2f(m - m_ref);
+    float sum = 0.f;
+#pragma unroll
+    for (int i = 0; i < kTcKTile / 2; ++i) {
+      const float p = exp2f(sv[i] - m_ref);
+      sum += p;
+      split_half(p, sm.p_hi[warp][r][2 * i + half], sm.p_lo[warp][r][2 * i + half]);
+    }
+    sum += __shfl_xor_sync(0xffffffffu, sum, 1);
+    l = l * corr + sum;
+    m = m_new;
+#pragma unroll
+    for (int i = 0; i < kTcHeadDim / 2; ++i) o[i] *= corr;
+    __syncwarp();
+
+    // O_tile = P . V (16 x 64), added to the running output.
+    FragA pa_hi[kTcKTile / 16], pa_lo[kTcKTile / 16];
+#pragma unroll
+    for (int ks = 0; ks < kTcKTile / 16; ++ks) {
+      wm::load_matrix_sync(pa_hi[ks], &sm.p_hi[warp][0][ks * 16], kTcHalfLd);
+      wm::load_matrix_sync(pa_lo[ks], &sm.p_lo[warp][0][ks * 16], kTcHalfLd);
+    }
+#pragma unroll
+    for (int j = 0; j < kTcHeadDim / 16; ++j) {
+      FragAcc acc;
+      wm::fill_fragment(acc, 0.f);
+#pragma unroll
+      for (int ks = 0; ks < kTcKTile / 16; ++ks) {
+        FragBRow vb_hi, vb_lo;
+        wm::load_matrix_sync(vb_hi, &sm.v_hi[ks * 16][j * 16], kTcHalfLd);
+        wm::load_matrix_sync(vb_lo, &sm.v_lo[ks * 16][j * 16], kTcHalfLd);
+        wm::mma_sync(acc, pa_hi[ks], vb_hi, acc);
+        wm::mma_sync(acc, pa_hi[ks], vb_lo, acc);
+        wm::mma_sync(acc, pa_lo[ks], vb_hi, acc);
+      }
+      wm::store_matrix_sync(&sm.s[warp][0][j * 16], acc, kTcFloatLd, wm::mem_row_major);
+    }
+    __syncwarp();
+#pragma unroll
+    for (int i = 0; i < kTcHeadDim / 2; ++i) o[i] += sm.s[warp][r][2 * i + half];
+    __syncwarp();  // s and p are rewritten by the next tile
+  }
+
+  if (row_ok) {
+    const float inv = 1.f / l;  // l > 0: the query's own key is always visible
+    const int64_t base = static_cast<int64_t>(q0 + w_row0 + r) * q_dim + h * kTcHeadDim;
+#pragma unroll
+    for (int i = 0; i < kTcHeadDim / 2; ++i) store_split(o[i] * inv, base + 2 * i + half, a.out_hi, a.out_lo);
+  }
+}
+
+// Launches with Programmatic Dependent Launch while programmatic_launch() is on (the backend turns it on around a
+// prefill): the kernel is scheduled while its predecessor drains and waits in grid_dependency_wait() before it
+// touches memory, so every kernel here calls that first.
+template <typename... KernelArgs, typename... Args>
+void launch_pdl(void (*kernel)(KernelArgs...), dim3 grid, dim3 block, size_t smem, cudaStream_t s, Args&&... args) {
+  cudaLaunchConfig_t cfg{};
+  cfg.gridDim = grid;
+  cfg.blockDim = block;
+  cfg.dynamicSmemBytes = smem;
+  cfg.stream = s;
+  cudaLaunchAttribute attr[1];
+  attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  attr[0].val.programmaticStreamSerializationAllowed = 1;
+  cfg.attrs = attr;
+  cfg.numAttrs = programmatic_launch() ? 1 : 0;
+  CUDA_CHECK(cudaLaunchKernelEx(&cfg, kernel, std::forward<Args>(args)...));
+}
+
 int grid_for(int64_t total, int threads) {
   return static_cast<int>(std::max<int64_t>(1, std::min<int64_t>((total + threads - 1) / threads, 8192)));
+}
+
+void rope_append(const float* qkv, int n, const int32_t* pos0_dev, int pos0_value, const float2* rope_table, int q_dim,
+                 int kv_dim, int head_dim, float* q_out, float* k_cache, float* v_cache, cudaStream_t s) {
+  const int64_t total = static_cast<int64_t>(n) * ((q_dim + 2 * kv_dim) / 2);
+  launch_pdl(rope_append_kernel, dim3(grid_for(total, 256)), dim3(256), 0, s, qkv, n, pos0_dev, pos0_value, rope_table,
+             q_dim, kv_dim, head_dim, q_out, k_cache, v_cache);
+}
+
+void launch_tc(const TcAttnArgs& a, cudaStream_t s) {
+  // Set once, before any graph capture could need it (a backend's first prefill of a length runs eagerly).
+  static const bool smem_allowed = [] {
+    CUDA_CHECK(cudaFuncSetAttribute(attention_prefill_tc_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                    static_cast<int>(sizeof(TcAttnSmem))));
+    return true;
+  }();
+  (void)smem_allowed;
+  const dim3 grid(a.n_heads, (a.n + kTcQTile - 1) / kTcQTile);
+  launch_pdl(attention_prefill_tc_kernel, grid, dim3(kTcWarps * 32), sizeof(TcAttnSmem), s, a);
+}
+
+void attention_prefill(const float* q, const float* k_cache, const float* v_cache, int n, const int32_t* pos0_dev,
+                       int pos0_value, int n_heads, int n_kv_heads, int head_dim, __half* out_hi, __half* out_lo,
+                       cudaStream_t s) {
+  if (head_dim % 32 != 0 || head_dim > 32 * kMaxDimsPerLane)
+    throw EngineError("prefill attention needs head_dim a multiple of 32, at most 128");
+  if (head_dim == kTcHeadDim) {
+    TcAttnArgs a;
+    a.q = q;
+    a.k_cache = const_cast<float*>(k_cache);  // not written: qkv is null
+    a.v_cache = const_cast<float*>(v_cache);
+    a.n = n;
+    a.pos0_dev = pos0_dev;
+    a.pos0_value = pos0_value;
+    a.n_heads = n_heads;
+    a.n_kv_heads = n_kv_heads;
+    a.out_hi = out_hi;
+    a.out_lo = out_lo;
+    launch_tc(a, s);
+    return;
+  }
+  const size_t smem = static_cast<size_t>(kQTile * head_dim + kKTile * (head_dim + 1) + kKTile * head_dim) * 4;
+  if (smem > 48 * 1024)
+    CUDA_CHECK(cudaFuncSetAttribute(attention_prefill_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                    static_cast<int>(smem)));
+  const dim3 grid(n_heads, (n + kQTile - 1) / kQTile);
+  launch_pdl(attention_prefill_kernel, grid, dim3(256), smem, s, q, k_cache, v_cache, n, pos0_dev, pos0_value, n_heads,
+             n_kv_heads, head_dim, out_hi, out_lo);
 }
 
 }  // namespace
 
 void launch_rmsnorm_to_half(const float* x, int n, int d, const float* w, float eps, __half* hi, __half* lo,
                             cudaStream_t s) {
-  rmsnorm_to_half_kernel<<<n, 256, 0, s>>>(x, d, w, eps, hi, lo);
-  CUDA_CHECK_LAUNCH();
+  launch_pdl(rmsnorm_to_half_kernel, dim3(n), dim3(256), 0, s, x, d, w, eps, hi, lo);
 }
 
 void launch_rope_append(const float* qkv, int n, int pos0, const float2* rope_table, int q_dim, int kv_dim,
                         int head_dim, float* q_out, float* k_cache, float* v_cache, cudaStream_t s) {
-  const int64_t total = static_cast<int64_t>(n) * ((q_dim + 2 * kv_dim) / 2);
-  rope_append_kernel<<<grid_for(total, 256), 256, 0, s>>>(qkv, n, pos0, rope_table, q_dim, kv_dim, head_dim, q_out,
-                                                          k_cache, v_cache);
-  CUDA_CHECK_LAUNCH();
+  rope_append(qkv, n, nullptr, pos0, rope_table, q_dim, kv_dim, head_dim, q_out, k_cache, v_cache, s);
+}
+
+void launch_rope_append_at(const float* qkv, int n, const int32_t* pos0, const float2* rope_table, int q_dim,
+                           int kv_dim, int head_dim, float* q_out, float* k_cache, float* v_cache, cudaStream_t s) {
+  rope_append(qkv, n, pos0, 0, rope_table, q_dim, kv_dim, head_dim, q_out, k_cache, v_cache, s);
 }
 
 void launch_attention_prefill(const float* q, const float* k_cache, const float* v_cache, int n, int pos0,
                               int n_heads, int n_kv_heads, int head_dim, __half* out_hi, __half* out_lo,
                               cudaStream_t s) {
-  if (head_dim % 32 != 0 || head_dim > 32 * kMaxDimsPerLane)
-    throw EngineError("prefill attention needs head_dim a multiple of 32, at most 128");
-  const size_t smem = static_cast<size_t>(kQTile * head_dim + kKTile * (head_dim + 1) + kKTile * head_dim) * 4;
-  if (smem > 48 * 1024)
-    CUDA_CHECK(cudaFuncSetAttribute(attention_prefill_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                    static_cast<int>(smem)));
-  const dim3 grid(n_heads, (n + kQTile - 1) / kQTile);
-  attention_prefill_kernel<<<grid, 256, smem, s>>>(q, k_cache, v_cache, n, pos0, n_heads, n_kv_heads, head_dim,
-                                                   out_hi, out_lo);
-  CUDA_CHECK_LAUNCH();
+  attention_prefill(q, k_cache, v_cache, n, nullptr, pos0, n_heads, n_kv_heads, head_dim, out_hi, out_lo, s);
+}
+
+void launch_attention_prefill_at(const float* q, const float* k_cache, const float* v_cache, int n,
+                                 const int32_t* pos0, int n_heads, int n_kv_heads, int head_dim, __half* out_hi,
+                                 __half* out_lo, cudaStream_t s) {
+  attention_prefill(q, k_cache, v_cache, n, pos0, 0, n_heads, n_kv_heads, head_dim, out_hi, out_lo, s);
+}
+
+void launch_rope_attention_prefill(const float* qkv, int n, const int32_t* pos0, const float2* rope_table,
+                                   int n_heads, int n_kv_heads, int head_dim, float* k_cache, float* v_cache,
+                                   float* q_scratch, __half* out_hi, __half* out_lo, cudaStream_t s) {
+  if (head_dim != kTcHeadDim) {
+    const int q_dim = n_heads * head_dim, kv_dim = n_kv_heads * head_dim;
+    rope_append(qkv, n, pos0, 0, rope_table, q_dim, kv_dim, head_dim, q_scratch, k_cache, v_cache, s);
+    attention_prefill(q_scratch, k_cache, v_cache, n, pos0, 0, n_heads, n_kv_heads, head_dim, out_hi, out_lo, s);
+    return;
+  }
+  TcAttnArgs a;
+  a.qkv = qkv;
+  a.rope_table = rope_table;
+  a.k_cache = k_cache;
+  a.v_cache = v_cache;
+  a.n = n;
+  a.pos0_dev = pos0;
+  a.n_heads = n_heads;
+  a.n_kv_heads = n_kv_heads;
+  a.out_hi = out_hi;
+  a.out_lo = out_lo;
+  launch_tc(a, s);
 }
 
 void launch_silu_to_half(const float* gate_up, int n, int d_ff, __half* hi, __half* lo, cudaStream_t s) {
-  silu_to_half_kernel<<<grid_for(static_cast<int64_t>(n) * d_ff, 256), 256, 0, s>>>(gate_up, n, d_ff, hi, lo);
-  CUDA_CHECK_LAUNCH();
+  launch_pdl(silu_to_half_kernel, dim3(grid_for(static_cast<int64_t>(n) * d_ff, 256)), dim3(256), 0, s, gate_up, n, d_ff,
+             hi, lo);
 }
 
 }  // namespace metalattn::cuda

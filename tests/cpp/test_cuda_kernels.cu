@@ -6,6 +6,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstdlib>
 #include <cstring>
 #include <limits>
 #include <memory>
@@ -309,51 +310,159 @@ TEST(CudaFused, NormQkvRopeAndCacheAppend) {
   }
 }
 
-// Flash-decoding partials + the combine fused into the O projection. An identity F32 O matrix exposes the
-// attention output itself; a Q4_0 one checks the fused O matvec + residual.
-TEST(CudaFused, SplitAttentionCombineAndOProjection) {
+// Decode attention at positions that take one pass (n_pos <= kAttnSinglePassMax) and that split the context into
+// every split count up to the capacity (incl. the switch-over and the last position of the context), for several
+// split capacities. The output buffer is poisoned each time; the split done-counters must re-arm themselves.
+TEST(CudaFused, DecodeAttentionSinglePassAndSplit) {
   REQUIRE_GPU();
   const int n_heads = 9, n_kv = 3, hd = 64, q_dim = n_heads * hd, kv_dim = n_kv * hd, n_ctx = 8192;
   const std::vector<float> kc = random_vec(static_cast<size_t>(n_ctx) * kv_dim, -2.f, 2.f);
   const std::vector<float> vc = random_vec(static_cast<size_t>(n_ctx) * kv_dim);
-  DevBuf<float> dk(kc), dv(vc);
-  std::vector<float> ident(static_cast<size_t>(q_dim) * q_dim, 0.f);
-  for (int i = 0; i < q_dim; ++i) ident[static_cast<size_t>(i) * q_dim + i] = 1.f;
-  WeightView iv{GgmlType::F32, ident.data(), q_dim, q_dim};
-  GpuMatrix gi = to_gpu({&iv});
-  auto wo = random_matrix(GgmlType::Q4_0, 576, q_dim, 0.04f);
-  GpuMatrix go = to_gpu({&wo->view});
-  for (int n_splits : {1, 7, 88}) {
-    AttnPartials p;
-    p.n_splits = n_splits;
-    DevBuf<float> po(static_cast<size_t>(n_heads) * n_splits * hd), pml(static_cast<size_t>(n_heads) * n_splits * 2);
+  DevBuf<float> dk(kc), dv(vc), out(q_dim);
+  DevBuf<unsigned> counters(std::vector<unsigned>(n_kv, 0u));
+  for (int max_splits : {1, 7, kMaxAttnSplits}) {
+    AttnScratch p;
+    p.max_splits = max_splits;
+    DevBuf<float> po(static_cast<size_t>(n_heads) * max_splits * hd), pml(static_cast<size_t>(n_heads) * max_splits * 2);
     p.o = po.p;
     p.ml = pml.p;
-    for (int n_pos : {1, 2, 63, 64, 65, 129, 1000, 4097, 8192}) {
-      SCOPED_TRACE("splits " + std::to_string(n_splits) + " n_pos " + std::to_string(n_pos));
+    p.counters = counters.p;
+    for (int n_pos : {1, 2, 63, 64, 65, 129, kAttnSinglePassMax, kAttnSinglePassMax + 1, 1000, 2048, 4097, 8191,
+                      8192}) {
+      SCOPED_TRACE("max splits " + std::to_string(max_splits) + " n_pos " + std::to_string(n_pos) + " splits " +
+                   std::to_string(attn_splits(n_pos, max_splits)));
       const std::vector<float> q = random_vec(q_dim, -1.5f, 1.5f);
       DevBuf<float> dq(q);
       DevBuf<DecodeIO> io(std::vector<DecodeIO>{{0, n_pos - 1}});
       po.poison();
       pml.poison();
-      launch_attention_decode(dq.p, dk.p, dv.p, io.p, n_heads, n_kv, hd, n_ctx, p, nullptr);
+      out.poison();
+      launch_attention_decode(dq.p, dk.p, dv.p, io.p, n_heads, n_kv, hd, n_ctx, p, out.p, nullptr);
       std::vector<float> expect(q_dim);
       ref::attention(q.data(), kc.data(), vc.data(), n_heads, n_kv, hd, n_pos, expect.data());
-
-      const std::vector<float> r0 = random_vec(q_dim);
-      DevBuf<float> res(r0);
-      launch_matvec_residual_attn(gi.m, p, io.p, hd, res.p, nullptr);
-      std::vector<float> got = res.download();
-      for (int i = 0; i < q_dim; ++i) got[i] -= r0[i];
-      EXPECT_LE(max_abs_diff(got, expect), kTol) << "attention output";
-
-      const std::vector<float> r1 = random_vec(576);
-      DevBuf<float> res_o(r1);
-      launch_matvec_residual_attn(go.m, p, io.p, hd, res_o.p, nullptr);
-      std::vector<float> expect_o = ref_matvec(wo->view, expect);
-      for (int i = 0; i < 576; ++i) expect_o[i] += r1[i];
-      EXPECT_LE(max_abs_diff(res_o.download(), expect_o), kTol) << "combine + O + residual";
+      EXPECT_LE(max_abs_diff(out.download(), expect), kTol) << "attention output";
+      EXPECT_EQ(counters.download(), std::vector<unsigned>(n_kv, 0u)) << "done-counters re-armed";
     }
+  }
+  // The split rule itself: one pass up to kAttnSinglePassMax, then chunks of kAttnMinChunk up to the capacity.
+  EXPECT_EQ(attn_splits(1, 32), 1);
+  EXPECT_EQ(attn_splits(kAttnSinglePassMax, 32), 1);
+  EXPECT_EQ(attn_splits(kAttnSinglePassMax + 1, 32), (kAttnSinglePassMax + kAttnMinChunk) / kAttnMinChunk);
+  EXPECT_EQ(attn_splits(8192, 32), 32);
+  for (int n_ctx : {1, 100, 256, 257, 2048, 8192, 100000})
+    for (int n_pos = 1; n_pos <= n_ctx; n_pos += std::max(1, n_ctx / 97))
+      ASSERT_LE(attn_chunk(n_pos, attn_splits(n_pos, attn_max_splits(n_ctx, 3, 132))),
+                attn_chunk_cap(n_ctx, attn_max_splits(n_ctx, 3, 132)))
+          << n_ctx << " " << n_pos;
+}
+
+// The fused short-context attention + O projection + residual against ref::attention, then the reference O
+// matvec plus the residual, at positions around every boundary of the kernel's loops (warps, score rounds of
+// 256 / 512 threads over n_kv positions each, the backend's default switch-over) for both block sizes, several
+// head geometries and weight types, and with a capacity exactly equal to n_pos.
+// METALATTN_TEST_QUICK=1 (for the slow race checker) keeps SmolLM2's geometry, Q4_0 and a few positions.
+TEST(CudaFused, AttentionOProjectionResidual) {
+  REQUIRE_GPU();
+  struct Geo {
+    int n_heads, n_kv;
+  };
+  const int hd = kFusedAttnHeadDim, n_ctx = kFusedAttnMaxPositions;
+  const int sw = kFusedAttnDefaultMaxPositions;
+  const char* quick_env = std::getenv("METALATTN_TEST_QUICK");
+  const bool quick = quick_env != nullptr && std::strcmp(quick_env, "1") == 0;
+  std::vector<Geo> geos = {Geo{9, 3}, Geo{4, 2}, Geo{16, 4}, Geo{3, 3}};
+  std::vector<GgmlType> types = {GgmlType::Q4_0, GgmlType::Q8_0, GgmlType::F16};
+  std::vector<int> positions = {0, 1, 15, 16, 31, 63, 64, 85, 160, 170, 255, 256, sw - 2, sw - 1, sw, 511, 512, 767, 1023};
+  if (quick) {
+    geos.resize(1);
+    types.resize(1);
+    positions = {0, 160, 700};
+  }
+  for (Geo geo : geos) {
+    const int n_heads = geo.n_heads, n_kv = geo.n_kv, q_dim = n_heads * hd, kv_dim = n_kv * hd, d = 576;
+    ASSERT_TRUE(attention_o_fusable(n_heads, n_kv, hd));
+    const std::vector<float> kc = random_vec(static_cast<size_t>(n_ctx) * kv_dim, -2.f, 2.f);
+    const std::vector<float> vc = random_vec(static_cast<size_t>(n_ctx) * kv_dim);
+    DevBuf<float> dk(kc), dv(vc);
+    for (GgmlType t : types) {
+      auto wo = random_matrix(t, d, q_dim, 0.5f / std::sqrt(static_cast<float>(q_dim)));
+      GpuMatrix g = to_gpu({&wo->view});
+      for (int threads : {256, 512}) {
+        for (int pos : positions) {
+          const int n_pos = pos + 1;
+          for (int cap : {n_pos, n_ctx}) {
+            SCOPED_TRACE(std::string(type_name(t)) + " heads " + std::to_string(n_heads) + "/" + std::to_string(n_kv) +
+                         " threads " + std::to_string(threads) + " pos " + std::to_string(pos) + " cap " +
+                         std::to_string(cap));
+            const std::vector<float> q = random_vec(q_dim, -1.5f, 1.5f), x = random_vec(d, -2.f, 2.f);
+            DevBuf<float> dq(q), dx(x);
+            DevBuf<DecodeIO> io(std::vector<DecodeIO>{{0, pos}});
+            launch_attention_o_residual(dq.p, dk.p, dv.p, io.p, n_heads, n_kv, hd, cap, g.m, dx.p, nullptr, threads);
+            std::vector<float> att(q_dim);
+            ref::attention(q.data(), kc.data(), vc.data(), n_heads, n_kv, hd, n_pos, att.data());
+            std::vector<float> expect = ref_matvec(wo->view, att);
+            for (int i = 0; i < d; ++i) expect[i] += x[i];
+            EXPECT_LE(max_abs_diff(dx.download(), expect), kTol);
+          }
+        }
+      }
+    }
+  }
+  EXPECT_FALSE(attention_o_fusable(9, 3, 32));
+  EXPECT_FALSE(attention_o_fusable(10, 2, 64));  // 5 query heads per KV head
+  EXPECT_FALSE(attention_o_fusable(10, 5, 64));  // 5 KV heads
+  EXPECT_FALSE(attention_o_fusable(9, 2, 64));
+}
+
+// Layer 0's QKV kernel gathers the embedding row itself: same q / cache rows as embed then norm+QKV, and the row
+// lands in x for the residual stream.
+TEST(CudaFused, EmbeddingFoldedIntoFirstQkv) {
+  REQUIRE_GPU();
+  const int d = 576, n_heads = 9, n_kv = 3, hd = 64, q_dim = n_heads * hd, kv_dim = n_kv * hd, n_ctx = 64;
+  std::vector<float2> table(static_cast<size_t>(n_ctx) * hd / 2);
+  for (auto& c : table) c = make_float2(uniform(-1.f, 1.f), uniform(-1.f, 1.f));
+  DevBuf<float2> dtab(table);
+  for (GgmlType et : {GgmlType::Q8_0, GgmlType::Q4_0, GgmlType::F16}) {
+    SCOPED_TRACE(type_name(et));
+    auto emb = random_matrix(et, 1000, d, 0.5f);
+    auto wq = random_matrix(GgmlType::Q4_0, q_dim, d, 0.04f), wk = random_matrix(GgmlType::Q4_0, kv_dim, d, 0.04f),
+         wv = random_matrix(GgmlType::Q4_0, kv_dim, d, 0.04f);
+    GpuMatrix ge = to_gpu({&emb->view}), g = to_gpu({&wq->view, &wk->view, &wv->view});
+    const int token = std::uniform_int_distribution<int>(0, 999)(rng()), pos = 37;
+    const std::vector<float> nw = random_vec(d, 0.5f, 1.5f);
+    DevBuf<float> dnw(nw), x(d), dq(q_dim), dk(static_cast<size_t>(n_ctx) * kv_dim), dv(static_cast<size_t>(n_ctx) * kv_dim);
+    DevBuf<float> x2(d), dq2(q_dim), dk2(dk.n), dv2(dv.n);
+    for (auto* b : {&x, &dq, &dk, &dv, &x2, &dq2, &dk2, &dv2}) b->poison();
+    DevBuf<DecodeIO> io(std::vector<DecodeIO>{{token, pos}});
+    QkvTargets tg;
+    tg.rope_table = dtab.p;
+    tg.io = io.p;
+    tg.q_dim = q_dim;
+    tg.kv_dim = kv_dim;
+    tg.head_dim = hd;
+    tg.q_out = dq.p;
+    tg.k_cache = dk.p;
+    tg.v_cache = dv.p;
+    launch_embed_norm_matvec_qkv(ge.m, x.p, g.m, dnw.p, kEps, tg, nullptr);
+    QkvTargets tg2 = tg;
+    tg2.q_out = dq2.p;
+    tg2.k_cache = dk2.p;
+    tg2.v_cache = dv2.p;
+    launch_embed(ge.m, io.p, x2.p, nullptr);
+    launch_norm_matvec_qkv(g.m, x2.p, dnw.p, kEps, tg2, nullptr);
+    std::vector<float> row(d);
+    ref::dequantize_row(et, emb->view.row(token), row.data(), d);
+    EXPECT_EQ(x.download(), row) << "embedding row in x";
+    EXPECT_LE(max_abs_diff(dq.download(), dq2.download()), kTol) << "q";
+    const std::vector<float> k1 = dk.download(), k2 = dk2.download(), v1 = dv.download(), v2 = dv2.download();
+    auto row_at = [&](const std::vector<float>& c) {
+      return std::vector<float>(c.begin() + pos * kv_dim, c.begin() + (pos + 1) * kv_dim);
+    };
+    EXPECT_LE(max_abs_diff(row_at(k1), row_at(k2)), kTol) << "k cache row";
+    EXPECT_LE(max_abs_diff(row_at(v1), row_at(v2)), kTol) << "v cache row";
+    size_t touched = 0;
+    for (size_t i = 0; i < k1.size(); ++i) touched += !is_poison(k1[i]) + !is_poison(v1[i]);
+    EXPECT_EQ(touched, 2u * kv_dim) << "only row pos of each cache is written";
   }
 }
 
@@ -626,6 +735,155 @@ TEST(CudaPrefill, CausalAttentionOverPromptAndCache) {
   }
 }
 
+// The _at launches (start position read from device memory) at the SmolLM2 shape (head_dim 64: tensor cores) over
+// long contexts and at a late start position, and at head_dim 128 / 32 (the fp32 fallback).
+TEST(CudaPrefill, AttentionWithDevicePositionTensorCoresAndFallback) {
+  REQUIRE_GPU();
+  struct Shape {
+    int n_heads, n_kv, hd;
+  };
+  const int n_ctx = 2048;
+  for (const Shape sh : {Shape{9, 3, 64}, Shape{4, 2, 128}, Shape{6, 1, 32}}) {
+    const int q_dim = sh.n_heads * sh.hd, kv_dim = sh.n_kv * sh.hd;
+    const std::vector<float> kc = random_vec(static_cast<size_t>(n_ctx) * kv_dim, -2.f, 2.f);
+    const std::vector<float> vc = random_vec(static_cast<size_t>(n_ctx) * kv_dim);
+    DevBuf<float> dk(kc), dv(vc);
+    for (const auto [n, pos0] : {std::pair<int, int>{520, 0}, {97, 1900}, {16, 1000}, {65, 63}}) {
+      SCOPED_TRACE("head_dim " + std::to_string(sh.hd) + " n " + std::to_string(n) + " pos0 " + std::to_string(pos0));
+      const std::vector<float> q = random_vec(static_cast<size_t>(n) * q_dim, -1.5f, 1.5f);
+      DevBuf<float> dq(q);
+      DevBuf<int32_t> dpos(std::vector<int32_t>{pos0});
+      DevBuf<__half> hi(static_cast<size_t>(n) * q_dim), lo(static_cast<size_t>(n) * q_dim);
+      hi.poison();
+      lo.poison();
+      launch_attention_prefill_at(dq.p, dk.p, dv.p, n, dpos.p, sh.n_heads, sh.n_kv, sh.hd, hi.p, lo.p, nullptr);
+      const std::vector<__half> h = hi.download(), l = lo.download();
+      double err = 0;
+      std::vector<float> want(q_dim);
+      for (int t = 0; t < n; ++t) {
+        ref::attention(q.data() + static_cast<size_t>(t) * q_dim, kc.data(), vc.data(), sh.n_heads, sh.n_kv, sh.hd,
+                       pos0 + t + 1, want.data());
+        for (int i = 0; i < q_dim; ++i) {
+          const size_t k = static_cast<size_t>(t) * q_dim + i;
+          const double g = static_cast<double>(__half2float(h[k])) + __half2float(l[k]);
+          err = std::isnan(g) ? INFINITY : std::max(err, std::fabs(g - want[i]));
+        }
+      }
+      EXPECT_LE(err, kTol);
+    }
+  }
+}
+
+// The fused chunk step from raw QKV rows: roped queries, K/V rows appended to the cache (only rows pos0..pos0+n-1
+// change; rows past them stay poisoned and must not leak into the output), and causal attention over cache + chunk.
+TEST(CudaPrefill, RopeAppendAttentionFromQkvRows) {
+  REQUIRE_GPU();
+  struct Shape {
+    int n_heads, n_kv, hd;
+  };
+  const int n_ctx = 1024;
+  for (const Shape sh : {Shape{9, 3, 64}, Shape{4, 2, 128}}) {
+    const int q_dim = sh.n_heads * sh.hd, kv_dim = sh.n_kv * sh.hd, rows = q_dim + 2 * kv_dim;
+    std::vector<float2> table(static_cast<size_t>(n_ctx) * sh.hd / 2);
+    for (int i = 0; i < sh.hd / 2; ++i)
+      for (int p = 0; p < n_ctx; ++p) {
+        const double th = p * std::pow(100000.0, -2.0 * i / sh.hd);
+        table[static_cast<size_t>(p) * sh.hd / 2 + i] =
+            make_float2(static_cast<float>(std::cos(th)), static_cast<float>(std::sin(th)));
+      }
+    DevBuf<float2> dtab(table);
+    for (const auto [n, pos0] : {std::pair<int, int>{300, 0}, {70, 600}, {1, 5}, {129, 64}}) {
+      SCOPED_TRACE("head_dim " + std::to_string(sh.hd) + " n " + std::to_string(n) + " pos0 " + std::to_string(pos0));
+      // Host cache: random rows before pos0, NaN from pos0 on (the device copy is the same).
+      std::vector<float> kc = random_vec(static_cast<size_t>(n_ctx) * kv_dim, -2.f, 2.f), vc = random_vec(kc.size());
+      std::fill(kc.begin() + static_cast<size_t>(pos0) * kv_dim, kc.end(), std::numeric_limits<float>::quiet_NaN());
+      std::fill(vc.begin() + static_cast<size_t>(pos0) * kv_dim, vc.end(), std::numeric_limits<float>::quiet_NaN());
+      DevBuf<float> dk(kc), dv(vc);
+      const std::vector<float> qkv = random_vec(static_cast<size_t>(n) * rows, -1.5f, 1.5f);
+      DevBuf<float> dqkv(qkv), dqs(static_cast<size_t>(n) * q_dim);
+      DevBuf<int32_t> dpos(std::vector<int32_t>{pos0});
+      DevBuf<__half> hi(static_cast<size_t>(n) * q_dim), lo(static_cast<size_t>(n) * q_dim);
+      hi.poison();
+      lo.poison();
+      launch_rope_attention_prefill(dqkv.p, n, dpos.p, dtab.p, sh.n_heads, sh.n_kv, sh.hd, dk.p, dv.p, dqs.p, hi.p,
+                                    lo.p, nullptr);
+      // Reference: rope and append on the host, then attention per query.
+      std::vector<std::vector<float>> qs(n);
+      for (int t = 0; t < n; ++t) {
+        const float* row = qkv.data() + static_cast<size_t>(t) * rows;
+        qs[t].assign(row, row + q_dim);
+        ref::rope(qs[t].data(), sh.n_heads, sh.hd, pos0 + t, 100000.f);
+        float* kdst = kc.data() + static_cast<size_t>(pos0 + t) * kv_dim;
+        std::copy(row + q_dim, row + q_dim + kv_dim, kdst);
+        ref::rope(kdst, sh.n_kv, sh.hd, pos0 + t, 100000.f);
+        std::copy(row + q_dim + kv_dim, row + rows, vc.data() + static_cast<size_t>(pos0 + t) * kv_dim);
+      }
+      const std::vector<float> gk = dk.download(), gv = dv.download();
+      double cache_err = 0;
+      size_t cache_mismatch = 0;
+      for (size_t i = 0; i < gk.size(); ++i) {
+        if (std::isnan(kc[i]) || std::isnan(gk[i]) || std::isnan(vc[i]) || std::isnan(gv[i])) {
+          cache_mismatch += std::isnan(kc[i]) != std::isnan(gk[i]) || std::isnan(vc[i]) != std::isnan(gv[i]);
+          continue;
+        }
+        cache_err = std::max({cache_err, std::fabs(static_cast<double>(gk[i]) - kc[i]), std::fabs(static_cast<double>(gv[i]) - vc[i])});
+      }
+      EXPECT_EQ(cache_mismatch, 0u) << "cache rows written outside pos0..pos0+n-1, or missing";
+      EXPECT_LE(cache_err, kTol) << "appended K/V rows";
+      const std::vector<__half> h = hi.download(), l = lo.download();
+      double err = 0;
+      std::vector<float> want(q_dim);
+      for (int t = 0; t < n; ++t) {
+        ref::attention(qs[t].data(), kc.data(), vc.data(), sh.n_heads, sh.n_kv, sh.hd, pos0 + t + 1, want.data());
+        for (int i = 0; i < q_dim; ++i) {
+          const size_t k = static_cast<size_t>(t) * q_dim + i;
+          const double g = static_cast<double>(__half2float(h[k])) + __half2float(l[k]);
+          err = std::isnan(g) ? INFINITY : std::max(err, std::fabs(g - want[i]));
+        }
+      }
+      EXPECT_LE(err, kTol) << "attention output";
+    }
+  }
+}
+
+TEST(CudaPrefill, RopeAppendWithDevicePosition) {
+  REQUIRE_GPU();
+  const int n = 40, n_heads = 9, n_kv = 3, hd = 64, q_dim = 576, kv_dim = 192, n_ctx = 128, pos0 = 77;
+  const int rows = q_dim + 2 * kv_dim;
+  std::vector<float2> table(static_cast<size_t>(n_ctx) * hd / 2);
+  for (int i = 0; i < hd / 2; ++i)
+    for (int p = 0; p < n_ctx; ++p) {
+      const double th = p * std::pow(100000.0, -2.0 * i / hd);
+      table[static_cast<size_t>(p) * hd / 2 + i] = make_float2(static_cast<float>(std::cos(th)), static_cast<float>(std::sin(th)));
+    }
+  DevBuf<float2> dtab(table);
+  const std::vector<float> qkv = random_vec(static_cast<size_t>(n) * rows);
+  DevBuf<float> dqkv(qkv), dq(static_cast<size_t>(n) * q_dim), dk(static_cast<size_t>(n_ctx) * kv_dim),
+      dv(static_cast<size_t>(n_ctx) * kv_dim);
+  DevBuf<int32_t> dpos(std::vector<int32_t>{pos0});
+  dq.poison();
+  dk.poison();
+  dv.poison();
+  launch_rope_append_at(dqkv.p, n, dpos.p, dtab.p, q_dim, kv_dim, hd, dq.p, dk.p, dv.p, nullptr);
+  const std::vector<float> gq = dq.download(), gk = dk.download(), gv = dv.download();
+  double err = 0;
+  for (int t = 0; t < n; ++t) {
+    std::vector<float> q(qkv.begin() + t * rows, qkv.begin() + t * rows + q_dim);
+    std::vector<float> k(qkv.begin() + t * rows + q_dim, qkv.begin() + t * rows + q_dim + kv_dim);
+    ref::rope(q.data(), n_heads, hd, pos0 + t, 100000.f);
+    ref::rope(k.data(), n_kv, hd, pos0 + t, 100000.f);
+    for (int i = 0; i < q_dim; ++i) err = std::max(err, std::fabs(static_cast<double>(gq[t * q_dim + i]) - q[i]));
+    for (int i = 0; i < kv_dim; ++i) {
+      err = std::max(err, std::fabs(static_cast<double>(gk[(pos0 + t) * kv_dim + i]) - k[i]));
+      err = std::max(err, std::fabs(static_cast<double>(gv[(pos0 + t) * kv_dim + i]) - qkv[t * rows + q_dim + kv_dim + i]));
+    }
+  }
+  EXPECT_LE(err, kTol) << "rope + append at a device-side position";
+  size_t written = 0;
+  for (size_t i = 0; i < gv.size(); ++i) written += !is_poison(gv[i]);
+  EXPECT_EQ(written, static_cast<size_t>(n) * kv_dim);
+}
+
 // ------------------------------------------------------------------ whole backend
 
 namespace {
@@ -795,6 +1053,7 @@ TEST(CudaBackend, PromptMatchesTokenByTokenDecode) {
     if (check_all) std::copy(dec_all.end() - V, dec_all.end(), dec_last.begin());
     std::vector<float> last(V, NAN), all(check_all ? static_cast<size_t>(n) * V : 0, NAN);
     const ArgmaxResult r = be->forward_prompt(toks.data(), n, 0, last.data(), check_all ? all.data() : nullptr);
+    std::printf("[ prompt %4d: rel L2 of the last logits vs decode %.2e ]\n", n, rel_l2(last, dec_last));
     expect_logits_close(last, dec_last, 1e-3, "prompt last logits");
     EXPECT_EQ(r.token, ref::argmax(last.data(), V).token);
     if (check_all)
@@ -809,6 +1068,59 @@ TEST(CudaBackend, PromptMatchesTokenByTokenDecode) {
       be->forward_prompt(toks.data() + 50, n - 50, 50, last2.data(), nullptr);
       expect_logits_close(last2, dec_last, 1e-3, "prompt continued at pos 50");
     }
+  }
+}
+
+// A prompt length runs eagerly on its first use, is captured on its second and replayed after that; the replay must
+// follow the start position held in device memory.
+TEST(CudaBackend, PromptGraphReplayAtNewStartPositions) {
+  REQUIRE_GPU();
+  auto m = make_model(4, 2048, 256, GgmlType::Q4_0, GgmlType::Q8_0);
+  auto be = make_cuda_backend(m->spec, m->w, false);
+  const int V = m->spec.vocab;
+  const std::vector<int32_t> toks = random_tokens(104, V);
+  std::vector<std::vector<float>> dec(toks.size(), std::vector<float>(V));
+  for (size_t p = 0; p < toks.size(); ++p) be->forward_token(toks[p], static_cast<int>(p), dec[p].data());
+  // Positions 0..39 first (a one-off length), then 32 tokens at 0 three times: eager, captured, replayed.
+  be->forward_prompt(toks.data(), 40, 0, nullptr, nullptr);
+  for (int rep = 0; rep < 3; ++rep) {
+    SCOPED_TRACE("32 tokens at 0, use " + std::to_string(rep));
+    std::vector<float> last(V, NAN);
+    be->forward_prompt(toks.data(), 32, 0, last.data(), nullptr);
+    expect_logits_close(last, dec[31], 1e-3, "prompt at 0");
+  }
+  // Replays of the captured 32-token graph at 40 and 72: they see the cache the earlier calls left.
+  for (int p0 : {40, 72}) {
+    SCOPED_TRACE("32 tokens at " + std::to_string(p0));
+    std::vector<float> last(V, NAN), all(static_cast<size_t>(32) * V, NAN);
+    const ArgmaxResult r = be->forward_prompt(toks.data() + p0, 32, p0, last.data(), all.data());
+    expect_logits_close(last, dec[p0 + 31], 1e-3, "replayed prompt, last logits");
+    EXPECT_EQ(r.token, ref::argmax(last.data(), V).token);
+    double worst = 0;
+    for (int t = 0; t < 32; t += 3) {
+      const std::vector<float> row(all.begin() + static_cast<size_t>(t) * V, all.begin() + static_cast<size_t>(t + 1) * V);
+      worst = std::max(worst, rel_l2(row, dec[p0 + t]));
+      expect_logits_close(row, dec[p0 + t], 1e-3, "replayed prompt, all_logits row");
+    }
+    std::printf("[ replay at %d: rel L2 last %.2e, worst all_logits row %.2e ]\n", p0, rel_l2(last, dec[p0 + 31]), worst);
+  }
+}
+
+// Two chunks of the same length (1024) share one graph; the repeats must each see their own tokens and position.
+TEST(CudaBackend, PromptOfTwoEqualChunksRepeated) {
+  REQUIRE_GPU();
+  auto m = make_model(2, 2048, 2048, GgmlType::Q4_0, GgmlType::Q8_0);
+  auto be = make_cuda_backend(m->spec, m->w, false);
+  const int V = m->spec.vocab, n = 2048;
+  const std::vector<int32_t> toks = random_tokens(n, V);
+  std::vector<float> dec_last(V);
+  for (int p = 0; p < n - 1; ++p) be->forward_token_greedy(toks[p], p);
+  be->forward_token(toks[n - 1], n - 1, dec_last.data());
+  for (int rep = 0; rep < 3; ++rep) {
+    SCOPED_TRACE("use " + std::to_string(rep));
+    std::vector<float> last(V, NAN);
+    be->forward_prompt(toks.data(), n, 0, last.data(), nullptr);
+    expect_logits_close(last, dec_last, 1e-3, "2048-token prompt");
   }
 }
 
@@ -833,6 +1145,37 @@ TEST(CudaBackend, GreedyFeedbackDebugModeAndGraphAgree) {
   fast->forward_token(5, 24, lf.data());
   dbg->forward_token(5, 24, ld.data());
   EXPECT_EQ(lf, ld) << "graph replay and debug launches are the same kernels";
+}
+
+// A generation that crosses the switch-over from the fused short-context decode graph to the long-context one (and
+// runs on past it): logits match the reference forward at positions on both sides, and the graph backend is
+// bit-identical to the debug (eager) one.
+TEST(CudaBackend, DecodeAcrossTheFusedAttentionSwitchOver) {
+  REQUIRE_GPU();
+  const int sw = kFusedAttnDefaultMaxPositions, n = sw + 24;
+  auto m = make_model(3, 2048, n + 8, GgmlType::Q4_0, GgmlType::Q8_0);
+  auto fast = make_cuda_backend(m->spec, m->w, false);
+  auto dbg = make_cuda_backend(m->spec, m->w, true);
+  EXPECT_EQ(fast->kernels_per_token(), 3 * 3 + 1);
+  RefForward ref_fwd(*m);
+  const std::vector<int32_t> toks = random_tokens(n, m->spec.vocab);
+  std::vector<float> lf(m->spec.vocab), ld(m->spec.vocab);
+  for (int p = 0; p < n; ++p) {
+    const bool check = p < 2 || (p >= sw - 3 && p <= sw + 2) || p == n - 1;
+    const std::vector<float> want = ref_fwd.forward(toks[p], p);
+    if (!check) {
+      fast->forward_token_greedy(toks[p], p);
+      dbg->forward_token_greedy(toks[p], p);
+      continue;
+    }
+    SCOPED_TRACE("pos " + std::to_string(p));
+    std::fill(lf.begin(), lf.end(), NAN);
+    std::fill(ld.begin(), ld.end(), NAN);
+    fast->forward_token(toks[p], p, lf.data());
+    dbg->forward_token(toks[p], p, ld.data());
+    expect_logits_close(lf, want, 1e-3, "decode logits");
+    EXPECT_EQ(lf, ld) << "graph replay and debug launches are the same kernels";
+  }
 }
 
 TEST(CudaBackend, RejectsBadInputsAndOutOfMemoryWithoutLeaking) {
