@@ -78,18 +78,21 @@ float exp_shifted_sum(float* x, int n, float shift) {
   return s;
 }
 
-// The query heads that share one KV head (GQA group), over n_pos cached positions, written with GCC vector
-// types (16 floats: one AVX-512 register, two AVX2 ones) so the accumulators stay in registers.
-// The K cache of a KV head is stored transposed (head_dim rows of n_ctx floats): scores of 16 positions
-// accumulate in one vector per head over head_dim, each K row loaded once for the whole group, no horizontal sums.
-// V stays row-major: each 16-float column slice of a position's row is loaded once and added into every head.
-// q: G x head_dim; scores: G rows of scratch (stride scores_stride); out: G x head_dim (row stride out_stride).
-// head_dim must be a multiple of 16 (checked at construction).
+// Attention for the G query heads that share one KV head (a GQA group) and T consecutive query tokens (token t
+// sees positions [0, n_pos0 + t)), written with GCC vector types (16 floats: one AVX-512 register, two AVX2 ones)
+// so the G x T accumulators stay in registers and every K and V load serves all of them.
+// The K cache of a KV head is stored transposed (head_dim rows of n_ctx floats): scores of 16 positions accumulate
+// in one vector per (token, head) over head_dim, with no horizontal sums. V stays row-major: each 16-float slice
+// of a position's row is loaded once and added into every (token, head) output. Positions a token must not see
+// (the later tokens of its own tile, whose K/V are already in the cache) get probability 0.
+// q: token t, head h at q + t * q_stride + h * head_dim; out likewise with out_stride; scores: G*T rows of scratch
+// (stride scores_stride). head_dim must be a multiple of 16 (checked at construction).
 typedef float v16f __attribute__((vector_size(64)));
 // The helpers below pass v16f by value; they are always inlined into the ISA clones, so GCC's note that such a
 // signature's ABI differs with and without AVX-512 does not apply.
 #pragma GCC diagnostic ignored "-Wpsabi"
 constexpr int kMaxGroup = 8;
+constexpr int kQueryTile = 4;  // query tokens per attention job in a prompt
 
 __attribute__((always_inline)) inline v16f load16(const float* p) {
   v16f v;
@@ -98,54 +101,79 @@ __attribute__((always_inline)) inline v16f load16(const float* p) {
 }
 __attribute__((always_inline)) inline void store16(float* p, v16f v) { std::memcpy(p, &v, sizeof(v)); }
 
-template <int G>
+template <int G, int T>
 __attribute__((target_clones("avx512f", "avx2", "default")))
-void attend_group(const float* q, const float* k_t, int k_t_stride, const float* v, int v_stride, int n_pos,
-                  int head_dim, float* scores, int scores_stride, float* out, int out_stride) {
+void attend_group(const float* q, int q_stride, const float* k_t, int k_t_stride, const float* v, int v_stride,
+                  int n_pos0, int head_dim, float* scores, int scores_stride, float* out, int out_stride) {
   const float scale = 1.f / std::sqrt(static_cast<float>(head_dim));
-  const int full = n_pos / 16 * 16;
+  const int n_all = n_pos0 + T - 1;  // positions the last token of the tile sees
+  // Whole 16-position blocks, also past n_all where the cache row has room (those scores are never used): every
+  // score then comes from the same vector code whatever the tile, so a prompt matches token-by-token decode exactly.
+  int full = (n_all + 15) / 16 * 16;
+  if (full > k_t_stride) full -= 16;
   for (int t0 = 0; t0 < full; t0 += 16) {
-    v16f acc[G] = {};
+    v16f acc[T][G] = {};
     for (int j = 0; j < head_dim; ++j) {
       const v16f kr = load16(k_t + static_cast<int64_t>(j) * k_t_stride + t0);
-      for (int h = 0; h < G; ++h) acc[h] += q[h * head_dim + j] * kr;
+      for (int t = 0; t < T; ++t)
+        for (int h = 0; h < G; ++h) acc[t][h] += q[t * q_stride + h * head_dim + j] * kr;
     }
-    for (int h = 0; h < G; ++h) store16(scores + h * scores_stride + t0, acc[h] * scale);
+    for (int t = 0; t < T; ++t)
+      for (int h = 0; h < G; ++h) store16(scores + (t * G + h) * scores_stride + t0, acc[t][h] * scale);
   }
-  for (int t = full; t < n_pos; ++t)
+  for (int p = full; p < n_all; ++p)
+    for (int t = 0; t < T; ++t)
+      for (int h = 0; h < G; ++h) {
+        float sum = 0.f;
+        for (int j = 0; j < head_dim; ++j)
+          sum += q[t * q_stride + h * head_dim + j] * k_t[static_cast<int64_t>(j) * k_t_stride + p];
+        scores[(t * G + h) * scores_stride + p] = sum * scale;
+      }
+  for (int t = 0; t < T; ++t)
     for (int h = 0; h < G; ++h) {
-      float sum = 0.f;
-      for (int j = 0; j < head_dim; ++j) sum += q[h * head_dim + j] * k_t[static_cast<int64_t>(j) * k_t_stride + t];
-      scores[h * scores_stride + t] = sum * scale;
+      float* sc = scores + (t * G + h) * scores_stride;
+      const int n = n_pos0 + t;
+      float mx = -INFINITY;
+      for (int p = 0; p < n; ++p) mx = std::max(mx, sc[p]);
+      const float inv = 1.f / exp_shifted_sum(sc, n, mx);
+      for (int p = 0; p < n; ++p) sc[p] *= inv;
+      for (int p = n; p < n_all; ++p) sc[p] = 0.f;
     }
-  for (int h = 0; h < G; ++h) {
-    float* sc = scores + h * scores_stride;
-    float mx = -INFINITY;
-    for (int t = 0; t < n_pos; ++t) mx = std::max(mx, sc[t]);
-    const float inv = 1.f / exp_shifted_sum(sc, n_pos, mx);
-    for (int t = 0; t < n_pos; ++t) sc[t] *= inv;
-  }
   for (int c = 0; c < head_dim; c += 16) {
-    v16f acc[G] = {};
-    for (int t = 0; t < n_pos; ++t) {
-      const v16f vr = load16(v + static_cast<int64_t>(t) * v_stride + c);
-      for (int h = 0; h < G; ++h) acc[h] += scores[h * scores_stride + t] * vr;
+    v16f acc[T][G] = {};
+    for (int p = 0; p < n_all; ++p) {
+      const v16f vr = load16(v + static_cast<int64_t>(p) * v_stride + c);
+      for (int t = 0; t < T; ++t)
+        for (int h = 0; h < G; ++h) acc[t][h] += scores[(t * G + h) * scores_stride + p] * vr;
     }
-    for (int h = 0; h < G; ++h) store16(out + h * out_stride + c, acc[h]);
+    for (int t = 0; t < T; ++t)
+      for (int h = 0; h < G; ++h) store16(out + t * out_stride + h * head_dim + c, acc[t][h]);
   }
 }
 
-using AttendFn = void (*)(const float*, const float*, int, const float*, int, int, int, float*, int, float*, int);
-AttendFn attend_group_for(int group) {
+using AttendFn = void (*)(const float*, int, const float*, int, const float*, int, int, int, float*, int, float*, int);
+
+// attend_group for one token (decode, prompt tails) and for a tile of kQueryTile prompt tokens.
+struct AttendFns {
+  AttendFn one = nullptr;
+  AttendFn tile = nullptr;
+};
+
+template <int G>
+AttendFns attend_fns_of() {
+  return {attend_group<G, 1>, attend_group<G, kQueryTile>};
+}
+
+AttendFns attend_fns_for(int group) {
   switch (group) {
-    case 1: return attend_group<1>;
-    case 2: return attend_group<2>;
-    case 3: return attend_group<3>;
-    case 4: return attend_group<4>;
-    case 5: return attend_group<5>;
-    case 6: return attend_group<6>;
-    case 7: return attend_group<7>;
-    case 8: return attend_group<8>;
+    case 1: return attend_fns_of<1>();
+    case 2: return attend_fns_of<2>();
+    case 3: return attend_fns_of<3>();
+    case 4: return attend_fns_of<4>();
+    case 5: return attend_fns_of<5>();
+    case 6: return attend_fns_of<6>();
+    case 7: return attend_fns_of<7>();
+    case 8: return attend_fns_of<8>();
   }
   throw EngineError("cpu backend: 1 to 8 query heads per KV head are supported");
 }
@@ -172,8 +200,8 @@ class CpuBackend final : public Backend {
     v_cache_.assign(cache, 0.f);
     ensure_scratch(1);
     if (s_.head_dim % 16 != 0) throw EngineError("cpu backend: head_dim must be a multiple of 16");
-    attend_ = attend_group_for(s_.n_heads / s_.n_kv_heads);
-    scores_.resize(static_cast<size_t>(pool_.size()) * (s_.n_heads / s_.n_kv_heads) * s_.n_ctx);
+    attend_ = attend_fns_for(s_.n_heads / s_.n_kv_heads);
+    scores_.resize(static_cast<size_t>(pool_.size()) * kQueryTile * (s_.n_heads / s_.n_kv_heads) * s_.n_ctx);
     const int half = s_.head_dim / 2;
     rope_cos_.resize(static_cast<size_t>(s_.n_ctx) * half);
     rope_sin_.resize(rope_cos_.size());
@@ -346,16 +374,23 @@ class CpuBackend final : public Backend {
         for (int i = 0; i < kvd; ++i) kc[static_cast<size_t>(i) * s_.n_ctx + pos + t] = k_[t * kvd + i];
         std::memcpy(vc + static_cast<size_t>(pos + t) * kvd, &v_[t * kvd], kvd * sizeof(float));
       }
-      // One job per (token, KV head): the group of query heads sharing that KV head runs together.
+      // One job per (tile of up to kQueryTile tokens, KV head): the query heads sharing that KV head run together.
       const int group = s_.n_heads / s_.n_kv_heads;
-      const int jobs = n * s_.n_kv_heads;
+      const int tiles = (n + kQueryTile - 1) / kQueryTile;
+      const int jobs = tiles * s_.n_kv_heads;
       std::atomic<int> next_job{0};
       pool_.parallel([&](int ti, int) {
-        float* scores = scores_.data() + static_cast<size_t>(ti) * group * s_.n_ctx;
+        float* scores = scores_.data() + static_cast<size_t>(ti) * kQueryTile * group * s_.n_ctx;
         for (int j; (j = next_job.fetch_add(1, std::memory_order_relaxed)) < jobs;) {
-          const int t = j / s_.n_kv_heads, kvh = j % s_.n_kv_heads;
-          attend_(&q_[t * qd + kvh * group * hd], kc + static_cast<size_t>(kvh) * hd * s_.n_ctx, s_.n_ctx, vc + kvh * hd,
-                  kvd, pos + t + 1, hd, scores, s_.n_ctx, &att_[t * qd + kvh * group * hd], hd);
+          const int kvh = j % s_.n_kv_heads, t0 = j / s_.n_kv_heads * kQueryTile;
+          const int count = std::min(kQueryTile, n - t0);
+          const float* kt = kc + static_cast<size_t>(kvh) * hd * s_.n_ctx;
+          for (int t = t0; t < t0 + count;) {
+            const bool whole = t + kQueryTile <= t0 + count;
+            (whole ? attend_.tile : attend_.one)(&q_[t * qd + kvh * group * hd], qd, kt, s_.n_ctx, vc + kvh * hd, kvd,
+                                                 pos + t + 1, hd, scores, s_.n_ctx, &att_[t * qd + kvh * group * hd], qd);
+            t += whole ? kQueryTile : 1;
+          }
         }
       });
       const block_q16_act* aq = quantize_if_needed(att_.data(), n, qd, {&L.wo});
@@ -397,7 +432,7 @@ class CpuBackend final : public Backend {
   std::vector<float> rope_cos_, rope_sin_;  // [n_ctx][head_dim/2]
   std::vector<block_q16_act> xq_;
   float* hidden_out_ = nullptr;
-  AttendFn attend_ = nullptr;
+  AttendFns attend_;
 };
 
 }  // namespace
