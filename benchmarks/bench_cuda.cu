@@ -3,7 +3,9 @@
 // prompt, and the time of each decode kernel (each captured 200 times in a graph and replayed, without PDL).
 //   bench_cuda [n_ctx=2048]
 // Environment: METALATTN_CUDA_PDL=0 turns off Programmatic Dependent Launch in the decode graph,
-// METALATTN_CUDA_PREFILL_SPLIT=0 runs the prefill GEMMs on fp16 activations only.
+// METALATTN_CUDA_PREFILL_SPLIT=0 runs the prefill GEMMs on fp16 activations only; METALATTN_CUDA_FUSED_ATTN=<n>
+// turns on the fused attention + O decode path for n_pos <= n. `bench_cuda <n_ctx> kernels` runs only the
+// per-kernel section (for profilers).
 #include <algorithm>
 #include <chrono>
 #include <cmath>
@@ -110,6 +112,8 @@ double graph_time_us(cudaStream_t s, F body, int reps = 200) {
 
 int main(int argc, char** argv) {
   try {
+    // bench_cuda <n_ctx> kernels: only the per-kernel section (for profilers).
+    const bool kernels_only = argc > 2 && std::strcmp(argv[2], "kernels") == 0;
     if (cuda_device_count() == 0) {
       std::printf("no CUDA device\n");
       return 0;
@@ -164,6 +168,7 @@ int main(int argc, char** argv) {
 
     // Decode tg128 after a 32-token prompt (3 runs; per-token median and whole-run rate).
     std::vector<double> run_rates, per_token;
+    if (!kernels_only) {
     for (int run = 0; run < 4; ++run) {
       ArgmaxResult r = be->forward_prompt(prompt.data(), 32, 0, nullptr, nullptr);
       const auto t0 = Clock::now();
@@ -190,8 +195,9 @@ int main(int argc, char** argv) {
     }
     // Decode just below and just above the fused-attention switch-over (both graphs).
     {
-      const int sw = kFusedAttnDefaultMaxPositions;
-      if (sw + 64 < s.n_ctx) {
+      const char* fused_env = std::getenv("METALATTN_CUDA_FUSED_ATTN");
+      const int sw = fused_env != nullptr ? std::atoi(fused_env) : kFusedAttnDefaultMaxPositions;
+      if (sw >= 64 && sw + 64 < s.n_ctx) {
         be->forward_prompt(prompt.data(), sw - 64, 0, nullptr, nullptr);
         std::vector<double> below, above;
         ArgmaxResult r{1, 0.f};
@@ -216,6 +222,7 @@ int main(int argc, char** argv) {
       }
       std::printf("prefill pp%-5d: %8.3f ms  %9.0f tok/s\n", n, median(t) * 1e3, n / median(t));
     }
+    }  // !kernels_only
 
     // Per-kernel times (one layer's shapes; each kernel replayed 200x in a graph).
     {

@@ -167,7 +167,9 @@ class CudaBackend final : public Backend {
   bool debug_;
   bool use_pdl_;
   bool split_acts_;
-  int fused_attn_max_npos_ = 0;  // decode takes the fused attention + O path while pos + 1 <= this
+  // Decode takes the fused attention + O path while pos + 1 <= this; 0 (the default, METALATTN_CUDA_FUSED_ATTN
+  // unset) = never: on H100 the fused kernel measured slower than split attention + O at every position.
+  int fused_attn_max_npos_ = 0;
   Resources res_;
   MemoryInfo mem_;
 

@@ -324,8 +324,10 @@ constexpr int kFusedAttnHeadDim = 64;
 constexpr int kFusedAttnMaxKv = 4;
 constexpr int kFusedAttnMaxGroup = 4;
 constexpr int kFusedAttnMaxPositions = 1024;
-// The backend takes the fused path while n_pos = pos + 1 <= this (METALATTN_CUDA_FUSED_ATTN=<n> overrides, 0 = off).
-constexpr int kFusedAttnDefaultMaxPositions = 256;
+// OFF by default: measured slower than split attention + O at every position on H100 (see benchmarks/NOTES.md).
+// METALATTN_CUDA_FUSED_ATTN=<n> makes the backend take the fused path while n_pos = pos + 1 <= n.
+constexpr int kFusedAttnDefaultMaxPositions = 0;
+constexpr int kFusedAttnTestSwitchOver = 256;  // the switch-over the tests turn on
 bool attention_o_fusable(int n_heads, int n_kv_heads, int head_dim);
 // threads: 256 or 512 (0 = the default); the grid is W_o.rows / (threads / 8) blocks.
 void launch_attention_o_residual(const float* q, const float* k_cache, const float* v_cache, const DecodeIO* io,

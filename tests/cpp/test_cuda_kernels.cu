@@ -367,7 +367,7 @@ TEST(CudaFused, AttentionOProjectionResidual) {
     int n_heads, n_kv;
   };
   const int hd = kFusedAttnHeadDim, n_ctx = kFusedAttnMaxPositions;
-  const int sw = kFusedAttnDefaultMaxPositions;
+  const int sw = kFusedAttnTestSwitchOver;
   const char* quick_env = std::getenv("METALATTN_TEST_QUICK");
   const bool quick = quick_env != nullptr && std::strcmp(quick_env, "1") == 0;
   std::vector<Geo> geos = {Geo{9, 3}, Geo{4, 2}, Geo{16, 4}, Geo{3, 3}};
@@ -1152,10 +1152,16 @@ TEST(CudaBackend, GreedyFeedbackDebugModeAndGraphAgree) {
 // bit-identical to the debug (eager) one.
 TEST(CudaBackend, DecodeAcrossTheFusedAttentionSwitchOver) {
   REQUIRE_GPU();
-  const int sw = kFusedAttnDefaultMaxPositions, n = sw + 24;
+  const int sw = kFusedAttnTestSwitchOver, n = sw + 24;
   auto m = make_model(3, 2048, n + 8, GgmlType::Q4_0, GgmlType::Q8_0);
+  // The fused path is off by default; the backends read the switch-over when they are made.
+  const char* prev = std::getenv("METALATTN_CUDA_FUSED_ATTN");
+  const std::string saved = prev != nullptr ? prev : "";
+  setenv("METALATTN_CUDA_FUSED_ATTN", std::to_string(sw).c_str(), 1);
   auto fast = make_cuda_backend(m->spec, m->w, false);
   auto dbg = make_cuda_backend(m->spec, m->w, true);
+  if (prev != nullptr) setenv("METALATTN_CUDA_FUSED_ATTN", saved.c_str(), 1);
+  else unsetenv("METALATTN_CUDA_FUSED_ATTN");
   EXPECT_EQ(fast->kernels_per_token(), 3 * 3 + 1);
   RefForward ref_fwd(*m);
   const std::vector<int32_t> toks = random_tokens(n, m->spec.vocab);
