@@ -219,17 +219,7 @@ RowBudget row_budget(const WeightView& w, const float* x, const std::vector<bloc
 
 class QuantTypes : public ::testing::TestWithParam<GgmlType> {};
 
-std::string type_param_name(const ::testing::TestParamInfo<GgmlType>& info) {
-  switch (info.param) {
-    case GgmlType::F32: return "F32";
-    case GgmlType::F16: return "F16";
-    case GgmlType::BF16: return "BF16";
-    case GgmlType::Q4_0: return "Q4_0";
-    case GgmlType::Q4_1: return "Q4_1";
-    case GgmlType::Q8_0: return "Q8_0";
-  }
-  return "unknown";
-}
+std::string type_param_name(const ::testing::TestParamInfo<GgmlType>& info) { return type_name(info.param); }
 
 // Checks one matrix at one shape on every ISA: full range against the reference, then a mid-matrix row range
 // that must reproduce the same values and leave every other element untouched.
