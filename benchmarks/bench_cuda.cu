@@ -3,7 +3,7 @@
 // prompt, and the time of each decode kernel (each captured 200 times in a graph and replayed, without PDL).
 //   bench_cuda [n_ctx=2048]
 // Environment: METALATTN_CUDA_PDL=0 turns off Programmatic Dependent Launch in the decode graph,
-// METALATTN_CUDA_PREFILL_SPLIT=0 runs the prefill GEMMs on fp16 activations only; METALATTN_CUDA_FUSED_ATTN=<n>
+// METALATTN_CUDA_PREFILL_SPLIT=0 runs the prefill GEMMs on fp16 weights and activations, one K-slice; METALATTN_CUDA_FUSED_ATTN=<n>
 // turns on the fused attention + O decode path for n_pos <= n. `bench_cuda <n_ctx> kernels` runs only the
 // per-kernel section (for profilers).
 #include <algorithm>

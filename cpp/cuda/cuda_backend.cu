@@ -119,7 +119,8 @@ struct DevLayer {
   DevMatrix qkv, o, gate_up, down;  // decode layout
   const float* attn_norm = nullptr;
   const float* ffn_norm = nullptr;
-  __half *qkv16 = nullptr, *o16 = nullptr, *gate_up16 = nullptr, *down16 = nullptr;  // prefill GEMM copies
+  // Prefill GEMM weights: rows of [W_hi | W_hi | W_lo] fp16 (plain fp16 rows with the split off).
+  __half *qkv16 = nullptr, *o16 = nullptr, *gate_up16 = nullptr, *down16 = nullptr;
 };
 
 class CudaBackend final : public Backend {
@@ -158,7 +159,7 @@ class CudaBackend final : public Backend {
   void enqueue_decode(bool capture_hidden, bool fused_attention);
   void run_decode(int pos);
   ArgmaxResult finish_decode(int pos);
-  void gemm(const __half* w, int rows, int cols, int n, const __half* a_hi, const __half* a_lo, float* c, float beta);
+  void gemm(const __half* w, int rows, int cols, int n, const __half* a, float* c, float beta);
   void ensure_all_logits_buffer();
   void enqueue_prefill_chunk(int m, const int32_t* io);
   void run_prefill_chunk(int m, const int32_t* io);
@@ -166,7 +167,7 @@ class CudaBackend final : public Backend {
   ModelSpec spec_;
   bool debug_;
   bool use_pdl_;
-  bool split_acts_;
+  bool split_;  // prefill GEMM operands as fp16 hi/lo K-slices (see kernels.cuh)
   // Decode takes the fused attention + O path while pos + 1 <= this; 0 (the default, METALATTN_CUDA_FUSED_ATTN
   // unset) = never: on H100 the fused kernel measured slower than split attention + O at every position.
   int fused_attn_max_npos_ = 0;
@@ -199,7 +200,7 @@ class CudaBackend final : public Backend {
   int max_chunks_ = 0;
   uint64_t prefill_clock_ = 0;
   float *px_ = nullptr, *pq_ = nullptr, *pc_ = nullptr;
-  __half *pa_hi_ = nullptr, *pa_lo_ = nullptr;
+  __half* pa_ = nullptr;  // GEMM activation rows, half_slices(split_) * width halves per token
   float* plogits_ = nullptr;
   int logits_chunk_ = 0;
 };
@@ -233,8 +234,8 @@ const float* CudaBackend::upload_floats(const float* host, size_t n) {
 }
 
 __half* CudaBackend::half_copy(const DevMatrix& m) {
-  __half* h = device_alloc<__half>(static_cast<size_t>(m.rows) * m.cols, mem_.weights);
-  launch_dequant_to_half(m, h, res_.stream);
+  __half* h = device_alloc<__half>(static_cast<size_t>(half_slices(split_)) * m.rows * m.cols, mem_.weights);
+  launch_weights_to_half(m, split_, h, res_.stream);
   return h;
 }
 
@@ -242,9 +243,9 @@ CudaBackend::CudaBackend(const ModelSpec& spec, const ModelWeights& w, bool debu
     : spec_(spec),
       debug_(debug),
       use_pdl_(env_flag("METALATTN_CUDA_PDL", true)),  // measured +5% decode on H100; =0 turns it off
-      // On by default: without it the SmolLM2-shaped model stays ~5e-5 rel L2 from decode, but a 4-layer test model
-      // reached 1.1e-3 (bound 1e-3). =0 runs fp16 activations only (H100 pp512 2.5 vs 3.2 ms): see NOTES.
-      split_acts_(env_flag("METALATTN_CUDA_PREFILL_SPLIT", true)) {
+      // On by default: plain fp16 operands put a synthetic SmolLM2-shaped 2048-token prompt at 1.3e-3 rel L2 from
+      // decode (bound 1e-3). =0 runs plain fp16 GEMMs (1 K-slice instead of 3, a third of the weight copies).
+      split_(env_flag("METALATTN_CUDA_PREFILL_SPLIT", true)) {
   validate_model(spec, w);
   if (cuda_device_count() <= 0) throw EngineError("no CUDA device is available");
   if (spec.head_dim % 32 != 0 || spec.head_dim > 128)
@@ -338,7 +339,9 @@ CudaBackend::CudaBackend(const ModelSpec& spec, const ModelWeights& w, bool debu
   }
 
   // Prefill scratch.
-  chunk_ = std::min(spec.n_ctx, 1024);
+  // Up to 2048 tokens per chunk: the tensor-core attention runs a block per (head, 64 queries), so a 1024-token chunk
+  // left SmolLM2 with 144 four-warp blocks on 132 SMs, and a 2048-token prompt took the longest key row twice over.
+  chunk_ = std::min(spec.n_ctx, 2048);
   const size_t widest_in = std::max({static_cast<size_t>(d), static_cast<size_t>(q_dim), static_cast<size_t>(spec.d_ff)});
   const size_t widest_out = std::max(static_cast<size_t>(q_dim + 2 * kv_dim), 2 * static_cast<size_t>(spec.d_ff));
   max_chunks_ = (spec.n_ctx + chunk_ - 1) / chunk_;
@@ -359,8 +362,7 @@ CudaBackend::CudaBackend(const ModelSpec& spec, const ModelWeights& w, bool debu
   px_ = device_alloc<float>(static_cast<size_t>(chunk_) * d, mem_.scratch);
   pq_ = device_alloc<float>(static_cast<size_t>(chunk_) * q_dim, mem_.scratch);
   pc_ = device_alloc<float>(static_cast<size_t>(chunk_) * widest_out, mem_.scratch);
-  pa_hi_ = device_alloc<__half>(static_cast<size_t>(chunk_) * widest_in, mem_.scratch);
-  if (split_acts_) pa_lo_ = device_alloc<__half>(static_cast<size_t>(chunk_) * widest_in, mem_.scratch);
+  pa_ = device_alloc<__half>(static_cast<size_t>(half_slices(split_)) * chunk_ * widest_in, mem_.scratch);
 
   CUDA_CHECK(cudaStreamSynchronize(res_.stream));
 }
@@ -502,18 +504,14 @@ void CudaBackend::forward_token_debug(int32_t token, int pos, float* hidden, flo
   CUDA_CHECK(cudaMemcpy(logits, logits_, spec_.vocab * sizeof(float), cudaMemcpyDeviceToHost));
 }
 
-// C[n x rows] (row-major, fp32) = A[n x cols] . W[rows x cols]^T + beta C; A given as fp16 hi (+ lo).
-void CudaBackend::gemm(const __half* w, int rows, int cols, int n, const __half* a_hi, const __half* a_lo, float* c,
-                       float beta) {
+// C[n x rows] (row-major, fp32) = A[n x cols] . W[rows x cols]^T + beta C, one cuBLAS call: A and W are operand
+// rows of half_slices(split_) K-slices each, so the inner dimension is that many times cols.
+void CudaBackend::gemm(const __half* w, int rows, int cols, int n, const __half* a, float* c, float beta) {
   const float one = 1.f;
-  CUBLAS_CHECK(cublasGemmEx(res_.cublas, CUBLAS_OP_T, CUBLAS_OP_N, rows, n, cols, &one, w, CUDA_R_16F, cols, a_hi,
-                            CUDA_R_16F, cols, &beta, c, CUDA_R_32F, rows, CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT));
+  const int k = half_slices(split_) * cols;
+  CUBLAS_CHECK(cublasGemmEx(res_.cublas, CUBLAS_OP_T, CUBLAS_OP_N, rows, n, k, &one, w, CUDA_R_16F, k, a, CUDA_R_16F,
+                            k, &beta, c, CUDA_R_32F, rows, CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT));
   after_launch();
-  if (a_lo != nullptr) {
-    CUBLAS_CHECK(cublasGemmEx(res_.cublas, CUBLAS_OP_T, CUBLAS_OP_N, rows, n, cols, &one, w, CUDA_R_16F, cols, a_lo,
-                              CUDA_R_16F, cols, &one, c, CUDA_R_32F, rows, CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT));
-    after_launch();
-  }
 }
 
 void CudaBackend::ensure_all_logits_buffer() {
@@ -523,8 +521,8 @@ void CudaBackend::ensure_all_logits_buffer() {
 }
 
 // One chunk of a prompt, layer-major: io points at [start position, m tokens] in device memory, so the same
-// sequence (captured once as a graph) serves every start position. Per layer 8 launches (12 with the hi/lo split;
-// 9 / 13 when head_dim != 64): norm->fp16, QKV GEMM, RoPE+KV append+attention->fp16, O GEMM (+residual via beta 1),
+// sequence (captured once as a graph) serves every start position. Per layer 8 launches (9 when head_dim != 64),
+// with or without the hi/lo split: norm->fp16, QKV GEMM, RoPE+KV append+attention->fp16, O GEMM (+residual via beta 1),
 // norm->fp16, gate/up GEMM, SiLU*up->fp16, down GEMM (+residual); then the last token's norm+lm_head+argmax from
 // the exact quantized weights. Our kernels launch with PDL (unless METALATTN_CUDA_PDL=0).
 void CudaBackend::enqueue_prefill_chunk(int m, const int32_t* io) {
@@ -537,25 +535,24 @@ void CudaBackend::enqueue_prefill_chunk(int m, const int32_t* io) {
   cudaStream_t st = res_.stream;
   const int d = s.d_model, q_dim = s.q_dim(), kv_dim = s.kv_dim(), qkv_rows = q_dim + 2 * kv_dim;
   const size_t layer_cache = static_cast<size_t>(s.n_ctx) * kv_dim;
-  __half* lo = split_acts_ ? pa_lo_ : nullptr;
   launch_embed_rows(embd_, io + 1, m, px_, st);
   after_launch();
   for (int l = 0; l < s.n_layers; ++l) {
     const DevLayer& L = layers_[l];
     float* kc = k_cache_ + l * layer_cache;
     float* vc = v_cache_ + l * layer_cache;
-    launch_rmsnorm_to_half(px_, m, d, L.attn_norm, s.rms_eps, pa_hi_, lo, st);
+    launch_rmsnorm_to_half(px_, m, d, L.attn_norm, s.rms_eps, split_, pa_, st);
     after_launch();
-    gemm(L.qkv16, qkv_rows, d, m, pa_hi_, lo, pc_, 0.f);
-    launch_rope_attention_prefill(pc_, m, io, rope_, s.n_heads, s.n_kv_heads, s.head_dim, kc, vc, pq_, pa_hi_, lo, st);
+    gemm(L.qkv16, qkv_rows, d, m, pa_, pc_, 0.f);
+    launch_rope_attention_prefill(pc_, m, io, rope_, s.n_heads, s.n_kv_heads, s.head_dim, kc, vc, pq_, split_, pa_, st);
     after_launch();
-    gemm(L.o16, d, q_dim, m, pa_hi_, lo, px_, 1.f);  // beta = 1: the GEMM adds into the residual stream
-    launch_rmsnorm_to_half(px_, m, d, L.ffn_norm, s.rms_eps, pa_hi_, lo, st);
+    gemm(L.o16, d, q_dim, m, pa_, px_, 1.f);  // beta = 1: the GEMM adds into the residual stream
+    launch_rmsnorm_to_half(px_, m, d, L.ffn_norm, s.rms_eps, split_, pa_, st);
     after_launch();
-    gemm(L.gate_up16, 2 * s.d_ff, d, m, pa_hi_, lo, pc_, 0.f);
-    launch_silu_to_half(pc_, m, s.d_ff, pa_hi_, lo, st);
+    gemm(L.gate_up16, 2 * s.d_ff, d, m, pa_, pc_, 0.f);
+    launch_silu_to_half(pc_, m, s.d_ff, split_, pa_, st);
     after_launch();
-    gemm(L.down16, d, s.d_ff, m, pa_hi_, lo, px_, 1.f);
+    gemm(L.down16, d, s.d_ff, m, pa_, px_, 1.f);
   }
   launch_norm_matvec_argmax(lm_head_, px_ + static_cast<size_t>(m - 1) * d, out_norm_, s.rms_eps, logits_, argmax_,
                             result_dev_, nullptr, st);

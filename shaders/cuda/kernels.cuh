@@ -341,23 +341,32 @@ constexpr int kArgmaxMaxBlocks = 2048;  // partials capacity launch_argmax and t
 int argmax_partials_needed(const DevMatrix& lm_head);
 
 // ------------------------------------------------------------------ prefill launches (prefill.cu)
+// The prefill GEMMs run on fp16 tensor cores with fp32 accumulation. With `split` on, a float v travels as
+// hi = fp16(v) and lo = fp16(v - hi), and one GEMM per projection concatenates three K-slices:
+//   weight row   [W_hi | W_hi | W_lo]   (launch_weights_to_half, 3 * cols halves)
+//   activation   [a_hi | a_lo | a_hi]   (the producers below, 3 * width halves per token)
+// so W.a ~= W_hi.a_hi + W_hi.a_lo + W_lo.a_hi (~22 bits of both operands; W_lo.a_lo is below fp32 rounding).
+// With `split` off, rows hold the fp16 value alone (one slice): faster, ~2^-12 relative rounding per operand.
+inline int half_slices(bool split) { return split ? 3 : 1; }
 // x[t] = row tokens[t] of emb, t < n.
 void launch_embed_rows(const DevMatrix& emb, const int32_t* tokens, int n, float* x, cudaStream_t s);
 // Dense fp16 copy of W (rows x cols), for cuBLAS.
 void launch_dequant_to_half(const DevMatrix& W, __half* out, cudaStream_t s);
-// hi[t] (+ lo[t] = remainder when lo != nullptr) = fp16(rmsnorm(x[t], w)), rows of d.
-void launch_rmsnorm_to_half(const float* x, int n, int d, const float* w, float eps, __half* hi, __half* lo,
+// W as GEMM weight rows: rows x (half_slices(split) * cols) halves, [W_hi | W_hi | W_lo] when split.
+void launch_weights_to_half(const DevMatrix& W, bool split, __half* out, cudaStream_t s);
+// out row t = fp16 GEMM operand of rmsnorm(x[t], w) (rows of d floats), half_slices(split) * d halves.
+void launch_rmsnorm_to_half(const float* x, int n, int d, const float* w, float eps, bool split, __half* out,
                             cudaStream_t s);
 // qkv: n rows of (q_dim + 2 kv_dim) floats for positions pos0..pos0+n-1. Writes roped q rows to q_out and the
 // roped k / plain v rows to the caches.
 void launch_rope_append(const float* qkv, int n, int pos0, const float2* rope_table, int q_dim, int kv_dim,
                         int head_dim, float* q_out, float* k_cache, float* v_cache, cudaStream_t s);
-// Causal attention of n queries (positions pos0..) over cache positions [0, pos0 + t]; output as fp16 rows.
+// Causal attention of n queries (positions pos0..) over cache positions [0, pos0 + t]; out row t = the fp16 GEMM
+// operand of the q_dim outputs (half_slices(split) * q_dim halves).
 void launch_attention_prefill(const float* q, const float* k_cache, const float* v_cache, int n, int pos0,
-                              int n_heads, int n_kv_heads, int head_dim, __half* out_hi, __half* out_lo,
-                              cudaStream_t s);
-// hi[t][i] (+lo) = fp16(silu(gate[t][i]) * up[t][i]); gate_up rows of 2*d_ff floats.
-void launch_silu_to_half(const float* gate_up, int n, int d_ff, __half* hi, __half* lo, cudaStream_t s);
+                              int n_heads, int n_kv_heads, int head_dim, bool split, __half* out, cudaStream_t s);
+// out row t = fp16 GEMM operand of silu(gate[t][i]) * up[t][i], i < d_ff; gate_up rows of 2*d_ff floats.
+void launch_silu_to_half(const float* gate_up, int n, int d_ff, bool split, __half* out, cudaStream_t s);
 
 // ------------------------------------------------------------------ prefill launches reading the start position
 // from device memory (prefill.cu), so one captured prefill graph serves every start position. Same results as
@@ -366,14 +375,14 @@ void launch_rope_append_at(const float* qkv, int n, const int32_t* pos0, const f
                            int kv_dim, int head_dim, float* q_out, float* k_cache, float* v_cache, cudaStream_t s);
 // head_dim 64 runs on tensor cores (fp16 hi/lo operand pairs, fp32 accumulation), other head_dims on fp32 FMAs.
 void launch_attention_prefill_at(const float* q, const float* k_cache, const float* v_cache, int n,
-                                 const int32_t* pos0, int n_heads, int n_kv_heads, int head_dim, __half* out_hi,
-                                 __half* out_lo, cudaStream_t s);
+                                 const int32_t* pos0, int n_heads, int n_kv_heads, int head_dim, bool split,
+                                 __half* out, cudaStream_t s);
 // RoPE + KV append + causal attention of one chunk from the raw QKV GEMM rows (n rows of q_dim + 2 kv_dim floats):
-// the cache rows pos0..pos0+n-1 get the roped k / plain v rows, out gets the attention as fp16 rows. head_dim 64
-// is one fused tensor-core kernel (q_scratch unused); others run launch_rope_append_at into q_scratch [n][q_dim]
-// and then launch_attention_prefill_at.
+// the cache rows pos0..pos0+n-1 get the roped k / plain v rows, out gets the attention as fp16 GEMM operand rows.
+// head_dim 64 is one fused tensor-core kernel (q_scratch unused); others run launch_rope_append_at into q_scratch
+// [n][q_dim] and then launch_attention_prefill_at.
 void launch_rope_attention_prefill(const float* qkv, int n, const int32_t* pos0, const float2* rope_table,
                                    int n_heads, int n_kv_heads, int head_dim, float* k_cache, float* v_cache,
-                                   float* q_scratch, __half* out_hi, __half* out_lo, cudaStream_t s);
+                                   float* q_scratch, bool split, __half* out, cudaStream_t s);
 
 }  // namespace metalattn::cuda

@@ -1,9 +1,9 @@
 // Prefill kernels: the glue around the cuBLAS GEMMs of a layer-major prompt pass (norms and SiLU that emit the
 // fp16 GEMM inputs, RoPE + KV append of a whole chunk, causal attention over the prompt).
 //
-// GEMM inputs are fp16. Where a `lo` buffer is given, a value v is written as hi = fp16(v) and
-// lo = fp16(v - hi), and the caller runs the GEMM on both (W.hi + W.lo), which removes the activation rounding
-// (about 2^-12 relative) and leaves only the fp16 rounding of the weights.
+// GEMM operands are fp16 rows; with `split` on each row holds three K-slices [hi | lo | hi] (weights: [hi | hi | lo])
+// so that one GEMM computes W_hi.a_hi + W_hi.a_lo + W_lo.a_hi, removing the fp16 rounding of both operands
+// (about 2^-12 relative each, which compounded to ~1e-3 on the logits of a 30-layer, 2048-token prompt).
 #include <algorithm>
 #include <cmath>
 #include <utility>
@@ -17,15 +17,42 @@ namespace metalattn::cuda {
 
 namespace {
 
-__device__ __forceinline__ void store_split(float v, int64_t i, __half* hi, __half* lo) {
+// Element j of row t of an activation operand of `width` values: [hi | lo | hi] when split, else [hi].
+__device__ __forceinline__ void store_operand(float v, int64_t t, int j, int width, bool split, __half* out) {
   const __half h = __float2half_rn(v);
-  hi[i] = h;
-  if (lo != nullptr) lo[i] = __float2half_rn(v - __half2float(h));
+  if (!split) {
+    out[t * width + j] = h;
+    return;
+  }
+  __half* row = out + t * 3 * width;
+  row[j] = h;
+  row[width + j] = __float2half_rn(v - __half2float(h));
+  row[2 * width + j] = h;
+}
+
+// Weight rows [W_hi | W_hi | W_lo]: the lo slice meets the activation's hi slice, the second hi slice its lo.
+__global__ void weights_to_half_kernel(DevMatrix W, bool split, __half* out) {
+  const int64_t total = static_cast<int64_t>(W.rows) * W.cols;
+  for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < total;
+       i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+    const int64_t r = i / W.cols;
+    const int c = static_cast<int>(i % W.cols);
+    const float v = detail::load_weight(W, r, c);
+    const __half h = __float2half_rn(v);
+    if (!split) {
+      out[i] = h;
+      continue;
+    }
+    __half* row = out + r * 3 * W.cols;
+    row[c] = h;
+    row[W.cols + c] = h;
+    row[2 * W.cols + c] = __float2half_rn(v - __half2float(h));
+  }
 }
 
 __global__ void __launch_bounds__(256) rmsnorm_to_half_kernel(const float* __restrict__ x, int d,
-                                                              const float* __restrict__ w, float eps, __half* hi,
-                                                              __half* lo) {
+                                                              const float* __restrict__ w, float eps, bool split,
+                                                              __half* out) {
   __shared__ float red[32];
   detail::grid_dependency_wait();
   const int64_t base = static_cast<int64_t>(blockIdx.x) * d;
@@ -33,7 +60,8 @@ __global__ void __launch_bounds__(256) rmsnorm_to_half_kernel(const float* __res
   for (int i = threadIdx.x; i < d; i += blockDim.x) ss += x[base + i] * x[base + i];
   const float total = detail::block_sum(ss, red);
   const float scale = 1.f / sqrtf(total / static_cast<float>(d) + eps);
-  for (int i = threadIdx.x; i < d; i += blockDim.x) store_split(x[base + i] * scale * w[i], base + i, hi, lo);
+  for (int i = threadIdx.x; i < d; i += blockDim.x)
+    store_operand(x[base + i] * scale * w[i], blockIdx.x, i, d, split, out);
 }
 
 __global__ void rope_append_kernel(const float* __restrict__ qkv, int n, const int32_t* pos0_dev, int pos0_value,
@@ -53,14 +81,15 @@ __global__ void rope_append_kernel(const float* __restrict__ qkv, int n, const i
   }
 }
 
-__global__ void silu_to_half_kernel(const float* __restrict__ gate_up, int n, int d_ff, __half* hi, __half* lo) {
+__global__ void silu_to_half_kernel(const float* __restrict__ gate_up, int n, int d_ff, bool split, __half* out) {
   detail::grid_dependency_wait();
   const int64_t total = static_cast<int64_t>(n) * d_ff;
   for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < total;
        i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
-    const int64_t t = i / d_ff, j = i % d_ff;
+    const int64_t t = i / d_ff;
+    const int j = static_cast<int>(i % d_ff);
     const float g = gate_up[t * 2 * d_ff + j], u = gate_up[t * 2 * d_ff + d_ff + j];
-    store_split(g / (1.f + expf(-g)) * u, i, hi, lo);
+    store_operand(g / (1.f + expf(-g)) * u, t, j, d_ff, split, out);
   }
 }
 
@@ -75,8 +104,8 @@ constexpr int kMaxDimsPerLane = 4;  // head_dim <= 128
 __global__ void __launch_bounds__(256) attention_prefill_kernel(const float* __restrict__ q,
                                                                 const float* __restrict__ k_cache,
                                                                 const float* __restrict__ v_cache, int n,
-                                                                const int32_t* pos0_dev, int pos0_value, int n_heads, int n_kv_heads, int hd, __half* out_hi,
-                                                                __half* out_lo) {
+                                                                const int32_t* pos0_dev, int pos0_value, int n_heads,
+                                                                int n_kv_heads, int hd, bool split, __half* out) {
   extern __shared__ float4 smem_dyn[];
   float* q_s = reinterpret_cast<float*>(smem_dyn);  // [kQTile][hd]
   float* k_s = q_s + kQTile * hd;                   // [kKTile][hd + 1]: the pad makes per-lane rows conflict-free
@@ -150,7 +179,7 @@ __global__ void __launch_bounds__(256) attention_prefill_kernel(const float* __r
 #pragma unroll
     for (int c = 0; c < kMaxDimsPerLane; ++c)
       if (c < dims_per_lane)
-        store_split(o[j][c] / l[j], static_cast<int64_t>(q0 + qi) * q_dim + h * hd + lane + 32 * c, out_hi, out_lo);
+        store_operand(o[j][c] / l[j], q0 + qi, h * hd + lane + 32 * c, q_dim, split, out);
   }
 }
 
@@ -200,8 +229,8 @@ struct TcAttnArgs {
   const int32_t* pos0_dev = nullptr;
   int pos0_value = 0;
   int n_heads = 0, n_kv_heads = 0;
-  __half* out_hi = nullptr;
-  __half* out_lo = nullptr;
+  bool split = true;
+  __half* out = nullptr;
 };
 
 __device__ __forceinline__ float4 rope4(float4 v, const float2* table_row, int c) {
@@ -376,9 +405,10 @@ __global__ void __launch_bounds__(kTcWarps * 32) attention_prefill_tc_kernel(con
 
   if (row_ok) {
     const float inv = 1.f / l;  // l > 0: the query's own key is always visible
-    const int64_t base = static_cast<int64_t>(q0 + w_row0 + r) * q_dim + h * kTcHeadDim;
+    const int t = q0 + w_row0 + r;
 #pragma unroll
-    for (int i = 0; i < kTcHeadDim / 2; ++i) store_split(o[i] * inv, base + 2 * i + half, a.out_hi, a.out_lo);
+    for (int i = 0; i < kTcHeadDim / 2; ++i)
+      store_operand(o[i] * inv, t, h * kTcHeadDim + 2 * i + half, q_dim, a.split, a.out);
   }
 }
 
@@ -424,7 +454,7 @@ void launch_tc(const TcAttnArgs& a, cudaStream_t s) {
 }
 
 void attention_prefill(const float* q, const float* k_cache, const float* v_cache, int n, const int32_t* pos0_dev,
-                       int pos0_value, int n_heads, int n_kv_heads, int head_dim, __half* out_hi, __half* out_lo,
+                       int pos0_value, int n_heads, int n_kv_heads, int head_dim, bool split, __half* out,
                        cudaStream_t s) {
   if (head_dim % 32 != 0 || head_dim > 32 * kMaxDimsPerLane)
     throw EngineError("prefill attention needs head_dim a multiple of 32, at most 128");
@@ -438,8 +468,8 @@ void attention_prefill(const float* q, const float* k_cache, const float* v_cach
     a.pos0_value = pos0_value;
     a.n_heads = n_heads;
     a.n_kv_heads = n_kv_heads;
-    a.out_hi = out_hi;
-    a.out_lo = out_lo;
+    a.split = split;
+    a.out = out;
     launch_tc(a, s);
     return;
   }
@@ -449,14 +479,19 @@ void attention_prefill(const float* q, const float* k_cache, const float* v_cach
                                     static_cast<int>(smem)));
   const dim3 grid(n_heads, (n + kQTile - 1) / kQTile);
   launch_pdl(attention_prefill_kernel, grid, dim3(256), smem, s, q, k_cache, v_cache, n, pos0_dev, pos0_value, n_heads,
-             n_kv_heads, head_dim, out_hi, out_lo);
+             n_kv_heads, head_dim, split, out);
 }
 
 }  // namespace
 
-void launch_rmsnorm_to_half(const float* x, int n, int d, const float* w, float eps, __half* hi, __half* lo,
+void launch_weights_to_half(const DevMatrix& W, bool split, __half* out, cudaStream_t s) {
+  weights_to_half_kernel<<<grid_for(static_cast<int64_t>(W.rows) * W.cols, 256), 256, 0, s>>>(W, split, out);
+  CUDA_CHECK_LAUNCH();
+}
+
+void launch_rmsnorm_to_half(const float* x, int n, int d, const float* w, float eps, bool split, __half* out,
                             cudaStream_t s) {
-  launch_pdl(rmsnorm_to_half_kernel, dim3(n), dim3(256), 0, s, x, d, w, eps, hi, lo);
+  launch_pdl(rmsnorm_to_half_kernel, dim3(n), dim3(256), 0, s, x, d, w, eps, split, out);
 }
 
 void launch_rope_append(const float* qkv, int n, int pos0, const float2* rope_table, int q_dim, int kv_dim,
@@ -470,24 +505,23 @@ void launch_rope_append_at(const float* qkv, int n, const int32_t* pos0, const f
 }
 
 void launch_attention_prefill(const float* q, const float* k_cache, const float* v_cache, int n, int pos0,
-                              int n_heads, int n_kv_heads, int head_dim, __half* out_hi, __half* out_lo,
-                              cudaStream_t s) {
-  attention_prefill(q, k_cache, v_cache, n, nullptr, pos0, n_heads, n_kv_heads, head_dim, out_hi, out_lo, s);
+                              int n_heads, int n_kv_heads, int head_dim, bool split, __half* out, cudaStream_t s) {
+  attention_prefill(q, k_cache, v_cache, n, nullptr, pos0, n_heads, n_kv_heads, head_dim, split, out, s);
 }
 
 void launch_attention_prefill_at(const float* q, const float* k_cache, const float* v_cache, int n,
-                                 const int32_t* pos0, int n_heads, int n_kv_heads, int head_dim, __half* out_hi,
-                                 __half* out_lo, cudaStream_t s) {
-  attention_prefill(q, k_cache, v_cache, n, pos0, 0, n_heads, n_kv_heads, head_dim, out_hi, out_lo, s);
+                                 const int32_t* pos0, int n_heads, int n_kv_heads, int head_dim, bool split,
+                                 __half* out, cudaStream_t s) {
+  attention_prefill(q, k_cache, v_cache, n, pos0, 0, n_heads, n_kv_heads, head_dim, split, out, s);
 }
 
 void launch_rope_attention_prefill(const float* qkv, int n, const int32_t* pos0, const float2* rope_table,
                                    int n_heads, int n_kv_heads, int head_dim, float* k_cache, float* v_cache,
-                                   float* q_scratch, __half* out_hi, __half* out_lo, cudaStream_t s) {
+                                   float* q_scratch, bool split, __half* out, cudaStream_t s) {
   if (head_dim != kTcHeadDim) {
     const int q_dim = n_heads * head_dim, kv_dim = n_kv_heads * head_dim;
     rope_append(qkv, n, pos0, 0, rope_table, q_dim, kv_dim, head_dim, q_scratch, k_cache, v_cache, s);
-    attention_prefill(q_scratch, k_cache, v_cache, n, pos0, 0, n_heads, n_kv_heads, head_dim, out_hi, out_lo, s);
+    attention_prefill(q_scratch, k_cache, v_cache, n, pos0, 0, n_heads, n_kv_heads, head_dim, split, out, s);
     return;
   }
   TcAttnArgs a;
@@ -499,14 +533,14 @@ void launch_rope_attention_prefill(const float* qkv, int n, const int32_t* pos0,
   a.pos0_dev = pos0;
   a.n_heads = n_heads;
   a.n_kv_heads = n_kv_heads;
-  a.out_hi = out_hi;
-  a.out_lo = out_lo;
+  a.split = split;
+  a.out = out;
   launch_tc(a, s);
 }
 
-void launch_silu_to_half(const float* gate_up, int n, int d_ff, __half* hi, __half* lo, cudaStream_t s) {
+void launch_silu_to_half(const float* gate_up, int n, int d_ff, bool split, __half* out, cudaStream_t s) {
   launch_pdl(silu_to_half_kernel, dim3(grid_for(static_cast<int64_t>(n) * d_ff, 256)), dim3(256), 0, s, gate_up, n, d_ff,
-             hi, lo);
+             split, out);
 }
 
 }  // namespace metalattn::cuda

@@ -636,40 +636,110 @@ TEST(CudaFused, FinalNormLmHeadArgmax) {
 
 // ------------------------------------------------------------------ prefill kernels
 
+namespace {
+
+// fp16 GEMM operand rows as the prefill kernels write them (kernels.cuh): `width` values per row, as [hi | lo | hi]
+// K-slices when split, else [hi].
+struct OperandRows {
+  std::vector<__half> h;
+  int width;
+  bool split;
+  size_t row(int64_t t) const { return static_cast<size_t>(t) * half_slices(split) * width; }
+  double hi(int64_t t, int j) const { return __half2float(h[row(t) + j]); }
+  // The value the GEMM sees: hi + lo when split.
+  double value(int64_t t, int j) const { return hi(t, j) + (split ? __half2float(h[row(t) + width + j]) : 0.f); }
+  // Elements whose third slice is not bit-for-bit the first (0 when not split).
+  int64_t hi_copy_mismatches(int n) const {
+    int64_t bad = 0;
+    if (split)
+      for (int t = 0; t < n; ++t)
+        for (int j = 0; j < width; ++j)
+          bad += __half_raw(h[row(t) + j]).x != __half_raw(h[row(t) + 2 * width + j]).x;
+    return bad;
+  }
+};
+
+}  // namespace
+
+// Weight rows [W_hi | W_hi | W_lo]: W_hi is the fp16 rounding of the dequantized weight, W_hi + W_lo the weight to
+// ~22 bits (exactly for Q4_0 / Q8_0, whose d * q has at most 11 + 8 significant bits); unsplit rows are W_hi alone.
+TEST(CudaPrefill, WeightRowsHiHiLo) {
+  REQUIRE_GPU();
+  const int rows = 70, cols = 576;
+  for (GgmlType t : kAllTypes) {
+    auto w = random_matrix(t, rows, cols, 0.05f);
+    GpuMatrix g = to_gpu({&w->view});
+    for (bool split : {true, false}) {
+      SCOPED_TRACE(std::string(type_name(t)) + (split ? " split" : " plain"));
+      DevBuf<__half> out(static_cast<size_t>(half_slices(split)) * rows * cols);
+      out.poison();
+      launch_weights_to_half(g.m, split, out.p, nullptr);
+      const std::vector<__half> got = out.download();
+      const size_t ld = static_cast<size_t>(half_slices(split)) * cols;
+      std::vector<float> row(cols);
+      int64_t hi_mismatch = 0, copy_mismatch = 0;
+      double worst = 0;
+      for (int r = 0; r < rows; ++r) {
+        ref::dequantize_row(t, w->view.row(r), row.data(), cols);
+        for (int c = 0; c < cols; ++c) {
+          const __half hi = got[r * ld + c];
+          hi_mismatch += to_fp16(row[c]) != __half_raw(hi).x;
+          if (!split) continue;
+          copy_mismatch += __half_raw(hi).x != __half_raw(got[r * ld + cols + c]).x;
+          const double sum = static_cast<double>(__half2float(hi)) + __half2float(got[r * ld + 2 * cols + c]);
+          const double err = std::fabs(sum - row[c]);
+          worst = std::isnan(err) ? INFINITY : std::max(worst, err / (std::fabs(row[c]) * 0x1p-21 + 0x1p-24));
+          if ((t == GgmlType::Q4_0 || t == GgmlType::Q8_0) && sum != row[c]) worst = std::max(worst, 2.0);
+        }
+      }
+      EXPECT_EQ(hi_mismatch, 0) << "W_hi is fp16(W)";
+      EXPECT_EQ(copy_mismatch, 0) << "second slice repeats W_hi";
+      EXPECT_LE(worst, 1.0) << "W_hi + W_lo (in units of the allowed error; 2 = not exact for Q4_0/Q8_0)";
+    }
+  }
+}
+
 TEST(CudaPrefill, NormSiluAndRopeAppend) {
   REQUIRE_GPU();
   const int n = 37, d = 576, ff = 1536, n_heads = 9, n_kv = 3, hd = 64, q_dim = 576, kv_dim = 192, n_ctx = 256;
   const std::vector<float> x = random_vec(static_cast<size_t>(n) * d, -3.f, 3.f), nw = random_vec(d, 0.5f, 1.5f);
-  DevBuf<float> dx(x), dnw(nw);
-  DevBuf<__half> hi(static_cast<size_t>(n) * ff), lo(static_cast<size_t>(n) * ff);
-  launch_rmsnorm_to_half(dx.p, n, d, dnw.p, kEps, hi.p, lo.p, nullptr);
-  {
-    const std::vector<__half> h = hi.download(), l = lo.download();
-    double err_split = 0, err_hi = 0;
-    for (int t = 0; t < n; ++t) {
-      const std::vector<float> row(x.begin() + t * d, x.begin() + (t + 1) * d);
-      const std::vector<float> want = ref_rmsnorm(row, nw, kEps);
-      for (int i = 0; i < d; ++i) {
-        const float a = __half2float(h[t * d + i]), b = __half2float(l[t * d + i]);
-        err_split = std::max(err_split, std::fabs(static_cast<double>(a) + b - want[i]));
-        err_hi = std::max(err_hi, std::fabs(static_cast<double>(a) - want[i]) / std::max(1e-3f, std::fabs(want[i])));
-      }
-    }
-    EXPECT_LE(err_split, 1e-5) << "rmsnorm hi+lo";
-    EXPECT_LE(err_hi, 1e-3) << "rmsnorm hi is the fp16 rounding";
-  }
   const std::vector<float> gu = random_vec(static_cast<size_t>(n) * 2 * ff, -4.f, 4.f);
-  DevBuf<float> dgu(gu);
-  launch_silu_to_half(dgu.p, n, ff, hi.p, lo.p, nullptr);
-  {
-    const std::vector<__half> h = hi.download(), l = lo.download();
-    double err = 0;
-    for (int t = 0; t < n; ++t)
-      for (int i = 0; i < ff; ++i) {
-        const float want = ref::silu(gu[t * 2 * ff + i]) * gu[t * 2 * ff + ff + i];
-        err = std::max(err, std::fabs(static_cast<double>(__half2float(h[t * ff + i])) + __half2float(l[t * ff + i]) - want));
+  DevBuf<float> dx(x), dnw(nw), dgu(gu);
+  for (bool split : {true, false}) {
+    SCOPED_TRACE(split ? "split" : "plain");
+    DevBuf<__half> out(static_cast<size_t>(half_slices(split)) * n * ff);
+    out.poison();
+    launch_rmsnorm_to_half(dx.p, n, d, dnw.p, kEps, split, out.p, nullptr);
+    {
+      const OperandRows o{out.download(), d, split};
+      double err = 0, err_hi = 0;
+      for (int t = 0; t < n; ++t) {
+        const std::vector<float> row(x.begin() + t * d, x.begin() + (t + 1) * d);
+        const std::vector<float> want = ref_rmsnorm(row, nw, kEps);
+        for (int i = 0; i < d; ++i) {
+          const double e = std::fabs(o.value(t, i) - want[i]), e_hi = std::fabs(o.hi(t, i) - want[i]);
+          err = std::isnan(e) ? INFINITY : std::max(err, e);
+          err_hi = std::isnan(e_hi) ? INFINITY : std::max(err_hi, e_hi / std::max(1e-3f, std::fabs(want[i])));
+        }
       }
-    EXPECT_LE(err, 1e-5) << "silu hi+lo";
+      EXPECT_LE(err, split ? 1e-5 : 1e-2) << "rmsnorm hi+lo (plain: hi alone)";
+      EXPECT_LE(err_hi, 1e-3) << "rmsnorm hi is the fp16 rounding";
+      EXPECT_EQ(o.hi_copy_mismatches(n), 0) << "rmsnorm third slice";
+    }
+    out.poison();
+    launch_silu_to_half(dgu.p, n, ff, split, out.p, nullptr);
+    {
+      const OperandRows o{out.download(), ff, split};
+      double err = 0;
+      for (int t = 0; t < n; ++t)
+        for (int i = 0; i < ff; ++i) {
+          const float want = ref::silu(gu[t * 2 * ff + i]) * gu[t * 2 * ff + ff + i];
+          const double e = std::fabs(o.value(t, i) - want) / (split ? 1.0 : std::max(1e-3f, std::fabs(want)));
+          err = std::isnan(e) ? INFINITY : std::max(err, e);
+        }
+      EXPECT_LE(err, split ? 1e-5 : 1e-3) << "silu hi+lo (plain: relative error of hi)";
+      EXPECT_EQ(o.hi_copy_mismatches(n), 0) << "silu third slice";
+    }
   }
   // RoPE + append for n tokens at positions pos0..
   const int pos0 = 100, rows = q_dim + 2 * kv_dim;
@@ -713,24 +783,27 @@ TEST(CudaPrefill, CausalAttentionOverPromptAndCache) {
   DevBuf<float> dk(kc), dv(vc);
   for (int n : {1, 7, 33, 129, 300}) {
     for (int pos0 : {0, 50}) {
-      SCOPED_TRACE("n " + std::to_string(n) + " pos0 " + std::to_string(pos0));
+      // The plain (unsplit) layout once per n: its hi values carry the fp16 rounding, |err| <= 2^-11 |v| + kTol.
+      const bool split = pos0 == 0;
+      SCOPED_TRACE("n " + std::to_string(n) + " pos0 " + std::to_string(pos0) + (split ? " split" : " plain"));
       const std::vector<float> q = random_vec(static_cast<size_t>(n) * q_dim, -1.5f, 1.5f);
       DevBuf<float> dq(q);
-      DevBuf<__half> hi(static_cast<size_t>(n) * q_dim), lo(static_cast<size_t>(n) * q_dim);
-      hi.poison();
-      lo.poison();
-      launch_attention_prefill(dq.p, dk.p, dv.p, n, pos0, n_heads, n_kv, hd, hi.p, lo.p, nullptr);
-      const std::vector<__half> h = hi.download(), l = lo.download();
+      DevBuf<__half> out(static_cast<size_t>(half_slices(split)) * n * q_dim);
+      out.poison();
+      launch_attention_prefill(dq.p, dk.p, dv.p, n, pos0, n_heads, n_kv, hd, split, out.p, nullptr);
+      const OperandRows o{out.download(), q_dim, split};
       double err = 0;
       std::vector<float> want(q_dim);
       for (int t = 0; t < n; ++t) {
         ref::attention(q.data() + t * q_dim, kc.data(), vc.data(), n_heads, n_kv, hd, pos0 + t + 1, want.data());
         for (int i = 0; i < q_dim; ++i) {
-          const double g = static_cast<double>(__half2float(h[t * q_dim + i])) + __half2float(l[t * q_dim + i]);
-          err = std::isnan(g) ? INFINITY : std::max(err, std::fabs(g - want[i]));
+          const double g = o.value(t, i);
+          const double allowed = kTol + (split ? 0.0 : std::fabs(want[i]) * 0x1p-11);
+          err = std::isnan(g) ? INFINITY : std::max(err, std::fabs(g - want[i]) / allowed * kTol);
         }
       }
       EXPECT_LE(err, kTol);
+      EXPECT_EQ(o.hi_copy_mismatches(n), 0) << "third slice";
     }
   }
 }
@@ -753,19 +826,18 @@ TEST(CudaPrefill, AttentionWithDevicePositionTensorCoresAndFallback) {
       const std::vector<float> q = random_vec(static_cast<size_t>(n) * q_dim, -1.5f, 1.5f);
       DevBuf<float> dq(q);
       DevBuf<int32_t> dpos(std::vector<int32_t>{pos0});
-      DevBuf<__half> hi(static_cast<size_t>(n) * q_dim), lo(static_cast<size_t>(n) * q_dim);
-      hi.poison();
-      lo.poison();
-      launch_attention_prefill_at(dq.p, dk.p, dv.p, n, dpos.p, sh.n_heads, sh.n_kv, sh.hd, hi.p, lo.p, nullptr);
-      const std::vector<__half> h = hi.download(), l = lo.download();
+      DevBuf<__half> out(static_cast<size_t>(3) * n * q_dim);
+      out.poison();
+      launch_attention_prefill_at(dq.p, dk.p, dv.p, n, dpos.p, sh.n_heads, sh.n_kv, sh.hd, true, out.p, nullptr);
+      const OperandRows o{out.download(), q_dim, true};
+      EXPECT_EQ(o.hi_copy_mismatches(n), 0) << "third slice";
       double err = 0;
       std::vector<float> want(q_dim);
       for (int t = 0; t < n; ++t) {
         ref::attention(q.data() + static_cast<size_t>(t) * q_dim, kc.data(), vc.data(), sh.n_heads, sh.n_kv, sh.hd,
                        pos0 + t + 1, want.data());
         for (int i = 0; i < q_dim; ++i) {
-          const size_t k = static_cast<size_t>(t) * q_dim + i;
-          const double g = static_cast<double>(__half2float(h[k])) + __half2float(l[k]);
+          const double g = o.value(t, i);
           err = std::isnan(g) ? INFINITY : std::max(err, std::fabs(g - want[i]));
         }
       }
@@ -802,11 +874,10 @@ TEST(CudaPrefill, RopeAppendAttentionFromQkvRows) {
       const std::vector<float> qkv = random_vec(static_cast<size_t>(n) * rows, -1.5f, 1.5f);
       DevBuf<float> dqkv(qkv), dqs(static_cast<size_t>(n) * q_dim);
       DevBuf<int32_t> dpos(std::vector<int32_t>{pos0});
-      DevBuf<__half> hi(static_cast<size_t>(n) * q_dim), lo(static_cast<size_t>(n) * q_dim);
-      hi.poison();
-      lo.poison();
-      launch_rope_attention_prefill(dqkv.p, n, dpos.p, dtab.p, sh.n_heads, sh.n_kv, sh.hd, dk.p, dv.p, dqs.p, hi.p,
-                                    lo.p, nullptr);
+      DevBuf<__half> out(static_cast<size_t>(3) * n * q_dim);
+      out.poison();
+      launch_rope_attention_prefill(dqkv.p, n, dpos.p, dtab.p, sh.n_heads, sh.n_kv, sh.hd, dk.p, dv.p, dqs.p, true,
+                                    out.p, nullptr);
       // Reference: rope and append on the host, then attention per query.
       std::vector<std::vector<float>> qs(n);
       for (int t = 0; t < n; ++t) {
@@ -830,14 +901,14 @@ TEST(CudaPrefill, RopeAppendAttentionFromQkvRows) {
       }
       EXPECT_EQ(cache_mismatch, 0u) << "cache rows written outside pos0..pos0+n-1, or missing";
       EXPECT_LE(cache_err, kTol) << "appended K/V rows";
-      const std::vector<__half> h = hi.download(), l = lo.download();
+      const OperandRows o{out.download(), q_dim, true};
+      EXPECT_EQ(o.hi_copy_mismatches(n), 0) << "third slice";
       double err = 0;
       std::vector<float> want(q_dim);
       for (int t = 0; t < n; ++t) {
         ref::attention(qs[t].data(), kc.data(), vc.data(), sh.n_heads, sh.n_kv, sh.hd, pos0 + t + 1, want.data());
         for (int i = 0; i < q_dim; ++i) {
-          const size_t k = static_cast<size_t>(t) * q_dim + i;
-          const double g = static_cast<double>(__half2float(h[k])) + __half2float(l[k]);
+          const double g = o.value(t, i);
           err = std::isnan(g) ? INFINITY : std::max(err, std::fabs(g - want[i]));
         }
       }
@@ -1106,12 +1177,13 @@ TEST(CudaBackend, PromptGraphReplayAtNewStartPositions) {
   }
 }
 
-// Two chunks of the same length (1024) share one graph; the repeats must each see their own tokens and position.
+// Two chunks of the same length (the backend's chunk, 2048 tokens) share one graph; the repeats must each see their
+// own tokens and position.
 TEST(CudaBackend, PromptOfTwoEqualChunksRepeated) {
   REQUIRE_GPU();
-  auto m = make_model(2, 2048, 2048, GgmlType::Q4_0, GgmlType::Q8_0);
+  auto m = make_model(2, 2048, 4096, GgmlType::Q4_0, GgmlType::Q8_0);
   auto be = make_cuda_backend(m->spec, m->w, false);
-  const int V = m->spec.vocab, n = 2048;
+  const int V = m->spec.vocab, n = 4096;
   const std::vector<int32_t> toks = random_tokens(n, V);
   std::vector<float> dec_last(V);
   for (int p = 0; p < n - 1; ++p) be->forward_token_greedy(toks[p], p);
@@ -1120,7 +1192,7 @@ TEST(CudaBackend, PromptOfTwoEqualChunksRepeated) {
     SCOPED_TRACE("use " + std::to_string(rep));
     std::vector<float> last(V, NAN);
     be->forward_prompt(toks.data(), n, 0, last.data(), nullptr);
-    expect_logits_close(last, dec_last, 1e-3, "2048-token prompt");
+    expect_logits_close(last, dec_last, 1e-3, "4096-token prompt");
   }
 }
 
