@@ -276,7 +276,7 @@ int main(int argc, char** argv) {
       ap.max_splits = attn_max_splits(s.n_ctx, 3, prop.multiProcessorCount);
       ap.o = static_cast<float*>(dalloc(9 * ap.max_splits * 64 * 4));
       ap.ml = static_cast<float*>(dalloc(9 * ap.max_splits * 2 * 4));
-      ap.counters = static_cast<unsigned*>(dalloc(3 * 4));
+      ap.counters = static_cast<unsigned*>(dalloc(9 * 4));
       float* attn_out = static_cast<float*>(dalloc(576 * 4));
       ArgmaxScratch am;
       am.capacity = argmax_partials_needed(lm);
@@ -306,13 +306,15 @@ int main(int argc, char** argv) {
       const double t_gu = graph_time_us(sm, [&] { launch_norm_matvec(gu, x, nw, 1e-5f, gate_up, sm); });
       const double t_down = graph_time_us(sm, [&] { launch_matvec_residual_silu(down, gate_up, q, sm); });
       const double t_lm = graph_time_us(sm, [&] { launch_norm_matvec_argmax(lm, x, nw, 1e-5f, logits, am, res, nullptr, sm); });
+      // One block per KV head (3 query heads each), the layout before one block per query head.
+      const double t_att_kv = graph_time_us(sm, [&] { launch_attention_decode(q, kc, vc, io, 9, 3, 64, s.n_ctx, ap, attn_out, sm, 3); });
       set_pos(300);
       const double t_att_300 = graph_time_us(sm, [&] { launch_attention_decode(q, kc, vc, io, 9, 3, 64, s.n_ctx, ap, attn_out, sm); });
       set_pos(s.n_ctx - 1);
       const double t_att_long = graph_time_us(sm, [&] { launch_attention_decode(q, kc, vc, io, 9, 3, 64, s.n_ctx, ap, attn_out, sm); });
-      std::printf("per-kernel (graph replay, us): embed+qkv %.2f | qkv %.2f | attn@160 %.2f (@300 %.2f, @%d %.2f) | O %.2f"
-                  " | norm+gate/up %.2f | silu+down %.2f | lm_head+argmax %.2f\n",
-                  t_embqkv, t_qkv, t_att, t_att_300, s.n_ctx - 1, t_att_long, t_o, t_gu, t_down, t_lm);
+      std::printf("per-kernel (graph replay, us): embed+qkv %.2f | qkv %.2f | attn@160 %.2f (@300 %.2f, @%d %.2f;"
+                  " block per KV head @160 %.2f) | O %.2f | norm+gate/up %.2f | silu+down %.2f | lm_head+argmax %.2f\n",
+                  t_embqkv, t_qkv, t_att, t_att_300, s.n_ctx - 1, t_att_long, t_att_kv, t_o, t_gu, t_down, t_lm);
       // Fused attention + O + residual against split attention + O, by position (picks the switch-over).
       double t_fused_160 = 0;
       for (int pos : {32, 64, 160, 255, 383, 511, 767, 1023}) {

@@ -87,8 +87,8 @@ struct Resources {
   cudaStream_t stream = nullptr;
   cublasHandle_t cublas = nullptr;
   // Decode graphs: [0] the long-context path, [1] the fused short-context path (each captured at first use).
-  cudaGraph_t graph[2] = {nullptr, nullptr};
-  cudaGraphExec_t graph_exec[2] = {nullptr, nullptr};
+  cudaGraph_t graph[3] = {nullptr, nullptr, nullptr};  // one per DecodeVariant
+  cudaGraphExec_t graph_exec[3] = {nullptr, nullptr, nullptr};
   std::vector<void*> device;
   std::vector<void*> pinned;
   // Prefill graphs, one per chunk length (a small LRU); exec stays null until the length's second use.
@@ -155,8 +155,15 @@ class CudaBackend final : public Backend {
   void check_token(int32_t token) const;
   void set_io(int32_t token, int pos);
   void after_launch();
-  bool fused_attention_at(int pos) const { return pos + 1 <= fused_attn_max_npos_; }
-  void enqueue_decode(bool capture_hidden, bool fused_attention);
+  // Decode graphs by context length: attention with one block per query head while it runs in one pass (more SMs
+  // share the latency-bound work), one block per KV head once the context is split (each KV head's rows read once,
+  // one combine per KV head instead of per query head), or the experimental fused attention+O path.
+  enum DecodeVariant { kDecodeShort = 0, kDecodeFused = 1, kDecodeLong = 2 };
+  DecodeVariant decode_variant_at(int pos) const {
+    if (pos + 1 <= fused_attn_max_npos_) return kDecodeFused;
+    return pos + 1 <= kAttnSinglePassMax ? kDecodeShort : kDecodeLong;
+  }
+  void enqueue_decode(bool capture_hidden, DecodeVariant variant);
   void run_decode(int pos);
   ArgmaxResult finish_decode(int pos);
   void gemm(const __half* w, int rows, int cols, int n, const __half* a, float* c, float beta);
@@ -306,8 +313,8 @@ CudaBackend::CudaBackend(const ModelSpec& spec, const ModelWeights& w, bool debu
   attn_.max_splits = attn_max_splits(spec.n_ctx, spec.n_kv_heads, prop.multiProcessorCount);
   attn_.o = device_alloc<float>(static_cast<size_t>(spec.n_heads) * attn_.max_splits * spec.head_dim, mem_.scratch);
   attn_.ml = device_alloc<float>(static_cast<size_t>(spec.n_heads) * attn_.max_splits * 2, mem_.scratch);
-  attn_.counters = device_alloc<unsigned int>(spec.n_kv_heads, mem_.scratch);
-  CUDA_CHECK(cudaMemsetAsync(attn_.counters, 0, spec.n_kv_heads * sizeof(unsigned int), res_.stream));
+  attn_.counters = device_alloc<unsigned int>(spec.n_heads, mem_.scratch);  // one per head block
+  CUDA_CHECK(cudaMemsetAsync(attn_.counters, 0, spec.n_heads * sizeof(unsigned int), res_.stream));
   attn_out_ = device_alloc<float>(q_dim, mem_.scratch);
   if (attention_o_fusable(spec.n_heads, spec.n_kv_heads, spec.head_dim)) {
     const char* v = std::getenv("METALATTN_CUDA_FUSED_ATTN");
@@ -388,7 +395,7 @@ void CudaBackend::after_launch() {
   CUDA_CHECK(cudaStreamSynchronize(res_.stream));
 }
 
-void CudaBackend::enqueue_decode(bool capture_hidden, bool fused_attention) {
+void CudaBackend::enqueue_decode(bool capture_hidden, DecodeVariant variant) {
   const ModelSpec& s = spec_;
   const size_t layer_cache = static_cast<size_t>(s.n_ctx) * s.kv_dim();
   cudaStream_t st = res_.stream;
@@ -419,12 +426,14 @@ void CudaBackend::enqueue_decode(bool capture_hidden, bool fused_attention) {
       launch_norm_matvec_qkv(L.qkv, x_, L.attn_norm, s.rms_eps, t, st);
       after_launch();
     }
-    if (fused_attention) {
+    if (variant == kDecodeFused) {
       launch_attention_o_residual(q_, kc, vc, io_dev_, s.n_heads, s.n_kv_heads, s.head_dim, fused_attn_max_npos_, L.o,
                                   x_, st);
       after_launch();
     } else {
-      launch_attention_decode(q_, kc, vc, io_dev_, s.n_heads, s.n_kv_heads, s.head_dim, s.n_ctx, attn_, attn_out_, st);
+      const int heads_per_block = variant == kDecodeLong ? s.n_heads / s.n_kv_heads : 1;
+      launch_attention_decode(q_, kc, vc, io_dev_, s.n_heads, s.n_kv_heads, s.head_dim, s.n_ctx, attn_, attn_out_, st,
+                              heads_per_block);
       after_launch();
       launch_matvec_residual(L.o, attn_out_, x_, st);
       after_launch();
@@ -441,21 +450,21 @@ void CudaBackend::enqueue_decode(bool capture_hidden, bool fused_attention) {
   after_launch();
 }
 
-// The host knows the position, so it picks the graph: the fused short-context one or the long-context one.
+// The host knows the position, so it picks the graph (see DecodeVariant).
 void CudaBackend::run_decode(int pos) {
-  const bool fused = fused_attention_at(pos);
+  const DecodeVariant variant = decode_variant_at(pos);
   if (debug_) {
-    enqueue_decode(false, fused);
+    enqueue_decode(false, variant);
     return;
   }
-  cudaGraph_t& graph = res_.graph[fused ? 1 : 0];
-  cudaGraphExec_t& graph_exec = res_.graph_exec[fused ? 1 : 0];
+  cudaGraph_t& graph = res_.graph[variant];
+  cudaGraphExec_t& graph_exec = res_.graph_exec[variant];
   if (graph_exec == nullptr) {
     const bool previous = programmatic_launch();
     set_programmatic_launch(use_pdl_);
     CUDA_CHECK(cudaStreamBeginCapture(res_.stream, cudaStreamCaptureModeThreadLocal));
     try {
-      enqueue_decode(false, fused);
+      enqueue_decode(false, variant);
     } catch (...) {
       cudaGraph_t g = nullptr;
       cudaStreamEndCapture(res_.stream, &g);
@@ -497,7 +506,7 @@ void CudaBackend::forward_token(int32_t token, int pos, float* logits) {
 
 void CudaBackend::forward_token_debug(int32_t token, int pos, float* hidden, float* logits) {
   set_io(token, pos);
-  enqueue_decode(true, fused_attention_at(pos));
+  enqueue_decode(true, decode_variant_at(pos));
   finish_decode(pos);
   CUDA_CHECK(cudaMemcpy(hidden, hidden_, static_cast<size_t>(spec_.n_layers + 1) * spec_.d_model * sizeof(float),
                         cudaMemcpyDeviceToHost));

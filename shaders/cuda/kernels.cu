@@ -518,42 +518,57 @@ constexpr int kMaxGroup = 8;  // query heads per KV head the decode attention su
 constexpr int kAttnThreads = kAttnSinglePassMax;  // also: the block holds up to 256 rows in registers
 constexpr int kAttnWarps = kAttnThreads / 32;
 
-// Shared memory of one attention block: q of the group, the scores of the chunk, per-warp P.V partial sums.
-inline size_t attention_smem_bytes(int group, int head_dim, int chunk_cap) {
-  return static_cast<size_t>(group) * (head_dim + chunk_cap + kAttnWarps * head_dim) * sizeof(float);
+// Shared memory of one attention block: the staged V rows of the chunk, q of its heads, the scores of the chunk,
+// per-warp P.V partial sums.
+inline size_t attention_smem_bytes(int heads_per_block, int head_dim, int chunk_cap, int stage_rows) {
+  return (static_cast<size_t>(stage_rows) * head_dim +
+          static_cast<size_t>(heads_per_block) * (head_dim + chunk_cap + kAttnWarps * head_dim)) *
+         sizeof(float);
 }
 
 __device__ __forceinline__ void prefetch_l2(const void* p) {
   asm volatile("prefetch.global.L2 [%0];" ::"l"(p));
 }
 
-// One block per (KV head, split); splits = attn_splits(pos + 1), blocks past it exit at once. Cache rows before pos
-// were written by earlier steps, so before the programmatic wait each thread loads its K row into registers and
-// pulls its V row into L2: only q and row pos come from the kernel before. Scores: a thread per position (16-byte
+// 16 bytes global -> shared without passing through registers; completes at cp_async_wait_all().
+__device__ __forceinline__ void cp_async16(void* smem, const void* gmem) {
+  const unsigned dst = static_cast<unsigned>(__cvta_generic_to_shared(smem));
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(dst), "l"(gmem) : "memory");
+}
+__device__ __forceinline__ void cp_async_wait_all() { asm volatile("cp.async.wait_all;" ::: "memory"); }
+
+// One block per (heads_per_block query heads of one KV head, split); splits = attn_splits(pos + 1), blocks past it
+// exit at once. Cache rows before pos were written by earlier steps, so before the programmatic wait each thread
+// loads its K row into registers and the block copies the chunk's V rows (the first stage_rows of them) into shared
+// memory: after the wait only q and row pos come from L2, in one round trip. Scores: a thread per position (16-byte
 // loads, no shuffles); P.V: warps over positions, lanes over float2 columns.
 template <int HD>
 __global__ void __launch_bounds__(kAttnThreads) attention_decode_kernel(const float* q, const float* k_cache,
                                                                         const float* v_cache,
                                                                         const DecodeIO* io, int n_heads,
-                                                                        int n_kv_heads, int chunk_cap,
+                                                                        int n_kv_heads, int heads_per_block,
+                                                                        int chunk_cap, int stage_rows,
                                                                         AttnScratch p, float* __restrict__ out) {
   constexpr int kHd4 = HD / 4, kPairs = HD / 2, kPairsPerLane = (kPairs + 31) / 32;
   detail::launch_dependents();
   extern __shared__ float4 smem_dyn[];
-  float* q_s = reinterpret_cast<float*>(smem_dyn);
-  const int group = n_heads / n_kv_heads, kv_dim = n_kv_heads * HD;
-  float* sc = q_s + group * HD;          // [group][chunk_cap] scores, then probabilities
-  float* part = sc + group * chunk_cap;  // [kAttnWarps][group][HD]
+  const int hpb = heads_per_block, kv_dim = n_kv_heads * HD;
+  float* v_s = reinterpret_cast<float*>(smem_dyn);  // [stage_rows][HD]
+  float* q_s = v_s + stage_rows * HD;                // [hpb][HD]
+  float* sc = q_s + hpb * HD;                        // [hpb][chunk_cap] scores, then probabilities
+  float* part = sc + hpb * chunk_cap;                // [kAttnWarps][hpb][HD]
   __shared__ float m_s[kMaxGroup], l_s[kMaxGroup];
   __shared__ bool is_last;
 
-  const int kvh = blockIdx.x, split = blockIdx.y;
+  const int head_block = blockIdx.x, split = blockIdx.y;
+  const int head0 = head_block * hpb, kvh = head0 / (n_heads / n_kv_heads);
   const int pos = io->pos, n_pos = pos + 1;  // io was written before this graph launch
   const int n_splits = attn_splits(n_pos, p.max_splits);
   if (split >= n_splits) return;
   const int chunk = attn_chunk(n_pos, n_splits);
   const int start = split * chunk;
   const int len = min(chunk, n_pos - start);
+  const int n_staged = min(len, stage_rows);
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
 
   const float* k_head = k_cache + kvh * HD;
@@ -565,21 +580,31 @@ __global__ void __launch_bounds__(kAttnThreads) attention_decode_kernel(const fl
     const float4* k4 = reinterpret_cast<const float4*>(k_head + static_cast<int64_t>(start + t0) * kv_dim);
 #pragma unroll
     for (int c = 0; c < kHd4; ++c) k_own[c] = __ldg(k4 + c);
-    const char* vrow = reinterpret_cast<const char*>(v_head + static_cast<int64_t>(start + t0) * kv_dim);
-#pragma unroll
-    for (int b = 0; b < HD * 4; b += 128) prefetch_l2(vrow + b);
+  }
+  const int n_early = min(n_staged, pos - start);  // staged rows written by earlier steps
+  for (int i = threadIdx.x; i < n_early * kHd4; i += kAttnThreads) {
+    const int t = i / kHd4, c = i % kHd4;
+    cp_async16(v_s + t * HD + c * 4, v_head + static_cast<int64_t>(start + t) * kv_dim + c * 4);
   }
   grid_dependency_wait();
 
-  // After the wait, data the kernel before wrote (q, K and V row pos) is read through L2 only (__ldcg).
-  for (int i = threadIdx.x; i < group * HD; i += blockDim.x)
-    q_s[i] = __ldcg(q + static_cast<int64_t>(kvh) * group * HD + i);
+  // After the wait, data the kernel before wrote (q, K and V row pos) is read through L2 only (__ldcg), all at once.
+  if (t0 < len && !own_early) {
+    const float4* k4 = reinterpret_cast<const float4*>(k_head + static_cast<int64_t>(start + t0) * kv_dim);
+#pragma unroll
+    for (int c = 0; c < kHd4; ++c) k_own[c] = __ldcg(k4 + c);
+  }
+  if (pos - start < n_staged && threadIdx.x < kHd4)  // row pos is staged too (the last row of the last chunk)
+    reinterpret_cast<float4*>(v_s + (pos - start) * HD)[threadIdx.x] =
+        __ldcg(reinterpret_cast<const float4*>(v_head + static_cast<int64_t>(pos) * kv_dim) + threadIdx.x);
+  for (int i = threadIdx.x; i < hpb * HD; i += blockDim.x) q_s[i] = __ldcg(q + static_cast<int64_t>(head0) * HD + i);
+  cp_async_wait_all();
   __syncthreads();
 
   const float scale = 1.f / sqrtf(static_cast<float>(HD));
   const float4* q4 = reinterpret_cast<const float4*>(q_s);
   for (int t = t0; t < len; t += blockDim.x) {
-    if (t != t0 || !own_early) {
+    if (t != t0) {
       const float4* k4 = reinterpret_cast<const float4*>(k_head + static_cast<int64_t>(start + t) * kv_dim);
 #pragma unroll
       for (int c = 0; c < kHd4; ++c) k_own[c] = __ldcg(k4 + c);
@@ -592,7 +617,7 @@ __global__ void __launch_bounds__(kAttnThreads) attention_decode_kernel(const fl
       const float4 k = k_own[c];
 #pragma unroll
       for (int g = 0; g < kMaxGroup; ++g) {
-        if (g < group) {
+        if (g < hpb) {
           const float4 qq = q4[g * kHd4 + c];
           acc[g] += qq.x * k.x + qq.y * k.y + qq.z * k.z + qq.w * k.w;
         }
@@ -600,11 +625,11 @@ __global__ void __launch_bounds__(kAttnThreads) attention_decode_kernel(const fl
     }
 #pragma unroll
     for (int g = 0; g < kMaxGroup; ++g)
-      if (g < group) sc[g * chunk_cap + t] = acc[g] * scale;
+      if (g < hpb) sc[g * chunk_cap + t] = acc[g] * scale;
   }
   __syncthreads();
 
-  for (int g = warp; g < group; g += kAttnWarps) {
+  for (int g = warp; g < hpb; g += kAttnWarps) {
     float* sg = sc + g * chunk_cap;
     float m = -INFINITY;
     for (int t = lane; t < len; t += 32) m = fmaxf(m, sg[t]);
@@ -623,7 +648,8 @@ __global__ void __launch_bounds__(kAttnThreads) attention_decode_kernel(const fl
   }
   __syncthreads();
 
-  // P.V: warp w takes positions w, w + kAttnWarps, ...; lane owns float2 columns lane, lane + 32.
+  // P.V: warp w takes positions w, w + kAttnWarps, ...; lane owns float2 columns lane, lane + 32. Staged rows come
+  // from shared memory, the rest (long chunks of a one-split capacity only) from L2.
   float2 o[kMaxGroup][kPairsPerLane];
 #pragma unroll
   for (int g = 0; g < kMaxGroup; ++g)
@@ -631,14 +657,16 @@ __global__ void __launch_bounds__(kAttnThreads) attention_decode_kernel(const fl
     for (int c = 0; c < kPairsPerLane; ++c) o[g][c] = make_float2(0.f, 0.f);
 #pragma unroll 4
   for (int t = warp; t < len; t += kAttnWarps) {
-    const float2* v2 = reinterpret_cast<const float2*>(v_head + static_cast<int64_t>(start + t) * kv_dim);
+    const bool staged = t < n_staged;
+    const float2* v2 = staged ? reinterpret_cast<const float2*>(v_s + t * HD)
+                              : reinterpret_cast<const float2*>(v_head + static_cast<int64_t>(start + t) * kv_dim);
 #pragma unroll
     for (int c = 0; c < kPairsPerLane; ++c) {
       if (lane + 32 * c < kPairs) {
-        const float2 v = __ldcg(v2 + lane + 32 * c);
+        const float2 v = staged ? v2[lane + 32 * c] : __ldcg(v2 + lane + 32 * c);
 #pragma unroll
         for (int g = 0; g < kMaxGroup; ++g) {
-          if (g < group) {
+          if (g < hpb) {
             const float pg = sc[g * chunk_cap + t];
             o[g][c].x += pg * v.x;
             o[g][c].y += pg * v.y;
@@ -651,43 +679,43 @@ __global__ void __launch_bounds__(kAttnThreads) attention_decode_kernel(const fl
   for (int g = 0; g < kMaxGroup; ++g)
 #pragma unroll
     for (int c = 0; c < kPairsPerLane; ++c)
-      if (g < group && lane + 32 * c < kPairs)
-        reinterpret_cast<float2*>(part + (warp * group + g) * HD)[lane + 32 * c] = o[g][c];
+      if (g < hpb && lane + 32 * c < kPairs)
+        reinterpret_cast<float2*>(part + (warp * hpb + g) * HD)[lane + 32 * c] = o[g][c];
   __syncthreads();
 
   if (n_splits == 1) {
-    for (int i = threadIdx.x; i < group * HD; i += blockDim.x) {
+    for (int i = threadIdx.x; i < hpb * HD; i += blockDim.x) {
       float sum = 0.f;
 #pragma unroll
-      for (int w = 0; w < kAttnWarps; ++w) sum += part[w * group * HD + i];
-      out[static_cast<int64_t>(kvh) * group * HD + i] = sum / l_s[i / HD];
+      for (int w = 0; w < kAttnWarps; ++w) sum += part[w * hpb * HD + i];
+      out[static_cast<int64_t>(head0) * HD + i] = sum / l_s[i / HD];
     }
     return;
   }
 
-  // Split: post this chunk's partial; the last block of this KV head combines all of them:
+  // Split: post this chunk's partial; the last block of this head block combines all of them:
   // o = sum_s o_s e^(m_s - M) / sum_s l_s e^(m_s - M), M = max_s m_s.
-  for (int i = threadIdx.x; i < group * HD; i += blockDim.x) {
+  for (int i = threadIdx.x; i < hpb * HD; i += blockDim.x) {
     float sum = 0.f;
 #pragma unroll
-    for (int w = 0; w < kAttnWarps; ++w) sum += part[w * group * HD + i];
+    for (int w = 0; w < kAttnWarps; ++w) sum += part[w * hpb * HD + i];
     const int g = i / HD, d = i % HD;
-    p.o[(static_cast<int64_t>(kvh * group + g) * p.max_splits + split) * HD + d] = sum;
+    p.o[(static_cast<int64_t>(head0 + g) * p.max_splits + split) * HD + d] = sum;
   }
-  if (threadIdx.x < group) {
-    float* ml = p.ml + (static_cast<int64_t>(kvh * group + threadIdx.x) * p.max_splits + split) * 2;
+  if (threadIdx.x < hpb) {
+    float* ml = p.ml + (static_cast<int64_t>(head0 + threadIdx.x) * p.max_splits + split) * 2;
     ml[0] = m_s[threadIdx.x];
     ml[1] = l_s[threadIdx.x];
   }
   __threadfence();
   __syncthreads();
-  if (threadIdx.x == 0) is_last = atomicAdd(p.counters + kvh, 1u) == static_cast<unsigned>(n_splits) - 1;
+  if (threadIdx.x == 0) is_last = atomicAdd(p.counters + head_block, 1u) == static_cast<unsigned>(n_splits) - 1;
   __syncthreads();
   if (!is_last) return;
   __threadfence();
-  for (int i = threadIdx.x; i < group * HD; i += blockDim.x) {
+  for (int i = threadIdx.x; i < hpb * HD; i += blockDim.x) {
     const int g = i / HD, d = i % HD;
-    const int64_t head = kvh * group + g;
+    const int64_t head = head0 + g;
     const float* ml = p.ml + head * p.max_splits * 2;
     float m = -INFINITY;
     for (int s = 0; s < n_splits; ++s) m = fmaxf(m, __ldcg(ml + 2 * s));
@@ -699,7 +727,7 @@ __global__ void __launch_bounds__(kAttnThreads) attention_decode_kernel(const fl
     }
     out[head * HD + d] = num / den;
   }
-  if (threadIdx.x == 0) p.counters[kvh] = 0u;  // re-armed for the next launch
+  if (threadIdx.x == 0) p.counters[head_block] = 0u;  // re-armed for the next launch
 }
 
 // ------------------------------------------------------------------ fused attention + O projection + residual
@@ -1059,12 +1087,15 @@ void launch_matvec_residual_silu(const DevMatrix& W, const float* gate_up, float
 
 void launch_attention_decode(const float* q, const float* k_cache, const float* v_cache, const DecodeIO* io,
                              int n_heads, int n_kv_heads, int head_dim, int n_ctx, const AttnScratch& p, float* out,
-                             cudaStream_t s) {
+                             cudaStream_t s, int heads_per_block) {
   const int group = n_heads / n_kv_heads;
   if (group > kMaxGroup || group * n_kv_heads != n_heads) throw EngineError("attention: unsupported head grouping");
   if (p.max_splits < 1 || p.max_splits > kMaxAttnSplits) throw EngineError("attention: bad split capacity");
-  using AttnKernel = void (*)(const float*, const float*, const float*, const DecodeIO*, int, int, int, AttnScratch,
-                              float*);
+  if (heads_per_block == 0) heads_per_block = kAttnDefaultHeadsPerBlock;
+  if (heads_per_block < 1 || group % heads_per_block != 0)
+    throw EngineError("attention: heads per block must divide the query heads per KV head");
+  using AttnKernel = void (*)(const float*, const float*, const float*, const DecodeIO*, int, int, int, int, int,
+                              AttnScratch, float*);
   AttnKernel k = head_dim == 32    ? attention_decode_kernel<32>
                  : head_dim == 64  ? attention_decode_kernel<64>
                  : head_dim == 96  ? attention_decode_kernel<96>
@@ -1072,10 +1103,21 @@ void launch_attention_decode(const float* q, const float* k_cache, const float* 
                                    : nullptr;
   if (k == nullptr) throw EngineError("decode attention needs head_dim 32, 64, 96 or 128");
   const int chunk_cap = attn_chunk_cap(n_ctx, p.max_splits);
-  const size_t smem = attention_smem_bytes(group, head_dim, chunk_cap);
+  // V rows staged in shared memory: the whole chunk when it fits (every chunk of a split context does), else as many
+  // leading rows as the opt-in limit leaves room for after the other buffers.
+  int dev = 0, smem_optin = 0;
+  CUDA_CHECK(cudaGetDevice(&dev));
+  CUDA_CHECK(cudaDeviceGetAttribute(&smem_optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, dev));
+  const size_t fixed = attention_smem_bytes(heads_per_block, head_dim, chunk_cap, 0);
+  const size_t static_smem = 1024;  // m_s, l_s, is_last and slack
+  if (fixed + static_smem > static_cast<size_t>(smem_optin))
+    throw EngineError("attention: context too long for shared memory");
+  const size_t room_rows = (static_cast<size_t>(smem_optin) - fixed - static_smem) / (head_dim * sizeof(float));
+  const int stage_rows = static_cast<int>(std::min<size_t>(room_rows, std::min(chunk_cap, kAttnSinglePassMax)));
+  const size_t smem = attention_smem_bytes(heads_per_block, head_dim, chunk_cap, stage_rows);
   allow_smem(k, smem);
-  launch(k, dim3(n_kv_heads, p.max_splits), dim3(kAttnThreads), smem, s, q, k_cache, v_cache, io, n_heads, n_kv_heads,
-         chunk_cap, p, out);
+  launch(k, dim3(n_heads / heads_per_block, p.max_splits), dim3(kAttnThreads), smem, s, q, k_cache, v_cache, io,
+         n_heads, n_kv_heads, heads_per_block, chunk_cap, stage_rows, p, out);
 }
 
 bool attention_o_fusable(int n_heads, int n_kv_heads, int head_dim) {

@@ -86,18 +86,22 @@ struct ArgmaxScratch {
 };
 
 // Decode attention splits the context only when it is long (flash-decoding): up to kAttnSinglePassMax positions one
-// block per KV head does the whole softmax and writes the output directly; beyond that, attn_splits() blocks per KV
-// head (chosen from the position at run time, inside the kernel, since the graph is captured once) write partials,
-// and the last block of each KV head to finish combines them. Scratch for the split case:
+// block per head block (heads_per_block query heads of one KV head) does the whole softmax and writes the output
+// directly; beyond that, attn_splits() blocks per head block (chosen from the position at run time, inside the
+// kernel, since the graph is captured once) write partials, and the last one of each head block combines them.
+// Scratch for the split case:
 struct AttnScratch {
   float* o = nullptr;                  // [n_heads][max_splits][head_dim]: unnormalized partial outputs
   float* ml = nullptr;                 // [n_heads][max_splits][2]: running max, sum of exp
-  unsigned int* counters = nullptr;    // [n_kv_heads] done-counters, zero between launches
+  unsigned int* counters = nullptr;    // [n_heads] done-counters (one per head block), zero between launches
   int max_splits = 1;
 };
 constexpr int kAttnSinglePassMax = 256;  // = the attention block size: one position per thread in the score pass
 constexpr int kAttnMinChunk = 64;        // positions per split block once the context is split
 constexpr int kMaxAttnSplits = 32;
+// Query heads per decode attention block: 1 spreads the latency-bound work over n_heads SMs (the K/V rows of a KV
+// head are then read by each of its query heads' blocks, from L2).
+constexpr int kAttnDefaultHeadsPerBlock = 1;
 __host__ __device__ inline int attn_splits(int n_pos, int max_splits) {
   if (n_pos <= kAttnSinglePassMax) return 1;
   const int s = (n_pos + kAttnMinChunk - 1) / kAttnMinChunk;
@@ -310,10 +314,11 @@ void launch_matvec_residual(const DevMatrix& W, const float* x, float* residual,
 void launch_matvec_residual_silu(const DevMatrix& W, const float* gate_up, float* residual, cudaStream_t s);
 
 // out[n_heads * head_dim] = attention of q (all heads, roped) over cache positions [0, io->pos] of one layer.
-// n_ctx bounds the position (sizes shared memory); the scratch serves the long-context split.
+// n_ctx bounds the position (sizes shared memory); the scratch serves the long-context split. heads_per_block
+// (a divisor of n_heads / n_kv_heads; 0 = kAttnDefaultHeadsPerBlock) sets how many query heads one block serves.
 void launch_attention_decode(const float* q, const float* k_cache, const float* v_cache, const DecodeIO* io,
                              int n_heads, int n_kv_heads, int head_dim, int n_ctx, const AttnScratch& scratch,
-                             float* out, cudaStream_t s);
+                             float* out, cudaStream_t s, int heads_per_block = 0);
 
 // Short-context decode: attention + O projection + residual in one kernel, residual += W_o . attention(q). Every
 // block recomputes the attention of all heads (the K/V rows are few and L2-resident) and then multiplies its own

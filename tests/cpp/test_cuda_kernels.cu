@@ -312,37 +312,63 @@ TEST(CudaFused, NormQkvRopeAndCacheAppend) {
 
 // Decode attention at positions that take one pass (n_pos <= kAttnSinglePassMax) and that split the context into
 // every split count up to the capacity (incl. the switch-over and the last position of the context), for several
-// split capacities. The output buffer is poisoned each time; the split done-counters must re-arm themselves.
+// split capacities, head groupings and query heads per block (one split capacity leaves a long chunk whose V rows
+// only partly fit in shared memory). The output buffer is poisoned each time; the split done-counters must re-arm
+// themselves. METALATTN_TEST_QUICK=1 (for the slow race checker) keeps SmolLM2's heads and a few cases.
 TEST(CudaFused, DecodeAttentionSinglePassAndSplit) {
   REQUIRE_GPU();
-  const int n_heads = 9, n_kv = 3, hd = 64, q_dim = n_heads * hd, kv_dim = n_kv * hd, n_ctx = 8192;
-  const std::vector<float> kc = random_vec(static_cast<size_t>(n_ctx) * kv_dim, -2.f, 2.f);
-  const std::vector<float> vc = random_vec(static_cast<size_t>(n_ctx) * kv_dim);
-  DevBuf<float> dk(kc), dv(vc), out(q_dim);
-  DevBuf<unsigned> counters(std::vector<unsigned>(n_kv, 0u));
-  for (int max_splits : {1, 7, kMaxAttnSplits}) {
-    AttnScratch p;
-    p.max_splits = max_splits;
-    DevBuf<float> po(static_cast<size_t>(n_heads) * max_splits * hd), pml(static_cast<size_t>(n_heads) * max_splits * 2);
-    p.o = po.p;
-    p.ml = pml.p;
-    p.counters = counters.p;
-    for (int n_pos : {1, 2, 63, 64, 65, 129, kAttnSinglePassMax, kAttnSinglePassMax + 1, 1000, 2048, 4097, 8191,
-                      8192}) {
-      SCOPED_TRACE("max splits " + std::to_string(max_splits) + " n_pos " + std::to_string(n_pos) + " splits " +
-                   std::to_string(attn_splits(n_pos, max_splits)));
-      const std::vector<float> q = random_vec(q_dim, -1.5f, 1.5f);
-      DevBuf<float> dq(q);
-      DevBuf<DecodeIO> io(std::vector<DecodeIO>{{0, n_pos - 1}});
-      po.poison();
-      pml.poison();
-      out.poison();
-      launch_attention_decode(dq.p, dk.p, dv.p, io.p, n_heads, n_kv, hd, n_ctx, p, out.p, nullptr);
-      std::vector<float> expect(q_dim);
-      ref::attention(q.data(), kc.data(), vc.data(), n_heads, n_kv, hd, n_pos, expect.data());
-      EXPECT_LE(max_abs_diff(out.download(), expect), kTol) << "attention output";
-      EXPECT_EQ(counters.download(), std::vector<unsigned>(n_kv, 0u)) << "done-counters re-armed";
+  const char* quick_env = std::getenv("METALATTN_TEST_QUICK");
+  const bool quick = quick_env != nullptr && std::strcmp(quick_env, "1") == 0;
+  struct Shape {
+    int n_heads, n_kv, hd;
+  };
+  const std::vector<Shape> shapes = quick ? std::vector<Shape>{{9, 3, 64}} : std::vector<Shape>{{9, 3, 64}, {8, 2, 128}};
+  const std::vector<int> split_caps = quick ? std::vector<int>{1, kMaxAttnSplits} : std::vector<int>{1, 7, kMaxAttnSplits};
+  const std::vector<int> positions =
+      quick ? std::vector<int>{2, 129, kAttnSinglePassMax + 1, 4097}
+            : std::vector<int>{1, 2, 63, 64, 65, 129, kAttnSinglePassMax, kAttnSinglePassMax + 1, 1000, 2048, 4097,
+                               8191, 8192};
+  for (const Shape sh : shapes) {
+    const int n_heads = sh.n_heads, n_kv = sh.n_kv, hd = sh.hd, q_dim = n_heads * hd, kv_dim = n_kv * hd;
+    const int n_ctx = 8192, group = n_heads / n_kv;
+    const std::vector<float> kc = random_vec(static_cast<size_t>(n_ctx) * kv_dim, -2.f, 2.f);
+    const std::vector<float> vc = random_vec(static_cast<size_t>(n_ctx) * kv_dim);
+    DevBuf<float> dk(kc), dv(vc), out(q_dim);
+    DevBuf<unsigned> counters(std::vector<unsigned>(n_heads, 0u));
+    for (int heads_per_block = 0; heads_per_block <= group; ++heads_per_block) {
+      if (heads_per_block > 0 && group % heads_per_block != 0) continue;
+      for (int max_splits : split_caps) {
+        AttnScratch p;
+        p.max_splits = max_splits;
+        DevBuf<float> po(static_cast<size_t>(n_heads) * max_splits * hd),
+            pml(static_cast<size_t>(n_heads) * max_splits * 2);
+        p.o = po.p;
+        p.ml = pml.p;
+        p.counters = counters.p;
+        for (int n_pos : positions) {
+          SCOPED_TRACE("heads " + std::to_string(n_heads) + "/" + std::to_string(n_kv) + " hd " + std::to_string(hd) +
+                       " heads per block " + std::to_string(heads_per_block) + " max splits " +
+                       std::to_string(max_splits) + " n_pos " + std::to_string(n_pos) + " splits " +
+                       std::to_string(attn_splits(n_pos, max_splits)));
+          const std::vector<float> q = random_vec(q_dim, -1.5f, 1.5f);
+          DevBuf<float> dq(q);
+          DevBuf<DecodeIO> io(std::vector<DecodeIO>{{0, n_pos - 1}});
+          po.poison();
+          pml.poison();
+          out.poison();
+          launch_attention_decode(dq.p, dk.p, dv.p, io.p, n_heads, n_kv, hd, n_ctx, p, out.p, nullptr,
+                                  heads_per_block);
+          std::vector<float> expect(q_dim);
+          ref::attention(q.data(), kc.data(), vc.data(), n_heads, n_kv, hd, n_pos, expect.data());
+          EXPECT_LE(max_abs_diff(out.download(), expect), kTol) << "attention output";
+          EXPECT_EQ(counters.download(), std::vector<unsigned>(n_heads, 0u)) << "done-counters re-armed";
+        }
+      }
     }
+    EXPECT_THROW(launch_attention_decode(dk.p, dk.p, dv.p, nullptr, n_heads, n_kv, hd, n_ctx, AttnScratch{}, out.p,
+                                         nullptr, group + 1),
+                 EngineError)
+        << "heads per block must divide the group";
   }
   // The split rule itself: one pass up to kAttnSinglePassMax, then chunks of kAttnMinChunk up to the capacity.
   EXPECT_EQ(attn_splits(1, 32), 1);
