@@ -230,10 +230,24 @@ class _TruncatedTensor(Exception):
 
 
 def _make_reader_class(gguf):
-    """GGUFReader that names the first tensor running past the end of the file. The stock reader fails on such a
-    file with a bare reshape error, because it builds every tensor's array while parsing."""
+    """GGUFReader that names the first tensor running past the end of the file (the stock reader fails on such a
+    file with a bare reshape error, because it builds every tensor's array while parsing), and that parses through
+    a plain ndarray view of its memory map."""
 
     class Reader(gguf.GGUFReader):
+        # The reader slices its np.memmap once per metadata element (~250k slices for a 49k-token vocabulary);
+        # each memmap slice pays for the subclass's __getitem__/__array_finalize__, which was over half of the load
+        # time. A plain ndarray view of the same map reads the same bytes, and the views it hands out (tensor data
+        # included) still share the mapped memory and keep the map alive.
+        @property
+        def data(self):
+            return self._plain_data
+
+        @data.setter
+        def data(self, mapped):
+            self._mapped = mapped
+            self._plain_data = mapped.view(np.ndarray)
+
         def _build_tensors(self, start_offs, fields):
             try:
                 for f in fields:
