@@ -91,7 +91,6 @@ typedef float v16f __attribute__((vector_size(64)));
 // The helpers below pass v16f by value; they are always inlined into the ISA clones, so GCC's note that such a
 // signature's ABI differs with and without AVX-512 does not apply.
 #pragma GCC diagnostic ignored "-Wpsabi"
-constexpr int kMaxGroup = 8;
 constexpr int kQueryTile = 4;  // query tokens per attention job in a prompt
 
 __attribute__((always_inline)) inline v16f load16(const float* p) {
@@ -217,8 +216,7 @@ class CpuBackend final : public Backend {
   const char* isa_name() const { return cpu::isa_name(isa_); }
 
   ArgmaxResult forward_token_greedy(int32_t token, int pos) override {
-    forward_prompt(&token, 1, pos, logits_one(), nullptr);
-    return ref::argmax(logits_one(), s_.vocab);
+    return forward_prompt(&token, 1, pos, logits_one(), nullptr);
   }
 
   void forward_token(int32_t token, int pos, float* logits) override {
