@@ -165,10 +165,7 @@ def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
     try:
         return args.func(args)
-    except MetalattnError as e:
-        print(f"metalattn: error: {e}", file=sys.stderr)
-        return 1
-    except (OSError, ValueError) as e:
+    except (MetalattnError, OSError, ValueError) as e:  # bad input or files: a message, never a traceback
         print(f"metalattn: error: {e}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:

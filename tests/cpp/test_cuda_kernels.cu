@@ -190,6 +190,43 @@ bool is_poison(float f) {
   return b == 0xffffffffu;
 }
 
+// The RoPE angle table the backend uploads: [n_ctx][head_dim/2] (cos, sin), rope base 100000 as in SmolLM2.
+std::vector<float2> rope_table(int n_ctx, int hd) {
+  std::vector<float2> table(static_cast<size_t>(n_ctx) * hd / 2);
+  for (int i = 0; i < hd / 2; ++i)
+    for (int p = 0; p < n_ctx; ++p) {
+      const double th = p * std::pow(100000.0, -2.0 * i / hd);
+      table[static_cast<size_t>(p) * hd / 2 + i] = make_float2(static_cast<float>(std::cos(th)), static_cast<float>(std::sin(th)));
+    }
+  return table;
+}
+
+// Checks RoPE + KV append of n QKV rows at positions pos0..: q rotated into gq, k rotated into row pos0 + t of gk,
+// v copied into row pos0 + t of gv, and no other cache row written (both caches start poisoned).
+void expect_rope_append(const std::vector<float>& qkv, int n, int pos0, int n_heads, int n_kv, int hd,
+                        const std::vector<float>& gq, const std::vector<float>& gk, const std::vector<float>& gv,
+                        double tol, const char* what) {
+  const int q_dim = n_heads * hd, kv_dim = n_kv * hd, rows = q_dim + 2 * kv_dim;
+  double err = 0;
+  for (int t = 0; t < n; ++t) {
+    std::vector<float> q(qkv.begin() + t * rows, qkv.begin() + t * rows + q_dim);
+    std::vector<float> k(qkv.begin() + t * rows + q_dim, qkv.begin() + t * rows + q_dim + kv_dim);
+    ref::rope(q.data(), n_heads, hd, pos0 + t, 100000.f);
+    ref::rope(k.data(), n_kv, hd, pos0 + t, 100000.f);
+    for (int i = 0; i < q_dim; ++i) err = std::max(err, std::fabs(static_cast<double>(gq[t * q_dim + i]) - q[i]));
+    for (int i = 0; i < kv_dim; ++i) {
+      err = std::max(err, std::fabs(static_cast<double>(gk[(pos0 + t) * kv_dim + i]) - k[i]));
+      err = std::max(err, std::fabs(static_cast<double>(gv[(pos0 + t) * kv_dim + i]) - qkv[t * rows + q_dim + kv_dim + i]));
+    }
+  }
+  EXPECT_LE(err, tol) << what;
+  size_t written_k = 0, written_v = 0;
+  for (size_t i = 0; i < gk.size(); ++i) written_k += !is_poison(gk[i]);
+  for (size_t i = 0; i < gv.size(); ++i) written_v += !is_poison(gv[i]);
+  EXPECT_EQ(written_k, static_cast<size_t>(n) * kv_dim) << what;
+  EXPECT_EQ(written_v, static_cast<size_t>(n) * kv_dim) << what;
+}
+
 constexpr float kTol = 1e-4f;
 constexpr float kEps = 1e-5f;
 const GgmlType kAllTypes[] = {GgmlType::Q4_0, GgmlType::Q4_1, GgmlType::Q8_0,
@@ -769,13 +806,7 @@ TEST(CudaPrefill, NormSiluAndRopeAppend) {
   }
   // RoPE + append for n tokens at positions pos0..
   const int pos0 = 100, rows = q_dim + 2 * kv_dim;
-  std::vector<float2> table(static_cast<size_t>(n_ctx) * hd / 2);
-  for (int i = 0; i < hd / 2; ++i)
-    for (int p = 0; p < n_ctx; ++p) {
-      const double th = p * std::pow(100000.0, -2.0 * i / hd);
-      table[static_cast<size_t>(p) * hd / 2 + i] = make_float2(static_cast<float>(std::cos(th)), static_cast<float>(std::sin(th)));
-    }
-  DevBuf<float2> dtab(table);
+  DevBuf<float2> dtab(rope_table(n_ctx, hd));
   const std::vector<float> qkv = random_vec(static_cast<size_t>(n) * rows);
   DevBuf<float> dqkv(qkv), dq(static_cast<size_t>(n) * q_dim), dk(static_cast<size_t>(n_ctx) * kv_dim), dv(static_cast<size_t>(n_ctx) * kv_dim);
   dq.poison();
@@ -783,22 +814,7 @@ TEST(CudaPrefill, NormSiluAndRopeAppend) {
   dv.poison();
   launch_rope_append(dqkv.p, n, pos0, dtab.p, q_dim, kv_dim, hd, dq.p, dk.p, dv.p, nullptr);
   const std::vector<float> gq = dq.download(), gk = dk.download(), gv = dv.download();
-  double err = 0;
-  for (int t = 0; t < n; ++t) {
-    std::vector<float> q(qkv.begin() + t * rows, qkv.begin() + t * rows + q_dim);
-    std::vector<float> k(qkv.begin() + t * rows + q_dim, qkv.begin() + t * rows + q_dim + kv_dim);
-    ref::rope(q.data(), n_heads, hd, pos0 + t, 100000.f);
-    ref::rope(k.data(), n_kv, hd, pos0 + t, 100000.f);
-    for (int i = 0; i < q_dim; ++i) err = std::max(err, std::fabs(static_cast<double>(gq[t * q_dim + i]) - q[i]));
-    for (int i = 0; i < kv_dim; ++i) {
-      err = std::max(err, std::fabs(static_cast<double>(gk[(pos0 + t) * kv_dim + i]) - k[i]));
-      err = std::max(err, std::fabs(static_cast<double>(gv[(pos0 + t) * kv_dim + i]) - qkv[t * rows + q_dim + kv_dim + i]));
-    }
-  }
-  EXPECT_LE(err, kTol) << "rope + append";
-  size_t written = 0;
-  for (size_t i = 0; i < gk.size(); ++i) written += !is_poison(gk[i]);
-  EXPECT_EQ(written, static_cast<size_t>(n) * kv_dim);
+  expect_rope_append(qkv, n, pos0, n_heads, n_kv, hd, gq, gk, gv, kTol, "rope + append");
 }
 
 TEST(CudaPrefill, CausalAttentionOverPromptAndCache) {
@@ -882,14 +898,7 @@ TEST(CudaPrefill, RopeAppendAttentionFromQkvRows) {
   const int n_ctx = 1024;
   for (const Shape sh : {Shape{9, 3, 64}, Shape{4, 2, 128}}) {
     const int q_dim = sh.n_heads * sh.hd, kv_dim = sh.n_kv * sh.hd, rows = q_dim + 2 * kv_dim;
-    std::vector<float2> table(static_cast<size_t>(n_ctx) * sh.hd / 2);
-    for (int i = 0; i < sh.hd / 2; ++i)
-      for (int p = 0; p < n_ctx; ++p) {
-        const double th = p * std::pow(100000.0, -2.0 * i / sh.hd);
-        table[static_cast<size_t>(p) * sh.hd / 2 + i] =
-            make_float2(static_cast<float>(std::cos(th)), static_cast<float>(std::sin(th)));
-      }
-    DevBuf<float2> dtab(table);
+    DevBuf<float2> dtab(rope_table(n_ctx, sh.hd));
     for (const auto [n, pos0] : {std::pair<int, int>{300, 0}, {70, 600}, {1, 5}, {129, 64}}) {
       SCOPED_TRACE("head_dim " + std::to_string(sh.hd) + " n " + std::to_string(n) + " pos0 " + std::to_string(pos0));
       // Host cache: random rows before pos0, NaN from pos0 on (the device copy is the same).
@@ -947,13 +956,7 @@ TEST(CudaPrefill, RopeAppendWithDevicePosition) {
   REQUIRE_GPU();
   const int n = 40, n_heads = 9, n_kv = 3, hd = 64, q_dim = 576, kv_dim = 192, n_ctx = 128, pos0 = 77;
   const int rows = q_dim + 2 * kv_dim;
-  std::vector<float2> table(static_cast<size_t>(n_ctx) * hd / 2);
-  for (int i = 0; i < hd / 2; ++i)
-    for (int p = 0; p < n_ctx; ++p) {
-      const double th = p * std::pow(100000.0, -2.0 * i / hd);
-      table[static_cast<size_t>(p) * hd / 2 + i] = make_float2(static_cast<float>(std::cos(th)), static_cast<float>(std::sin(th)));
-    }
-  DevBuf<float2> dtab(table);
+  DevBuf<float2> dtab(rope_table(n_ctx, hd));
   const std::vector<float> qkv = random_vec(static_cast<size_t>(n) * rows);
   DevBuf<float> dqkv(qkv), dq(static_cast<size_t>(n) * q_dim), dk(static_cast<size_t>(n_ctx) * kv_dim),
       dv(static_cast<size_t>(n_ctx) * kv_dim);
@@ -963,22 +966,7 @@ TEST(CudaPrefill, RopeAppendWithDevicePosition) {
   dv.poison();
   launch_rope_append_at(dqkv.p, n, dpos.p, dtab.p, q_dim, kv_dim, hd, dq.p, dk.p, dv.p, nullptr);
   const std::vector<float> gq = dq.download(), gk = dk.download(), gv = dv.download();
-  double err = 0;
-  for (int t = 0; t < n; ++t) {
-    std::vector<float> q(qkv.begin() + t * rows, qkv.begin() + t * rows + q_dim);
-    std::vector<float> k(qkv.begin() + t * rows + q_dim, qkv.begin() + t * rows + q_dim + kv_dim);
-    ref::rope(q.data(), n_heads, hd, pos0 + t, 100000.f);
-    ref::rope(k.data(), n_kv, hd, pos0 + t, 100000.f);
-    for (int i = 0; i < q_dim; ++i) err = std::max(err, std::fabs(static_cast<double>(gq[t * q_dim + i]) - q[i]));
-    for (int i = 0; i < kv_dim; ++i) {
-      err = std::max(err, std::fabs(static_cast<double>(gk[(pos0 + t) * kv_dim + i]) - k[i]));
-      err = std::max(err, std::fabs(static_cast<double>(gv[(pos0 + t) * kv_dim + i]) - qkv[t * rows + q_dim + kv_dim + i]));
-    }
-  }
-  EXPECT_LE(err, kTol) << "rope + append at a device-side position";
-  size_t written = 0;
-  for (size_t i = 0; i < gv.size(); ++i) written += !is_poison(gv[i]);
-  EXPECT_EQ(written, static_cast<size_t>(n) * kv_dim);
+  expect_rope_append(qkv, n, pos0, n_heads, n_kv, hd, gq, gk, gv, kTol, "rope + append at a device-side position");
 }
 
 // ------------------------------------------------------------------ whole backend
