@@ -108,6 +108,55 @@ double graph_time_us(cudaStream_t s, F body, int reps = 200) {
   return median(t);
 }
 
+// Per kernel kind: median time from the previous kernel's exit to this kernel's release from its programmatic
+// wait (the chain hand-over), and from release to exit (the work after the wait), over several decode steps.
+void print_decode_trace(Backend& be, const std::vector<int32_t>& prompt, int n_layers) {
+  const char* names[kTraceKinds] = {"norm+gate/up", "norm+qkv",   "matvec+residual", "attention",
+                                    "lm_head+argmax", "attn layer", "ffn layer"};
+  for (int pos : {32, 160, 1000}) {
+    ArgmaxResult r = be.forward_prompt(prompt.data(), pos, 0, nullptr, nullptr);
+    for (int i = 0; i < 3; ++i) r = be.forward_token_greedy(static_cast<int32_t>(r.token), pos + i);  // warm-up
+    std::vector<std::vector<double>> handover(kTraceKinds), work(kTraceKinds), enter_early(kTraceKinds);
+    std::vector<double> step;
+    std::vector<std::vector<std::vector<double>>> marks(kTraceKinds, std::vector<std::vector<double>>(kTraceMarks));
+    for (int rep = 0; rep < 20; ++rep) {
+      if (!trace_reset()) {
+        std::printf("trace: this build has no METALATTN_TRACE\n");
+        return;
+      }
+      be.forward_prompt(prompt.data(), pos, 0, nullptr, nullptr);
+      be.forward_token_greedy(static_cast<int32_t>(r.token), pos);
+      (void)trace_reset();
+      be.forward_token_greedy(static_cast<int32_t>(r.token), pos);
+      const std::vector<TraceRecord> t = trace_read();
+      if (t.size() < static_cast<size_t>(2 * n_layers + 1)) {
+        std::printf("trace: %zu records, expected at least %d\n", t.size(), 2 * n_layers + 1);
+        return;
+      }
+      step.push_back((t.back().exit - t.front().enter) * 1e-3);
+      for (size_t k = 1; k < t.size(); ++k) {
+        handover[t[k].kind].push_back((static_cast<double>(t[k].released) - t[k - 1].exit) * 1e-3);
+        work[t[k].kind].push_back((t[k].exit - t[k].released) * 1e-3);
+        enter_early[t[k].kind].push_back((static_cast<double>(t[k - 1].exit) - t[k].enter) * 1e-3);
+        for (int i = 0; i < kTraceMarks; ++i)
+          if (t[k].mark[i] != 0) marks[t[k].kind][i].push_back((static_cast<double>(t[k].mark[i]) - t[k].released) * 1e-3);
+      }
+    }
+    std::printf("decode step at pos %d: %.1f us from the first kernel's entry to the last one's exit (median of %zu)\n",
+                pos, median(step), step.size());
+    std::printf("  %-16s %6s %14s %12s %16s\n", "kernel", "count", "hand-over us", "work us", "entered early us");
+    for (int k = 0; k < kTraceKinds; ++k)
+      if (!work[k].empty())
+      {
+        std::printf("  %-16s %6zu %14.2f %12.2f %16.2f", names[k], work[k].size() / step.size(), median(handover[k]),
+                    median(work[k]), median(enter_early[k]));
+        for (int i = 0; i < kTraceMarks; ++i)
+          if (!marks[k][i].empty()) std::printf("  mark%d +%.2f", i, median(marks[k][i]));
+        std::printf("\n");
+      }
+  }
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -165,6 +214,12 @@ int main(int argc, char** argv) {
     std::uniform_int_distribution<int> tok(0, s.vocab - 1);
     std::vector<int32_t> prompt(2048);
     for (auto& t : prompt) t = tok(g_rng);
+
+    // bench_cuda <n_ctx> trace (a -DMETALATTN_TRACE build): where one decode step's time goes in the kernel chain.
+    if (argc > 2 && std::strcmp(argv[2], "trace") == 0) {
+      print_decode_trace(*be, prompt, s.n_layers);
+      return 0;
+    }
 
     // Decode tg128 after a 32-token prompt (3 runs; per-token median and whole-run rate).
     std::vector<double> run_rates, per_token;

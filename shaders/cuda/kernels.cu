@@ -122,6 +122,58 @@ static void launch(void (*kernel)(KernelArgs...), dim3 grid, dim3 block, size_t 
 
 using detail::grid_dependency_wait;
 
+// ------------------------------------------------------------------ chain trace (METALATTN_TRACE builds only)
+
+#ifdef METALATTN_TRACE
+__device__ TraceRecord g_trace[kTraceCapacity];
+__device__ unsigned int g_trace_count;
+// Block 0, thread 0 of a kernel stamps enter (construction), released (after the programmatic wait) and exit
+// (destruction, whichever return the kernel takes).
+struct KernelTrace {
+  int slot = -1;
+  __device__ explicit KernelTrace(int kind) {
+    if (blockIdx.x == 0 && blockIdx.y == 0 && threadIdx.x == 0) {
+      const unsigned s = atomicAdd(&g_trace_count, 1u);
+      if (s < kTraceCapacity) {
+        slot = static_cast<int>(s);
+        g_trace[slot].enter = detail::global_ns();
+        g_trace[slot].kind = kind;
+        for (int i = 0; i < kTraceMarks; ++i) g_trace[slot].mark[i] = 0;
+      }
+    }
+  }
+  __device__ void released() {
+    if (slot >= 0) g_trace[slot].released = detail::global_ns();
+  }
+  __device__ void mark(int i) {
+    if (slot >= 0) g_trace[slot].mark[i] = detail::global_ns();
+  }
+  __device__ ~KernelTrace() {
+    if (slot >= 0) g_trace[slot].exit = detail::global_ns();
+  }
+};
+bool trace_reset() {
+  const unsigned zero = 0;
+  CUDA_CHECK(cudaMemcpyToSymbol(g_trace_count, &zero, sizeof(zero)));
+  return true;
+}
+std::vector<TraceRecord> trace_read() {
+  unsigned n = 0;
+  CUDA_CHECK(cudaMemcpyFromSymbol(&n, g_trace_count, sizeof(n)));
+  std::vector<TraceRecord> r(std::min<unsigned>(n, kTraceCapacity));
+  if (!r.empty()) CUDA_CHECK(cudaMemcpyFromSymbol(r.data(), g_trace, r.size() * sizeof(TraceRecord)));
+  return r;
+}
+#else
+struct KernelTrace {
+  __device__ explicit KernelTrace(int) {}
+  __device__ void released() {}
+  __device__ void mark(int) {}
+};
+bool trace_reset() { return false; }
+std::vector<TraceRecord> trace_read() { return {}; }
+#endif
+
 __device__ __forceinline__ float h2f(uint16_t h) { return __half2float(__ushort_as_half(h)); }
 __device__ __forceinline__ float4 ld4(const float* p) { return *reinterpret_cast<const float4*>(p); }
 
@@ -330,31 +382,75 @@ __device__ __forceinline__ int smem_index(int i) { return (i >> 5) * kSmemBlockS
 // Stages x[0..n) (zero past `cols`) into the padded shared layout and scales it by rmsnorm when norm_w is set.
 // Loads first, in batches of kStageBatch per thread: the staging costs one L2 round trip, not one per element.
 // Ends with a barrier.
-__device__ __forceinline__ void stage_normed(const float* __restrict__ x, const float* __restrict__ norm_w, float eps,
-                                             int cols, int n, float* x_s, float* red) {
+// v + parts[0][i] + parts[1][i] + ... in that order (rows `stride` floats apart); the loads of up to kPartsBatch
+// parts are all issued before the first add, so a few dozen parts cost one or two L2 round trips, not one each.
+constexpr int kPartsBatch = 16;
+__device__ __forceinline__ float sum_parts(float v, const float* parts, int n_parts, int stride, int i) {
+  for (int p0 = 0; p0 < n_parts; p0 += kPartsBatch) {
+    float t[kPartsBatch];
+#pragma unroll
+    for (int p = 0; p < kPartsBatch; ++p)
+      t[p] = p0 + p < n_parts ? __ldcg(parts + static_cast<int64_t>(p0 + p) * stride + i) : 0.f;
+#pragma unroll
+    for (int p = 0; p < kPartsBatch; ++p)
+      if (p0 + p < n_parts) v += t[p];
+  }
+  return v;
+}
+
+// Norm weights of the first staging batch, loaded before the programmatic wait (they are weights, so this takes
+// one L2 round trip out of the critical path).
+struct NormPrefetch {
+  float w[kStageBatch];
+  __device__ __forceinline__ void load(const float* __restrict__ norm_w, int cols) {
+#pragma unroll
+    for (int u = 0; u < kStageBatch; ++u) {
+      const int i = threadIdx.x + u * blockDim.x;
+      w[u] = norm_w != nullptr && i < cols ? __ldg(norm_w + i) : 1.f;
+    }
+  }
+};
+
+// Stages x[0..n) (zero past `cols`) times the norm weights into the padded shared layout and returns rmsnorm's
+// 1/rms (1 without norm_w), which the caller applies to its dot products: W.(x*w) / rms = W.rmsnorm(x), with no
+// second pass over x_s. x is read through L2 (it was written by the kernel before), in batches of kStageBatch loads
+// per thread, so the staging costs one round trip. With parts set, x[i] + parts[0][i] + ... + parts[n_parts-1][i]
+// (rows of `cols` floats, summed in that order) is staged instead: the split-K partials of the fused-layer path.
+// Ends with a barrier.
+__device__ __forceinline__ float stage_normed(const float* x, const float* __restrict__ norm_w, const NormPrefetch& pre,
+                                              float eps, int cols, int n, float* x_s, float* red,
+                                              const float* parts = nullptr, int n_parts = 0) {
   float ss = 0.f;
-  for (int i0 = threadIdx.x; i0 < n; i0 += kStageBatch * blockDim.x) {
-    float v[kStageBatch];
+  for (int i0 = threadIdx.x, batch = 0; i0 < n; i0 += kStageBatch * blockDim.x, ++batch) {
+    float v[kStageBatch], w[kStageBatch];
 #pragma unroll
     for (int u = 0; u < kStageBatch; ++u) {
       const int i = i0 + u * blockDim.x;
-      v[u] = i < cols ? x[i] : 0.f;
+      v[u] = i < cols ? __ldcg(x + i) : 0.f;
+      w[u] = batch == 0 ? pre.w[u] : (norm_w != nullptr && i < cols ? __ldg(norm_w + i) : 1.f);
+    }
+    if (parts != nullptr) {
+#pragma unroll
+      for (int u = 0; u < kStageBatch; ++u) {
+        const int i = i0 + u * blockDim.x;
+        if (i < cols) v[u] = sum_parts(v[u], parts, n_parts, cols, i);
+      }
     }
 #pragma unroll
     for (int u = 0; u < kStageBatch; ++u) {
       const int i = i0 + u * blockDim.x;
       if (i < n) {
-        x_s[smem_index(i)] = v[u];
+        x_s[smem_index(i)] = v[u] * w[u];
         ss += v[u] * v[u];
       }
     }
   }
-  if (norm_w != nullptr) {
-    const float total = detail::block_sum(ss, red);
-    const float scale = 1.f / sqrtf(total / static_cast<float>(cols) + eps);
-    for (int i = threadIdx.x; i < cols; i += blockDim.x) x_s[smem_index(i)] = x_s[smem_index(i)] * scale * norm_w[i];
+  if (norm_w == nullptr) {
+    __syncthreads();
+    return 1.f;
   }
-  __syncthreads();
+  const float total = detail::block_sum(ss, red);  // its barriers also publish x_s
+  return 1.f / sqrtf(total / static_cast<float>(cols) + eps);
 }
 
 enum class NormOut : int { Plain = 0, Qkv = 1 };
@@ -380,10 +476,23 @@ __global__ void __launch_bounds__(256) norm_matvec_kernel(DevMatrix W, const flo
   const int row = blockIdx.x * rows_per_block + local;
   const int n = W.nb * 32;
 
+  KernelTrace trace(a.mode == NormOut::Qkv ? kTraceQkv : kTraceNormMatvec);
   detail::launch_dependents();
   RowDot<T, TPR> rd;
   rd.prefetch(W, row, sub);
+  NormPrefetch nw;
+  nw.load(norm_w, W.cols);
+  // QKV: the RoPE factors of the rows this thread stores (the position was written before this graph launch).
+  const int pair = threadIdx.x;
+  const int r0 = blockIdx.x * rows_per_block + 2 * pair;
+  const bool stores_pair = a.mode == NormOut::Qkv && pair < rows_per_block / 2 && r0 < W.rows;
+  float2 cs = make_float2(1.f, 0.f);
+  if (stores_pair) {
+    const QkvTargets& t = a.qkv;
+    cs = detail::rope_factors(r0, t.io->pos, t.rope_table, t.q_dim, t.kv_dim, t.head_dim);
+  }
 
+  float scale = 1.f;
   if (a.embed.payload != nullptr) {
     // The token id was written before this graph launch (by the host or the previous step's argmax), and the
     // embedding is a weight, so the whole gather and the norm run before the wait.
@@ -395,32 +504,32 @@ __global__ void __launch_bounds__(256) norm_matvec_kernel(DevMatrix W, const flo
       ss += v * v;
     }
     const float total = detail::block_sum(ss, red);
-    const float scale = 1.f / sqrtf(total / static_cast<float>(W.cols) + eps);
+    const float inv_rms = 1.f / sqrtf(total / static_cast<float>(W.cols) + eps);
     grid_dependency_wait();  // the previous step's kernels may still read x
+    trace.released();
     for (int i = threadIdx.x; i < W.cols; i += blockDim.x) {
       const float v = x_s[smem_index(i)];
       if (blockIdx.x == 0) a.x_out[i] = v;
-      x_s[smem_index(i)] = v * scale * norm_w[i];
+      x_s[smem_index(i)] = v * inv_rms * norm_w[i];
     }
     __syncthreads();
   } else {
     grid_dependency_wait();
-    stage_normed(x, norm_w, eps, W.cols, n, x_s, red);
+    trace.released();
+    scale = stage_normed(x, norm_w, nw, eps, W.cols, n, x_s, red);
   }
 
-  const float acc = rd.finish(W, row, sub, x_s);
+  const float acc = rd.finish(W, row, sub, x_s) * scale;
 
   if (a.mode == NormOut::Plain) {
     if (sub == 0 && row < W.rows) a.y[row] = acc;
   } else {
     if (sub == 0) y_s[local] = acc;
     __syncthreads();
-    const int pair = threadIdx.x;
-    const int r0 = blockIdx.x * rows_per_block + 2 * pair;
-    if (pair < rows_per_block / 2 && r0 < W.rows) {
+    if (stores_pair) {
       const QkvTargets& t = a.qkv;
-      detail::store_qkv_pair(r0, y_s[2 * pair], y_s[2 * pair + 1], t.io->pos, t.rope_table, t.q_dim, t.kv_dim,
-                             t.head_dim, t.q_out, t.k_cache, t.v_cache);
+      detail::store_qkv_pair_rotated(r0, y_s[2 * pair], y_s[2 * pair + 1], t.io->pos, cs, t.q_dim, t.kv_dim,
+                                     t.head_dim, t.q_out, t.k_cache, t.v_cache);
     }
   }
 }
@@ -428,6 +537,8 @@ __global__ void __launch_bounds__(256) norm_matvec_kernel(DevMatrix W, const flo
 // ------------------------------------------------------------------ final norm + lm_head + argmax
 
 struct ArgmaxArgs {
+  const float* parts = nullptr;  // optional split-K partials added to x (see stage_normed)
+  int n_parts = 0;
   float* logits = nullptr;
   ArgmaxScratch am;
   ArgmaxResult* result = nullptr;
@@ -449,18 +560,22 @@ __global__ void __launch_bounds__(256) norm_matvec_argmax_kernel(DevMatrix W, co
   const int stride = gridDim.x * rows_per_pass;
   int base = blockIdx.x * rows_per_pass;
 
+  KernelTrace trace(kTraceLmHead);
   detail::launch_dependents();
   RowDot<T, TPR> rd;
   rd.prefetch(W, base + local, sub);
+  NormPrefetch nw;
+  nw.load(norm_w, W.cols);
   grid_dependency_wait();
-  stage_normed(x, norm_w, eps, W.cols, W.nb * 32, x_s, red);
+  trace.released();
+  const float scale = stage_normed(x, norm_w, nw, eps, W.cols, W.nb * 32, x_s, red, a.parts, a.n_parts);
 
   ArgmaxPartial best{0.f, kNoIndex};
   for (; base < W.rows; base += stride) {  // block-uniform: every lane takes part in the group shuffles
     RowDot<T, TPR> next;
     next.prefetch(W, base + stride + local, sub);
     const int row = base + local;
-    const float acc = rd.finish(W, row, sub, x_s);
+    const float acc = rd.finish(W, row, sub, x_s) * scale;
     if (sub == 0 && row < W.rows) {
       a.logits[row] = acc;
       if (!isnan(acc) && detail::argmax_better(ArgmaxPartial{acc, static_cast<uint32_t>(row)}, best))
@@ -485,10 +600,14 @@ __global__ void __launch_bounds__(256) matvec_residual_kernel(DevMatrix W, Resid
   const int local = threadIdx.x / TPR, sub = threadIdx.x % TPR;
   const int row = blockIdx.x * rows_per_block + local;
 
+  KernelTrace trace(kTraceResidual);
   detail::launch_dependents();
   RowDot<T, TPR> rd;
   rd.prefetch(W, row, sub);
   grid_dependency_wait();
+  trace.released();
+  // The residual row is loaded now, in the same L2 round trip as the activations, not after the dot product.
+  const float res = sub == 0 && row < W.rows ? __ldcg(residual + row) : 0.f;
 
   const int n = W.nb * 32;
   const bool silu = mode == ResidualIn::Silu;
@@ -497,8 +616,8 @@ __global__ void __launch_bounds__(256) matvec_residual_kernel(DevMatrix W, Resid
 #pragma unroll
     for (int u = 0; u < kStageBatch; ++u) {
       const int i = i0 + u * blockDim.x;
-      g[u] = i < W.cols ? x[i] : 0.f;
-      up[u] = silu && i < W.cols ? x[W.cols + i] : 0.f;
+      g[u] = i < W.cols ? __ldcg(x + i) : 0.f;
+      up[u] = silu && i < W.cols ? __ldcg(x + W.cols + i) : 0.f;
     }
 #pragma unroll
     for (int u = 0; u < kStageBatch; ++u) {
@@ -507,9 +626,11 @@ __global__ void __launch_bounds__(256) matvec_residual_kernel(DevMatrix W, Resid
     }
   }
   __syncthreads();
+  trace.mark(0);
 
   const float acc = rd.finish(W, row, sub, x_s);
-  if (sub == 0 && row < W.rows) residual[row] += acc;
+  trace.mark(1);
+  if (sub == 0 && row < W.rows) residual[row] = res + acc;
 }
 
 // ------------------------------------------------------------------ attention
@@ -550,6 +671,7 @@ __global__ void __launch_bounds__(kAttnThreads) attention_decode_kernel(const fl
                                                                         int chunk_cap, int stage_rows,
                                                                         AttnScratch p, float* __restrict__ out) {
   constexpr int kHd4 = HD / 4, kPairs = HD / 2, kPairsPerLane = (kPairs + 31) / 32;
+  KernelTrace trace(kTraceAttention);
   detail::launch_dependents();
   extern __shared__ float4 smem_dyn[];
   const int hpb = heads_per_block, kv_dim = n_kv_heads * HD;
@@ -587,6 +709,7 @@ __global__ void __launch_bounds__(kAttnThreads) attention_decode_kernel(const fl
     cp_async16(v_s + t * HD + c * 4, v_head + static_cast<int64_t>(start + t) * kv_dim + c * 4);
   }
   grid_dependency_wait();
+  trace.released();
 
   // After the wait, data the kernel before wrote (q, K and V row pos) is read through L2 only (__ldcg), all at once.
   if (t0 < len && !own_early) {
@@ -600,6 +723,7 @@ __global__ void __launch_bounds__(kAttnThreads) attention_decode_kernel(const fl
   for (int i = threadIdx.x; i < hpb * HD; i += blockDim.x) q_s[i] = __ldcg(q + static_cast<int64_t>(head0) * HD + i);
   cp_async_wait_all();
   __syncthreads();
+  trace.mark(0);
 
   const float scale = 1.f / sqrtf(static_cast<float>(HD));
   const float4* q4 = reinterpret_cast<const float4*>(q_s);
@@ -628,6 +752,7 @@ __global__ void __launch_bounds__(kAttnThreads) attention_decode_kernel(const fl
       if (g < hpb) sc[g * chunk_cap + t] = acc[g] * scale;
   }
   __syncthreads();
+  trace.mark(1);
 
   for (int g = warp; g < hpb; g += kAttnWarps) {
     float* sg = sc + g * chunk_cap;
@@ -647,6 +772,7 @@ __global__ void __launch_bounds__(kAttnThreads) attention_decode_kernel(const fl
     }
   }
   __syncthreads();
+  trace.mark(2);
 
   // P.V: warp w takes positions w, w + kAttnWarps, ...; lane owns float2 columns lane, lane + 32. Staged rows come
   // from shared memory, the rest (long chunks of a one-split capacity only) from L2.
@@ -682,6 +808,7 @@ __global__ void __launch_bounds__(kAttnThreads) attention_decode_kernel(const fl
       if (g < hpb && lane + 32 * c < kPairs)
         reinterpret_cast<float2*>(part + (warp * hpb + g) * HD)[lane + 32 * c] = o[g][c];
   __syncthreads();
+  trace.mark(3);
 
   if (n_splits == 1) {
     for (int i = threadIdx.x; i < hpb * HD; i += blockDim.x) {
@@ -728,6 +855,284 @@ __global__ void __launch_bounds__(kAttnThreads) attention_decode_kernel(const fl
     out[head * HD + d] = num / den;
   }
   if (threadIdx.x == 0) p.counters[head_block] = 0u;  // re-armed for the next launch
+}
+
+// ------------------------------------------------------------------ fused-layer decode (short contexts)
+// See kernels.cuh: two kernels per layer, attention_layer (one block per query head) and ffn_layer (one block per
+// kFfnSlice hidden units), each finishing with a split-K share of its output projection.
+
+constexpr int kLayerThreads = 512;
+constexpr int kLayerHd = 64;              // head_dim of the fused path
+constexpr int kLayerTpr = 8;              // lanes per QKV / gate / up row: 512 / 8 = 64 rows per pass
+constexpr int kLayerKStride = kLayerHd + 8;  // padded K rows: the 8 float4 loads of a quarter warp hit 32 banks
+constexpr int kLayerOwned = kLayerFusedMaxDModel / kLayerThreads;       // residual elements per thread
+constexpr int kLayerSplitRows = kLayerFusedMaxDModel / (kLayerThreads / 2);  // W_o / W_down rows per thread
+constexpr int kLayerPvGroups = kLayerThreads / kLayerHd;                 // position groups of the P.V product
+static_assert(kLayerTpr * kLayerHd == kLayerThreads, "one QKV pass covers one head's 64 rows");
+static_assert(kLayerTpr * kFfnSlice == kLayerThreads, "one gate (or up) pass covers one slice");
+static_assert(2 * kLayerFusedMaxPositions <= kLayerThreads, "two threads per position in the score pass");
+static_assert(kLayerHd == 64 && kFfnSlice == 64, "a thread pair covers the two 32-column blocks of a split-K row");
+
+inline size_t attention_layer_smem_bytes(int nb, int pos_cap) {
+  return (static_cast<size_t>(pos_cap) * (kLayerKStride + kLayerHd) + static_cast<size_t>(nb) * kSmemBlockStride +
+          3 * kLayerHd + pos_cap + kLayerPvGroups * kLayerHd + 2 * kSmemBlockStride) *
+         sizeof(float);
+}
+inline size_t ffn_layer_smem_bytes(int nb) {
+  return (static_cast<size_t>(nb) * kSmemBlockStride + 2 * kSmemBlockStride) * sizeof(float);
+}
+
+// The residual elements a thread owns are i = threadIdx.x + k * kLayerThreads. Stages x_s = x * norm_w (rmsnorm's
+// 1/rms is applied to the dot products instead, so the staging needs no second pass), optionally writes x to
+// x_out, and returns 1/rms.
+__device__ __forceinline__ float stage_owned(const float (&xv)[kLayerOwned], const float (&nw)[kLayerOwned], int d,
+                                             float eps, float* x_out, float* x_s, float* red) {
+  float ss = 0.f;
+#pragma unroll
+  for (int k = 0; k < kLayerOwned; ++k) {
+    const int i = threadIdx.x + k * kLayerThreads;
+    if (i < d) {
+      if (x_out != nullptr) x_out[i] = xv[k];
+      x_s[smem_index(i)] = xv[k] * nw[k];
+      ss += xv[k] * xv[k];
+    }
+  }
+  const float total = detail::block_sum(ss, red);  // its barriers also publish x_s
+  return 1.f / sqrtf(total / static_cast<float>(d) + eps);
+}
+
+// A thread pair per output row (rows threadIdx.x / 2 + k * kLayerThreads / 2), one 32-column block each: the
+// split-K share of a projection over the 64 input columns starting at block col_block.
+template <GgmlType T>
+struct SplitRows {
+  Blk<T> blk[kLayerSplitRows];
+  __device__ __forceinline__ void prefetch(const DevMatrix& W, int col_block) {
+    const int half = threadIdx.x & 1, row0 = threadIdx.x >> 1;
+#pragma unroll
+    for (int k = 0; k < kLayerSplitRows; ++k) {
+      const int r = row0 + k * (kLayerThreads / 2);
+      if (r < W.rows) blk[k].load(W, static_cast<int64_t>(r) * W.nb + col_block + half);
+    }
+  }
+  // in_s: the 64 inputs in the padded layout (two blocks kSmemBlockStride apart). out[r] = the row's partial dot.
+  __device__ __forceinline__ void finish(const DevMatrix& W, const float* in_s, float* out) const {
+    const int half = threadIdx.x & 1, row0 = threadIdx.x >> 1;
+#pragma unroll
+    for (int k = 0; k < kLayerSplitRows; ++k) {
+      const int r = row0 + k * (kLayerThreads / 2);
+      float acc = r < W.rows ? blk[k].dot(in_s + half * kSmemBlockStride) : 0.f;
+      acc += __shfl_xor_sync(0xffffffffu, acc, 1);
+      if (half == 0 && r < W.rows) out[r] = acc;
+    }
+  }
+};
+
+template <GgmlType T>
+__global__ void __launch_bounds__(kLayerThreads) attention_layer_kernel(AttnLayerArgs a) {
+  constexpr int HD = kLayerHd, TPR = kLayerTpr, kHalf = HD / 2;
+  KernelTrace trace(kTraceAttnLayer);
+  detail::launch_dependents();
+  extern __shared__ float4 smem_dyn[];
+  const DevMatrix& W = a.qkv;
+  const int d = W.cols, pos_cap = a.pos_cap;
+  float* k_s = reinterpret_cast<float*>(smem_dyn);  // [pos_cap][kLayerKStride]
+  float* v_s = k_s + pos_cap * kLayerKStride;        // [pos_cap][HD]
+  float* x_s = v_s + pos_cap * HD;                   // normed residual, padded layout
+  float* qkv_s = x_s + W.nb * kSmemBlockStride;      // [3][HD]: q (roped in place), k, v of this step
+  float* sc = qkv_s + 3 * HD;                        // [pos_cap] scores, then exp(score - max)
+  float* pv = sc + pos_cap;                          // [kLayerPvGroups][HD] P.V partial sums
+  float* att_s = pv + kLayerPvGroups * HD;           // the head's attention output, padded layout
+  __shared__ float red[32];
+  __shared__ float sum_exp;
+
+  const int head = blockIdx.x, group = a.n_heads / a.n_kv_heads, kvh = head / group;
+  const int q_dim = a.n_heads * HD, kv_dim = a.n_kv_heads * HD;
+  const int pos = a.io->pos, n_pos = pos + 1;  // io was written before this graph launch
+  if (n_pos > pos_cap) __trap();
+  const int tid = threadIdx.x, lr = tid / TPR, sub = tid % TPR;
+  const int q_row = head * HD + lr, k_row = q_dim + kvh * HD + lr, v_row = q_dim + kv_dim + kvh * HD + lr;
+
+  // Before the wait, everything that does not come from the kernels before: weights, norm weights, the RoPE
+  // factors of this position, the cache rows of earlier steps, and in layer 0 the embedding row.
+  RowDot<T, TPR> rq, rk, rv;
+  rq.prefetch(W, q_row, sub);
+  rk.prefetch(W, k_row, sub);
+  rv.prefetch(W, v_row, sub);
+  SplitRows<T> o_rows;
+  o_rows.prefetch(a.o, head * (HD / 32));
+  float nw[kLayerOwned], xv[kLayerOwned];
+#pragma unroll
+  for (int k = 0; k < kLayerOwned; ++k) {
+    const int i = tid + k * kLayerThreads;
+    nw[k] = i < d ? a.norm_w[i] : 0.f;
+    xv[k] = 0.f;
+  }
+  float2 cs = make_float2(1.f, 0.f);
+  if (tid < HD) cs = a.rope_table[static_cast<int64_t>(pos) * kHalf + tid % kHalf];
+  const float* k_head = a.k_cache + kvh * HD;
+  const float* v_head = a.v_cache + kvh * HD;
+  for (int c = tid; c < pos * (HD / 4); c += kLayerThreads) {
+    const int t = c / (HD / 4), j = c % (HD / 4);
+    cp_async16(k_s + t * kLayerKStride + 4 * j, k_head + static_cast<int64_t>(t) * kv_dim + 4 * j);
+    cp_async16(v_s + t * HD + 4 * j, v_head + static_cast<int64_t>(t) * kv_dim + 4 * j);
+  }
+  const bool embed = a.embed.payload != nullptr;
+  if (embed) {
+    const int64_t token = a.io->token;
+#pragma unroll
+    for (int k = 0; k < kLayerOwned; ++k) {
+      const int i = tid + k * kLayerThreads;
+      if (i < d) xv[k] = detail::load_weight(a.embed, token, i);
+    }
+  }
+
+  grid_dependency_wait();
+  trace.released();
+
+  if (!embed) {
+#pragma unroll
+    for (int k = 0; k < kLayerOwned; ++k) {
+      const int i = tid + k * kLayerThreads;
+      if (i < d) xv[k] = sum_parts(__ldcg(a.x_in + i), a.parts, a.n_parts, d, i);
+    }
+  }
+  const float inv_rms = stage_owned(xv, nw, d, a.eps, head == 0 ? a.x_out : nullptr, x_s, red);
+  trace.mark(0);
+
+  const float yq = rq.finish(W, q_row, sub, x_s) * inv_rms;
+  const float yk = rk.finish(W, k_row, sub, x_s) * inv_rms;
+  const float yv = rv.finish(W, v_row, sub, x_s) * inv_rms;
+  if (sub == 0) {
+    qkv_s[lr] = yq;
+    qkv_s[HD + lr] = yk;
+    qkv_s[2 * HD + lr] = yv;
+  }
+  __syncthreads();
+
+  // RoPE (pair 2i, 2i+1 turns by angle i) on q in place and on k; this step's k and v rows join the staged
+  // cache rows, and the group's first block also appends them to the cache in global memory.
+  const bool appends = head % group == 0;
+  const int64_t cache_row = static_cast<int64_t>(pos) * kv_dim + kvh * HD;
+  if (tid < HD) {
+    const int pr = tid % kHalf;
+    float* src = qkv_s + (tid < kHalf ? 0 : HD) + 2 * pr;
+    const float x0 = src[0], x1 = src[1];
+    const float r0 = x0 * cs.x - x1 * cs.y, r1 = x0 * cs.y + x1 * cs.x;
+    if (tid < kHalf) {
+      src[0] = r0;
+      src[1] = r1;
+    } else {
+      k_s[pos * kLayerKStride + 2 * pr] = r0;
+      k_s[pos * kLayerKStride + 2 * pr + 1] = r1;
+      if (appends) {
+        a.k_cache[cache_row + 2 * pr] = r0;
+        a.k_cache[cache_row + 2 * pr + 1] = r1;
+      }
+    }
+  } else if (tid < 2 * HD) {
+    const int e = tid - HD;
+    const float v = qkv_s[2 * HD + e];
+    v_s[pos * HD + e] = v;
+    if (appends) a.v_cache[cache_row + e] = v;
+  }
+  trace.mark(1);
+  cp_async_wait_all();
+  __syncthreads();
+  trace.mark(2);
+
+  // Scores: a thread pair per position, each half of the dot product (float4 chunks 2c + half).
+  {
+    const int t = tid >> 1, half = tid & 1;
+    float acc = 0.f;
+    if (t < n_pos) {
+      const float4* k4 = reinterpret_cast<const float4*>(k_s + t * kLayerKStride);
+      const float4* q4 = reinterpret_cast<const float4*>(qkv_s);
+#pragma unroll
+      for (int c = 0; c < HD / 8; ++c) {
+        const float4 k = k4[2 * c + half], q = q4[2 * c + half];
+        acc += q.x * k.x + q.y * k.y + q.z * k.z + q.w * k.w;
+      }
+    }
+    acc += __shfl_xor_sync(0xffffffffu, acc, 1);
+    if (half == 0 && t < n_pos) sc[t] = acc * (1.f / sqrtf(static_cast<float>(HD)));
+  }
+  __syncthreads();
+  if (tid < 32) {
+    float m = -INFINITY;
+    for (int t = tid; t < n_pos; t += 32) m = fmaxf(m, sc[t]);
+    m = detail::warp_max(m);
+    float l = 0.f;
+    for (int t = tid; t < n_pos; t += 32) {
+      const float e = expf(sc[t] - m);
+      sc[t] = e;
+      l += e;
+    }
+    l = detail::warp_sum(l);
+    if (tid == 0) sum_exp = l;
+  }
+  __syncthreads();
+  {
+    const int g = tid / HD, e = tid % HD;
+    float acc = 0.f;
+    for (int t = g; t < n_pos; t += kLayerPvGroups) acc += sc[t] * v_s[t * HD + e];
+    pv[g * HD + e] = acc;
+  }
+  __syncthreads();
+  if (tid < HD) {
+    float o = 0.f;
+#pragma unroll
+    for (int g = 0; g < kLayerPvGroups; ++g) o += pv[g * HD + tid];
+    att_s[smem_index(tid)] = o / sum_exp;
+  }
+  __syncthreads();
+  trace.mark(3);
+  o_rows.finish(a.o, att_s, a.o_part + static_cast<int64_t>(head) * d);
+}
+
+template <GgmlType T>
+__global__ void __launch_bounds__(kLayerThreads) ffn_layer_kernel(FfnLayerArgs a) {
+  constexpr int TPR = kLayerTpr;
+  KernelTrace trace(kTraceFfnLayer);
+  detail::launch_dependents();
+  extern __shared__ float4 smem_dyn[];
+  const DevMatrix& W = a.gate_up;
+  const int d = W.cols, d_ff = W.rows / 2, slice = blockIdx.x;
+  float* x_s = reinterpret_cast<float*>(smem_dyn);  // normed residual, padded layout
+  float* h_s = x_s + W.nb * kSmemBlockStride;        // silu(gate) * up of the slice, padded layout
+  __shared__ float red[32];
+  const int tid = threadIdx.x, lr = tid / TPR, sub = tid % TPR;
+  const int gate_row = slice * kFfnSlice + lr, up_row = d_ff + gate_row;
+
+  RowDot<T, TPR> rg, ru;
+  rg.prefetch(W, gate_row, sub);
+  ru.prefetch(W, up_row, sub);
+  SplitRows<T> down_rows;
+  down_rows.prefetch(a.down, slice * (kFfnSlice / 32));
+  float nw[kLayerOwned], xv[kLayerOwned];
+#pragma unroll
+  for (int k = 0; k < kLayerOwned; ++k) {
+    const int i = tid + k * kLayerThreads;
+    nw[k] = i < d ? a.norm_w[i] : 0.f;
+    xv[k] = 0.f;
+  }
+
+  grid_dependency_wait();
+  trace.released();
+
+#pragma unroll
+  for (int k = 0; k < kLayerOwned; ++k) {
+    const int i = tid + k * kLayerThreads;
+    if (i < d) xv[k] = sum_parts(__ldcg(a.x_in + i), a.o_part, a.n_heads, d, i);
+  }
+  const float inv_rms = stage_owned(xv, nw, d, a.eps, slice == 0 ? a.x_out : nullptr, x_s, red);
+  trace.mark(0);
+
+  const float g = rg.finish(W, gate_row, sub, x_s) * inv_rms;
+  const float u = ru.finish(W, up_row, sub, x_s) * inv_rms;
+  if (sub == 0) h_s[smem_index(lr)] = g / (1.f + expf(-g)) * u;
+  __syncthreads();
+  trace.mark(1);
+  down_rows.finish(a.down, h_s, a.d_part + static_cast<int64_t>(slice) * d);
 }
 
 // ------------------------------------------------------------------ fused attention + O projection + residual
@@ -1054,7 +1459,7 @@ void launch_embed_norm_matvec_qkv(const DevMatrix& emb, float* x, const DevMatri
 
 void launch_norm_matvec_argmax(const DevMatrix& W, const float* x, const float* norm_w, float eps, float* logits,
                                const ArgmaxScratch& scratch, ArgmaxResult* result, DecodeIO* io_next,
-                               cudaStream_t s) {
+                               cudaStream_t s, const float* parts, int n_parts) {
   const Geometry g = matvec_geometry(W);
   ArgmaxKernel k =
       pick(g.tpr, argmax_kernel_for<8>(W.type), argmax_kernel_for<16>(W.type), argmax_kernel_for<32>(W.type));
@@ -1070,6 +1475,8 @@ void launch_norm_matvec_argmax(const DevMatrix& W, const float* x, const float* 
   const int grid = (groups + passes - 1) / passes;
   if (grid > scratch.capacity) throw EngineError("argmax scratch too small");
   ArgmaxArgs a;
+  a.parts = parts;
+  a.n_parts = parts != nullptr ? n_parts : 0;
   a.logits = logits;
   a.am = scratch;
   a.result = result;
@@ -1118,6 +1525,51 @@ void launch_attention_decode(const float* q, const float* k_cache, const float* 
   allow_smem(k, smem);
   launch(k, dim3(n_heads / heads_per_block, p.max_splits), dim3(kAttnThreads), smem, s, q, k_cache, v_cache, io,
          n_heads, n_kv_heads, heads_per_block, chunk_cap, stage_rows, p, out);
+}
+
+bool layer_fused_supported(int head_dim, int d_model, int d_ff, GgmlType qkv, GgmlType o, GgmlType gate_up,
+                           GgmlType down) {
+  const bool quant = qkv == GgmlType::Q4_0 || qkv == GgmlType::Q4_1 || qkv == GgmlType::Q8_0;
+  return quant && o == qkv && gate_up == qkv && down == qkv && head_dim == kLayerHd && d_model % 32 == 0 &&
+         d_model <= kLayerFusedMaxDModel && d_ff % kFfnSlice == 0;
+}
+
+void launch_attention_layer(const AttnLayerArgs& a, cudaStream_t s) {
+  const int q_dim = a.n_heads * kLayerHd;
+  if (!layer_fused_supported(kLayerHd, a.qkv.cols, 2 * kFfnSlice, a.qkv.type, a.o.type, a.qkv.type, a.qkv.type) ||
+      a.n_kv_heads < 1 || a.n_heads % a.n_kv_heads != 0 || a.qkv.rows != q_dim + 2 * a.n_kv_heads * kLayerHd ||
+      a.o.cols != q_dim || a.o.rows != a.qkv.cols)
+    throw EngineError("attention layer: unsupported geometry or weight types");
+  if (a.pos_cap < 1 || a.pos_cap > kLayerFusedMaxPositions) throw EngineError("attention layer: bad position capacity");
+  if (a.embed.payload != nullptr && a.embed.cols != a.qkv.cols) throw EngineError("attention layer: bad embedding");
+  void (*k)(AttnLayerArgs) = nullptr;
+  switch (a.qkv.type) {
+    case GgmlType::Q4_0: k = attention_layer_kernel<GgmlType::Q4_0>; break;
+    case GgmlType::Q4_1: k = attention_layer_kernel<GgmlType::Q4_1>; break;
+    case GgmlType::Q8_0: k = attention_layer_kernel<GgmlType::Q8_0>; break;
+    default: throw EngineError("attention layer: unsupported weight type");
+  }
+  const size_t smem = attention_layer_smem_bytes(a.qkv.nb, a.pos_cap);
+  allow_smem(k, smem);
+  launch(k, dim3(a.n_heads), dim3(kLayerThreads), smem, s, a);
+}
+
+void launch_ffn_layer(const FfnLayerArgs& a, cudaStream_t s) {
+  const int d_ff = a.gate_up.rows / 2;
+  if (!layer_fused_supported(kLayerHd, a.gate_up.cols, d_ff, a.gate_up.type, a.down.type, a.gate_up.type,
+                             a.gate_up.type) ||
+      a.gate_up.rows != 2 * d_ff || a.down.cols != d_ff || a.down.rows != a.gate_up.cols)
+    throw EngineError("ffn layer: unsupported geometry or weight types");
+  void (*k)(FfnLayerArgs) = nullptr;
+  switch (a.gate_up.type) {
+    case GgmlType::Q4_0: k = ffn_layer_kernel<GgmlType::Q4_0>; break;
+    case GgmlType::Q4_1: k = ffn_layer_kernel<GgmlType::Q4_1>; break;
+    case GgmlType::Q8_0: k = ffn_layer_kernel<GgmlType::Q8_0>; break;
+    default: throw EngineError("ffn layer: unsupported weight type");
+  }
+  const size_t smem = ffn_layer_smem_bytes(a.gate_up.nb);
+  allow_smem(k, smem);
+  launch(k, dim3(d_ff / kFfnSlice), dim3(kLayerThreads), smem, s, a);
 }
 
 bool attention_o_fusable(int n_heads, int n_kv_heads, int head_dim) {

@@ -130,8 +130,41 @@ inline int attn_max_splits(int n_ctx, int n_kv_heads, int n_sms) {
 void set_programmatic_launch(bool on);
 bool programmatic_launch();
 
+// Chain trace (compile with -DMETALATTN_TRACE; off in every normal build): block 0 of each decode kernel records
+// when it entered, when its programmatic wait returned and when it left, in %globaltimer nanoseconds, so the
+// benchmark can show where one decode step's time goes inside the PDL chain.
+constexpr int kTraceMarks = 4;
+struct TraceRecord {
+  unsigned long long enter, released, exit;
+  unsigned long long mark[kTraceMarks];  // optional stamps inside a kernel (0 = not set)
+  int kind;  // TraceKind
+};
+enum TraceKind : int {
+  kTraceNormMatvec = 0,
+  kTraceQkv = 1,
+  kTraceResidual = 2,
+  kTraceAttention = 3,
+  kTraceLmHead = 4,
+  kTraceAttnLayer = 5,
+  kTraceFfnLayer = 6,
+  kTraceKinds = 7
+};
+constexpr int kTraceCapacity = 1024;
+// Clears the trace; returns false when the build has no trace.
+bool trace_reset();
+// The records since the last reset, in kernel order.
+std::vector<TraceRecord> trace_read();
+
 // ------------------------------------------------------------------ device helpers shared by the .cu files
 namespace detail {
+
+#ifdef METALATTN_TRACE
+__device__ __forceinline__ unsigned long long global_ns() {
+  unsigned long long t;
+  asm volatile("mov.u64 %0, %globaltimer;" : "=l"(t));
+  return t;
+}
+#endif
 
 __device__ __forceinline__ void grid_dependency_wait() {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
@@ -193,11 +226,19 @@ __device__ __forceinline__ float load_weight(const DevMatrix& W, int64_t row, in
   return 0.f;
 }
 
-// Writes one rotated (or, for v rows, plain) pair of QKV output rows r0, r0 + 1 at position pos.
-// Rows [0, q_dim) go to q_row, [q_dim, q_dim + kv_dim) to the K cache, the rest to the V cache.
-__device__ __forceinline__ void store_qkv_pair(int r0, float a, float b, int pos, const float2* rope_table,
-                                               int q_dim, int kv_dim, int head_dim, float* q_row, float* k_cache,
-                                               float* v_cache) {
+// (cos, sin) by which QKV output rows r0, r0 + 1 turn at position pos; (1, 0) for v rows, which do not turn.
+__device__ __forceinline__ float2 rope_factors(int r0, int pos, const float2* rope_table, int q_dim, int kv_dim,
+                                               int head_dim) {
+  if (r0 >= q_dim + kv_dim) return make_float2(1.f, 0.f);
+  const int r = r0 < q_dim ? r0 : r0 - q_dim;
+  return rope_table[static_cast<int64_t>(pos) * (head_dim / 2) + (r % head_dim) / 2];
+}
+
+// Writes the pair of QKV output rows r0, r0 + 1 at position pos, turned by cs = rope_factors(r0, pos, ...).
+// Rows [0, q_dim) go to q_row, [q_dim, q_dim + kv_dim) to the K cache, the rest (plain) to the V cache.
+__device__ __forceinline__ void store_qkv_pair_rotated(int r0, float a, float b, int pos, float2 cs, int q_dim,
+                                                       int kv_dim, int head_dim, float* q_row, float* k_cache,
+                                                       float* v_cache) {
   const int64_t cache_row = static_cast<int64_t>(pos) * kv_dim;
   if (r0 >= q_dim + kv_dim) {
     float* dst = v_cache + cache_row + (r0 - q_dim - kv_dim);
@@ -206,11 +247,16 @@ __device__ __forceinline__ void store_qkv_pair(int r0, float a, float b, int pos
     return;
   }
   const bool is_q = r0 < q_dim;
-  const int r = is_q ? r0 : r0 - q_dim;
-  const float2 cs = rope_table[static_cast<int64_t>(pos) * (head_dim / 2) + (r % head_dim) / 2];
-  float* dst = is_q ? q_row + r : k_cache + cache_row + r;
+  float* dst = is_q ? q_row + r0 : k_cache + cache_row + (r0 - q_dim);
   dst[0] = a * cs.x - b * cs.y;
   dst[1] = a * cs.y + b * cs.x;
+}
+
+__device__ __forceinline__ void store_qkv_pair(int r0, float a, float b, int pos, const float2* rope_table,
+                                               int q_dim, int kv_dim, int head_dim, float* q_row, float* k_cache,
+                                               float* v_cache) {
+  store_qkv_pair_rotated(r0, a, b, pos, rope_factors(r0, pos, rope_table, q_dim, kv_dim, head_dim), q_dim, kv_dim,
+                         head_dim, q_row, k_cache, v_cache);
 }
 
 // Argmax order: NaN/empty never wins, larger value wins, ties go to the lower index (so -inf-only input
@@ -303,10 +349,61 @@ void launch_embed_norm_matvec_qkv(const DevMatrix& emb, float* x, const DevMatri
                                   const QkvTargets& t, cudaStream_t s);
 
 // logits = W . rmsnorm(x); then argmax of the logits into *result (device or mapped-host pointer); if io_next is
-// non-null, also io_next->token = argmax, io_next->pos += 1.
+// non-null, also io_next->token = argmax, io_next->pos += 1. With parts set, x + parts[0] + ... + parts[n_parts-1]
+// (rows of W.cols floats, added in that order) takes the place of x.
 void launch_norm_matvec_argmax(const DevMatrix& W, const float* x, const float* norm_w, float eps, float* logits,
                                const ArgmaxScratch& scratch, ArgmaxResult* result, DecodeIO* io_next,
-                               cudaStream_t s);
+                               cudaStream_t s, const float* parts = nullptr, int n_parts = 0);
+
+// ------------------------------------------------------------------ fused-layer decode (short contexts)
+// While the context is short (n_pos <= kLayerFusedMaxPositions) a layer is two kernels instead of five:
+//   attention_layer: one block per query head. Residual x = x_in + the previous layer's down partials (the head-0
+//     block writes x to x_out), rmsnorm, the head's q rows and its KV head's k and v rows (each block of a group
+//     recomputes k and v; the group's first block appends them to the cache), RoPE, attention over the cache rows
+//     (copied to shared memory before the programmatic wait), and the head's split-K share of the O projection:
+//     o_part[head] = W_o[:, head's columns] . attention(head).
+//   ffn_layer: one block per kFfnSlice hidden units. x = x_in + o_part[0] + ... (the slice-0 block writes x to
+//     x_out), rmsnorm, the slice's gate and up rows, silu(gate) * up, and its split-K share of the down
+//     projection: d_part[slice] = W_down[:, slice's columns] . h.
+// The next layer's attention_layer (or the final norm + lm_head) adds the d_part rows while staging x. Partials are
+// always added in the same order, so results are deterministic. Each block's weights, norm weights, RoPE factors
+// and cache rows are loaded before the programmatic wait; after it, one L2 round trip stages the residual.
+constexpr int kLayerFusedMaxPositions = 256;
+constexpr int kFfnSlice = 64;  // hidden units per ffn_layer block: two 32-column blocks of W_down
+constexpr int kLayerFusedMaxDModel = 1024;
+struct AttnLayerArgs {
+  DevMatrix qkv, o;  // qkv = [wq; wk; wv] stacked; same weight type as o
+  const float* norm_w = nullptr;
+  float eps = 0.f;
+  const float* x_in = nullptr;   // residual stream in (unused when embed is set)
+  const float* parts = nullptr;  // [n_parts][d_model] partials to add to x_in
+  int n_parts = 0;
+  DevMatrix embed;               // layer 0: x = row io->token of embed
+  float* x_out = nullptr;        // x, written by block 0
+  float* o_part = nullptr;       // [n_heads][d_model]
+  const DecodeIO* io = nullptr;
+  const float2* rope_table = nullptr;
+  float* k_cache = nullptr;      // this layer: [n_ctx][kv_dim]
+  float* v_cache = nullptr;
+  int n_heads = 0, n_kv_heads = 0;
+  int pos_cap = 0;               // sizes shared memory; io->pos + 1 must not exceed it (the kernel traps)
+};
+struct FfnLayerArgs {
+  DevMatrix gate_up, down;       // gate_up = [w_gate; w_up] stacked; same weight type as down
+  const float* norm_w = nullptr;
+  float eps = 0.f;
+  const float* x_in = nullptr;   // residual stream in
+  const float* o_part = nullptr; // [n_heads][d_model] partials to add to x_in
+  int n_heads = 0;
+  float* x_out = nullptr;        // x, written by block 0
+  float* d_part = nullptr;       // [d_ff / kFfnSlice][d_model]
+};
+// The geometry and weight types the fused-layer kernels handle: head_dim 64, d_model a multiple of 32 up to
+// kLayerFusedMaxDModel, d_ff a multiple of kFfnSlice, and all four layer matrices Q4_0, Q4_1 or Q8_0 alike.
+bool layer_fused_supported(int head_dim, int d_model, int d_ff, GgmlType qkv, GgmlType o, GgmlType gate_up,
+                           GgmlType down);
+void launch_attention_layer(const AttnLayerArgs& a, cudaStream_t s);
+void launch_ffn_layer(const FfnLayerArgs& a, cudaStream_t s);
 
 // residual += W . x
 void launch_matvec_residual(const DevMatrix& W, const float* x, float* residual, cudaStream_t s);

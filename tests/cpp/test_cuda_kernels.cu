@@ -1248,7 +1248,7 @@ TEST(CudaBackend, DecodeAcrossTheFusedAttentionSwitchOver) {
   auto dbg = make_cuda_backend(m->spec, m->w, true);
   if (prev != nullptr) setenv("METALATTN_CUDA_FUSED_ATTN", saved.c_str(), 1);
   else unsetenv("METALATTN_CUDA_FUSED_ATTN");
-  EXPECT_EQ(fast->kernels_per_token(), 3 * 3 + 1);
+  EXPECT_EQ(fast->kernels_per_token(), 4 * 3 + 1);
   RefForward ref_fwd(*m);
   const std::vector<int32_t> toks = random_tokens(n, m->spec.vocab);
   std::vector<float> lf(m->spec.vocab), ld(m->spec.vocab);
@@ -1267,6 +1267,48 @@ TEST(CudaBackend, DecodeAcrossTheFusedAttentionSwitchOver) {
     dbg->forward_token(toks[p], p, ld.data());
     expect_logits_close(lf, want, 1e-3, "decode logits");
     EXPECT_EQ(lf, ld) << "graph replay and debug launches are the same kernels";
+  }
+}
+
+// The fused-layer decode (two kernels per layer, split-K O and down projections; METALATTN_CUDA_LAYER_FUSED=1)
+// against the reference forward and against the five-kernel layers (the default) on identical weights, at SmolLM2's layer
+// shapes, for each weight type it serves, across its position limit (after which both take the same kernels).
+TEST(CudaBackend, LayerFusedDecodeMatchesFiveKernelLayers) {
+  REQUIRE_GPU();
+  const int limit = kLayerFusedMaxPositions, n = limit + 6;
+  for (GgmlType t : {GgmlType::Q4_0, GgmlType::Q4_1, GgmlType::Q8_0}) {
+    SCOPED_TRACE(std::string("layer type ") + type_name(t));
+    auto m = make_model(3, 2048, n + 2, t, GgmlType::Q8_0);
+    const char* prev = std::getenv("METALATTN_CUDA_LAYER_FUSED");
+    const std::string saved = prev != nullptr ? prev : "";
+    setenv("METALATTN_CUDA_LAYER_FUSED", "1", 1);
+    auto fused = make_cuda_backend(m->spec, m->w, false);
+    setenv("METALATTN_CUDA_LAYER_FUSED", "0", 1);
+    auto five = make_cuda_backend(m->spec, m->w, false);
+    if (prev != nullptr) setenv("METALATTN_CUDA_LAYER_FUSED", saved.c_str(), 1);
+    else unsetenv("METALATTN_CUDA_LAYER_FUSED");
+    EXPECT_EQ(fused->kernels_per_token(), 2 * 3 + 1);
+    EXPECT_EQ(five->kernels_per_token(), 5 * 3 + 1);
+    RefForward ref_fwd(*m);
+    const std::vector<int32_t> toks = random_tokens(n, m->spec.vocab);
+    std::vector<float> lf(m->spec.vocab), l5(m->spec.vocab);
+    for (int p = 0; p < n; ++p) {
+      const std::vector<float> want = ref_fwd.forward(toks[p], p);
+      const bool check = p < 3 || p % 37 == 0 || (p >= limit - 2 && p <= limit + 1) || p == n - 1;
+      if (!check) {
+        fused->forward_token_greedy(toks[p], p);
+        five->forward_token_greedy(toks[p], p);
+        continue;
+      }
+      SCOPED_TRACE("pos " + std::to_string(p));
+      std::fill(lf.begin(), lf.end(), NAN);
+      std::fill(l5.begin(), l5.end(), NAN);
+      fused->forward_token(toks[p], p, lf.data());
+      five->forward_token(toks[p], p, l5.data());
+      expect_logits_close(lf, want, 1e-3, "fused-layer logits vs reference");
+      // Same float arithmetic, summed in another order: far inside the reference bound.
+      expect_logits_close(lf, l5, 1e-5, "fused-layer logits vs five-kernel layers");
+    }
   }
 }
 
