@@ -129,6 +129,14 @@ void print_decode_trace(Backend& be, const std::vector<int32_t>& prompt, int n_l
       (void)trace_reset();
       be.forward_token_greedy(static_cast<int32_t>(r.token), pos);
       const std::vector<TraceRecord> t = trace_read();
+      unsigned blocks[kTraceKinds], late[kTraceKinds];
+      trace_block_counts(blocks, late);
+      if (rep == 0) {
+        std::printf("pos %d, blocks released < 1 us after entering / all blocks:", pos);
+        for (int k = 0; k < kTraceKinds; ++k)
+          if (blocks[k] > 0) std::printf(" %s %u/%u", names[k], late[k], blocks[k]);
+        std::printf("\n");
+      }
       if (t.size() < static_cast<size_t>(2 * n_layers + 1)) {
         std::printf("trace: %zu records, expected at least %d\n", t.size(), 2 * n_layers + 1);
         return;

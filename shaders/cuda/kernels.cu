@@ -129,9 +129,15 @@ __device__ TraceRecord g_trace[kTraceCapacity];
 __device__ unsigned int g_trace_count;
 // Block 0, thread 0 of a kernel stamps enter (construction), released (after the programmatic wait) and exit
 // (destruction, whichever return the kernel takes).
+// Per kernel kind, over all blocks: how many blocks ran, and how many were released from the programmatic wait
+// less than 1 us after they entered (their weight prefetch could not overlap the kernel before).
+__device__ unsigned int g_trace_blocks[kTraceKinds], g_trace_late_blocks[kTraceKinds];
 struct KernelTrace {
   int slot = -1;
-  __device__ explicit KernelTrace(int kind) {
+  int kind_ = 0;
+  unsigned long long block_enter = 0;
+  __device__ explicit KernelTrace(int kind) : kind_(kind) {
+    if (threadIdx.x == 0) block_enter = detail::global_ns();
     if (blockIdx.x == 0 && blockIdx.y == 0 && threadIdx.x == 0) {
       const unsigned s = atomicAdd(&g_trace_count, 1u);
       if (s < kTraceCapacity) {
@@ -143,7 +149,12 @@ struct KernelTrace {
     }
   }
   __device__ void released() {
-    if (slot >= 0) g_trace[slot].released = detail::global_ns();
+    if (threadIdx.x == 0) {
+      const unsigned long long now = detail::global_ns();
+      atomicAdd(&g_trace_blocks[kind_], 1u);
+      if (now - block_enter < 1000) atomicAdd(&g_trace_late_blocks[kind_], 1u);
+      if (slot >= 0) g_trace[slot].released = now;
+    }
   }
   __device__ void mark(int i) {
     if (slot >= 0) g_trace[slot].mark[i] = detail::global_ns();
@@ -153,9 +164,15 @@ struct KernelTrace {
   }
 };
 bool trace_reset() {
-  const unsigned zero = 0;
+  const unsigned zero = 0, zeros[kTraceKinds] = {};
   CUDA_CHECK(cudaMemcpyToSymbol(g_trace_count, &zero, sizeof(zero)));
+  CUDA_CHECK(cudaMemcpyToSymbol(g_trace_blocks, zeros, sizeof(zeros)));
+  CUDA_CHECK(cudaMemcpyToSymbol(g_trace_late_blocks, zeros, sizeof(zeros)));
   return true;
+}
+void trace_block_counts(unsigned* blocks, unsigned* late) {
+  CUDA_CHECK(cudaMemcpyFromSymbol(blocks, g_trace_blocks, kTraceKinds * sizeof(unsigned)));
+  CUDA_CHECK(cudaMemcpyFromSymbol(late, g_trace_late_blocks, kTraceKinds * sizeof(unsigned)));
 }
 std::vector<TraceRecord> trace_read() {
   unsigned n = 0;
@@ -172,6 +189,9 @@ struct KernelTrace {
 };
 bool trace_reset() { return false; }
 std::vector<TraceRecord> trace_read() { return {}; }
+void trace_block_counts(unsigned* blocks, unsigned* late) {
+  for (int k = 0; k < kTraceKinds; ++k) blocks[k] = late[k] = 0;
+}
 #endif
 
 __device__ __forceinline__ float h2f(uint16_t h) { return __half2float(__ushort_as_half(h)); }
@@ -733,9 +753,10 @@ __global__ void __launch_bounds__(kAttnThreads) attention_decode_kernel(const fl
 #pragma unroll
       for (int c = 0; c < kHd4; ++c) k_own[c] = __ldcg(k4 + c);
     }
-    float acc[kMaxGroup];
+    // Two accumulators per head halve the dependent FMA chain (the latency, not the FMA count, is the cost here).
+    float acc[kMaxGroup][2];
 #pragma unroll
-    for (int g = 0; g < kMaxGroup; ++g) acc[g] = 0.f;
+    for (int g = 0; g < kMaxGroup; ++g) acc[g][0] = acc[g][1] = 0.f;
 #pragma unroll
     for (int c = 0; c < kHd4; ++c) {
       const float4 k = k_own[c];
@@ -743,13 +764,13 @@ __global__ void __launch_bounds__(kAttnThreads) attention_decode_kernel(const fl
       for (int g = 0; g < kMaxGroup; ++g) {
         if (g < hpb) {
           const float4 qq = q4[g * kHd4 + c];
-          acc[g] += qq.x * k.x + qq.y * k.y + qq.z * k.z + qq.w * k.w;
+          acc[g][c & 1] += qq.x * k.x + qq.y * k.y + qq.z * k.z + qq.w * k.w;
         }
       }
     }
 #pragma unroll
     for (int g = 0; g < kMaxGroup; ++g)
-      if (g < hpb) sc[g * chunk_cap + t] = acc[g] * scale;
+      if (g < hpb) sc[g * chunk_cap + t] = (acc[g][0] + acc[g][1]) * scale;
   }
   __syncthreads();
   trace.mark(1);
@@ -872,6 +893,7 @@ static_assert(kLayerTpr * kLayerHd == kLayerThreads, "one QKV pass covers one he
 static_assert(kLayerTpr * kFfnSlice == kLayerThreads, "one gate (or up) pass covers one slice");
 static_assert(2 * kLayerFusedMaxPositions <= kLayerThreads, "two threads per position in the score pass");
 static_assert(kLayerHd == 64 && kFfnSlice == 64, "a thread pair covers the two 32-column blocks of a split-K row");
+static_assert(kLayerFusedMaxPositions == kAttnSinglePassMax, "the short attention serves the single-pass regime");
 
 inline size_t attention_layer_smem_bytes(int nb, int pos_cap) {
   return (static_cast<size_t>(pos_cap) * (kLayerKStride + kLayerHd) + static_cast<size_t>(nb) * kSmemBlockStride +
@@ -926,6 +948,118 @@ struct SplitRows {
     }
   }
 };
+
+// Attention of one query head (head_dim 64) over n_pos <= kLayerFusedMaxPositions positions whose q, K rows
+// (kLayerKStride apart) and V rows are all in shared memory; kLayerThreads threads. Scores: a thread pair per
+// position, each half of the dot product (float4 chunks 2c + half); softmax: one warp; P.V: kLayerPvGroups
+// position groups x 64 dims, then a fixed-order sum. Returns output element threadIdx.x in threads < 64.
+// sc: [n_pos], pv: [kLayerPvGroups][64], sum_exp: one shared float. Starts and ends with all threads in step.
+__device__ __forceinline__ float attend_head64(const float* q_s, const float* k_s, const float* v_s, int n_pos,
+                                               float* sc, float* pv, float* sum_exp) {
+  constexpr int HD = kLayerHd;
+  const int tid = threadIdx.x;
+  {
+    const int t = tid >> 1, half = tid & 1;
+    float acc0 = 0.f, acc1 = 0.f;
+    if (t < n_pos) {
+      const float4* k4 = reinterpret_cast<const float4*>(k_s + t * kLayerKStride);
+      const float4* q4 = reinterpret_cast<const float4*>(q_s);
+#pragma unroll
+      for (int c = 0; c < HD / 8; c += 2) {
+        const float4 ka = k4[2 * c + half], qa = q4[2 * c + half];
+        const float4 kb = k4[2 * c + 2 + half], qb = q4[2 * c + 2 + half];
+        acc0 += qa.x * ka.x + qa.y * ka.y + qa.z * ka.z + qa.w * ka.w;
+        acc1 += qb.x * kb.x + qb.y * kb.y + qb.z * kb.z + qb.w * kb.w;
+      }
+    }
+    float acc = acc0 + acc1;
+    acc += __shfl_xor_sync(0xffffffffu, acc, 1);
+    if (half == 0 && t < n_pos) sc[t] = acc * (1.f / sqrtf(static_cast<float>(HD)));
+  }
+  __syncthreads();
+  if (tid < 32) {
+    float m = -INFINITY;
+    for (int t = tid; t < n_pos; t += 32) m = fmaxf(m, sc[t]);
+    m = detail::warp_max(m);
+    float l = 0.f;
+    for (int t = tid; t < n_pos; t += 32) {
+      const float e = expf(sc[t] - m);
+      sc[t] = e;
+      l += e;
+    }
+    l = detail::warp_sum(l);
+    if (tid == 0) *sum_exp = l;
+  }
+  __syncthreads();
+  {
+    const int g = tid / HD, e = tid % HD;
+    float acc0 = 0.f, acc1 = 0.f;
+    int t = g;
+    for (; t + kLayerPvGroups < n_pos; t += 2 * kLayerPvGroups) {
+      acc0 += sc[t] * v_s[t * HD + e];
+      acc1 += sc[t + kLayerPvGroups] * v_s[(t + kLayerPvGroups) * HD + e];
+    }
+    if (t < n_pos) acc0 += sc[t] * v_s[t * HD + e];
+    pv[g * HD + e] = acc0 + acc1;
+  }
+  __syncthreads();
+  float o = 0.f;
+  if (tid < HD) {
+#pragma unroll
+    for (int g = 0; g < kLayerPvGroups; ++g) o += pv[g * HD + tid];
+    o /= *sum_exp;
+  }
+  return o;
+}
+
+// Short-context decode attention, head_dim 64: one block of kLayerThreads per query head; the K and V rows of
+// earlier steps are copied into shared memory before the programmatic wait, and after it only q and this step's
+// K and V rows come from L2 (one round trip). n_pos = io->pos + 1 <= pos_cap <= kLayerFusedMaxPositions.
+__global__ void __launch_bounds__(kLayerThreads) attention_decode_short_kernel(const float* q, const float* k_cache,
+                                                                               const float* v_cache,
+                                                                               const DecodeIO* io, int n_heads,
+                                                                               int n_kv_heads, int pos_cap,
+                                                                               float* __restrict__ out) {
+  constexpr int HD = kLayerHd;
+  KernelTrace trace(kTraceAttention);
+  detail::launch_dependents();
+  extern __shared__ float4 smem_dyn[];
+  float* k_s = reinterpret_cast<float*>(smem_dyn);  // [pos_cap][kLayerKStride]
+  float* v_s = k_s + pos_cap * kLayerKStride;        // [pos_cap][HD]
+  float* q_s = v_s + pos_cap * HD;                   // [HD]
+  float* sc = q_s + HD;                              // [pos_cap]
+  float* pv = sc + pos_cap;                          // [kLayerPvGroups][HD]
+  __shared__ float sum_exp;
+  const int head = blockIdx.x, kvh = head / (n_heads / n_kv_heads), kv_dim = n_kv_heads * HD;
+  const int pos = io->pos, n_pos = pos + 1;  // io was written before this graph launch
+  if (n_pos > pos_cap) __trap();
+  const int tid = threadIdx.x;
+  const float* k_head = k_cache + kvh * HD;
+  const float* v_head = v_cache + kvh * HD;
+  for (int c = tid; c < pos * (HD / 4); c += kLayerThreads) {
+    const int t = c / (HD / 4), j = c % (HD / 4);
+    cp_async16(k_s + t * kLayerKStride + 4 * j, k_head + static_cast<int64_t>(t) * kv_dim + 4 * j);
+    cp_async16(v_s + t * HD + 4 * j, v_head + static_cast<int64_t>(t) * kv_dim + 4 * j);
+  }
+  grid_dependency_wait();
+  trace.released();
+  if (tid < HD / 4) {
+    reinterpret_cast<float4*>(q_s)[tid] = __ldcg(reinterpret_cast<const float4*>(q + head * HD) + tid);
+  } else if (tid < HD / 2) {
+    const int j = tid - HD / 4;
+    reinterpret_cast<float4*>(k_s + pos * kLayerKStride)[j] =
+        __ldcg(reinterpret_cast<const float4*>(k_head + static_cast<int64_t>(pos) * kv_dim) + j);
+  } else if (tid < 3 * HD / 4) {
+    const int j = tid - HD / 2;
+    reinterpret_cast<float4*>(v_s + pos * HD)[j] =
+        __ldcg(reinterpret_cast<const float4*>(v_head + static_cast<int64_t>(pos) * kv_dim) + j);
+  }
+  cp_async_wait_all();
+  __syncthreads();
+  trace.mark(0);
+  const float o = attend_head64(q_s, k_s, v_s, n_pos, sc, pv, &sum_exp);
+  if (tid < HD) out[head * HD + tid] = o;
+}
 
 template <GgmlType T>
 __global__ void __launch_bounds__(kLayerThreads) attention_layer_kernel(AttnLayerArgs a) {
@@ -1040,50 +1174,8 @@ __global__ void __launch_bounds__(kLayerThreads) attention_layer_kernel(AttnLaye
   __syncthreads();
   trace.mark(2);
 
-  // Scores: a thread pair per position, each half of the dot product (float4 chunks 2c + half).
-  {
-    const int t = tid >> 1, half = tid & 1;
-    float acc = 0.f;
-    if (t < n_pos) {
-      const float4* k4 = reinterpret_cast<const float4*>(k_s + t * kLayerKStride);
-      const float4* q4 = reinterpret_cast<const float4*>(qkv_s);
-#pragma unroll
-      for (int c = 0; c < HD / 8; ++c) {
-        const float4 k = k4[2 * c + half], q = q4[2 * c + half];
-        acc += q.x * k.x + q.y * k.y + q.z * k.z + q.w * k.w;
-      }
-    }
-    acc += __shfl_xor_sync(0xffffffffu, acc, 1);
-    if (half == 0 && t < n_pos) sc[t] = acc * (1.f / sqrtf(static_cast<float>(HD)));
-  }
-  __syncthreads();
-  if (tid < 32) {
-    float m = -INFINITY;
-    for (int t = tid; t < n_pos; t += 32) m = fmaxf(m, sc[t]);
-    m = detail::warp_max(m);
-    float l = 0.f;
-    for (int t = tid; t < n_pos; t += 32) {
-      const float e = expf(sc[t] - m);
-      sc[t] = e;
-      l += e;
-    }
-    l = detail::warp_sum(l);
-    if (tid == 0) sum_exp = l;
-  }
-  __syncthreads();
-  {
-    const int g = tid / HD, e = tid % HD;
-    float acc = 0.f;
-    for (int t = g; t < n_pos; t += kLayerPvGroups) acc += sc[t] * v_s[t * HD + e];
-    pv[g * HD + e] = acc;
-  }
-  __syncthreads();
-  if (tid < HD) {
-    float o = 0.f;
-#pragma unroll
-    for (int g = 0; g < kLayerPvGroups; ++g) o += pv[g * HD + tid];
-    att_s[smem_index(tid)] = o / sum_exp;
-  }
+  const float o = attend_head64(qkv_s, k_s, v_s, n_pos, sc, pv, &sum_exp);
+  if (tid < HD) att_s[smem_index(tid)] = o;
   __syncthreads();
   trace.mark(3);
   o_rows.finish(a.o, att_s, a.o_part + static_cast<int64_t>(head) * d);
@@ -1319,12 +1411,27 @@ struct Geometry {
   size_t smem;
 };
 
+// Decode matvecs are latency-bound: after the programmatic wait a block stages x and each lane sums its weight
+// blocks, so a whole warp per row (each lane one or two 32-weight blocks at SmolLM2's widths) and 256 threads per
+// block (x staged in one batch of loads, eight warps to hide the shared-memory latency of the dot products) make
+// the dependent part shortest; the idle lanes of an 18-block row cost nothing that matters here.
 Geometry matvec_geometry(const DevMatrix& W) {
   Geometry g;
-  g.tpr = W.nb <= 32 ? 8 : W.nb <= 64 ? 16 : 32;
-  g.threads = W.rows >= 8192 ? 256 : 128;
+  g.tpr = 32;
+  g.threads = 256;
   const int rows_per_block = g.threads / g.tpr;
   g.grid = (W.rows + rows_per_block - 1) / rows_per_block;
+  g.smem = static_cast<size_t>(W.nb) * kSmemBlockStride * sizeof(float);
+  return g;
+}
+
+// The lm_head streams 49k+ rows through a few resident blocks (norm_matvec_argmax_kernel): fewer lanes per row
+// keep more rows in flight per pass.
+Geometry lm_head_geometry(const DevMatrix& W) {
+  Geometry g;
+  g.tpr = W.nb <= 32 ? 8 : W.nb <= 64 ? 16 : 32;
+  g.threads = 256;
+  g.grid = 0;  // chosen from occupancy at launch
   g.smem = static_cast<size_t>(W.nb) * kSmemBlockStride * sizeof(float);
   return g;
 }
@@ -1401,7 +1508,7 @@ void run_matvec_residual(const DevMatrix& W, ResidualIn mode, const float* x, fl
 // The lm_head kernel's row groups (rows_per_pass rows each); its grid is at most this many blocks.
 constexpr int kArgmaxThreads = 256;
 int argmax_row_groups(const DevMatrix& W) {
-  const int rows_per_pass = kArgmaxThreads / matvec_geometry(W).tpr;
+  const int rows_per_pass = kArgmaxThreads / lm_head_geometry(W).tpr;
   return (W.rows + rows_per_pass - 1) / rows_per_pass;
 }
 
@@ -1460,7 +1567,7 @@ void launch_embed_norm_matvec_qkv(const DevMatrix& emb, float* x, const DevMatri
 void launch_norm_matvec_argmax(const DevMatrix& W, const float* x, const float* norm_w, float eps, float* logits,
                                const ArgmaxScratch& scratch, ArgmaxResult* result, DecodeIO* io_next,
                                cudaStream_t s, const float* parts, int n_parts) {
-  const Geometry g = matvec_geometry(W);
+  const Geometry g = lm_head_geometry(W);
   ArgmaxKernel k =
       pick(g.tpr, argmax_kernel_for<8>(W.type), argmax_kernel_for<16>(W.type), argmax_kernel_for<32>(W.type));
   allow_smem(k, g.smem);
@@ -1570,6 +1677,19 @@ void launch_ffn_layer(const FfnLayerArgs& a, cudaStream_t s) {
   const size_t smem = ffn_layer_smem_bytes(a.gate_up.nb);
   allow_smem(k, smem);
   launch(k, dim3(d_ff / kFfnSlice), dim3(kLayerThreads), smem, s, a);
+}
+
+void launch_attention_decode_short(const float* q, const float* k_cache, const float* v_cache, const DecodeIO* io,
+                                   int n_heads, int n_kv_heads, int head_dim, int pos_cap, float* out,
+                                   cudaStream_t s) {
+  if (head_dim != kLayerHd) throw EngineError("short decode attention needs head_dim 64");
+  if (n_kv_heads < 1 || n_heads % n_kv_heads != 0) throw EngineError("attention: unsupported head grouping");
+  if (pos_cap < 1 || pos_cap > kLayerFusedMaxPositions) throw EngineError("short decode attention: bad capacity");
+  const size_t smem = (static_cast<size_t>(pos_cap) * (kLayerKStride + kLayerHd + 1) + kLayerHd +
+                       kLayerPvGroups * kLayerHd) * sizeof(float);
+  allow_smem(attention_decode_short_kernel, smem);
+  launch(attention_decode_short_kernel, dim3(n_heads), dim3(kLayerThreads), smem, s, q, k_cache, v_cache, io, n_heads,
+         n_kv_heads, pos_cap, out);
 }
 
 bool attention_o_fusable(int n_heads, int n_kv_heads, int head_dim) {

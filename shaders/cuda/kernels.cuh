@@ -154,6 +154,9 @@ constexpr int kTraceCapacity = 1024;
 bool trace_reset();
 // The records since the last reset, in kernel order.
 std::vector<TraceRecord> trace_read();
+// Per TraceKind since the last reset: blocks run, and blocks released from the programmatic wait less than 1 us
+// after they entered (their prefetch did not overlap the kernel before).
+void trace_block_counts(unsigned* blocks, unsigned* late);
 
 // ------------------------------------------------------------------ device helpers shared by the .cu files
 namespace detail {
@@ -416,6 +419,13 @@ void launch_matvec_residual_silu(const DevMatrix& W, const float* gate_up, float
 void launch_attention_decode(const float* q, const float* k_cache, const float* v_cache, const DecodeIO* io,
                              int n_heads, int n_kv_heads, int head_dim, int n_ctx, const AttnScratch& scratch,
                              float* out, cudaStream_t s, int heads_per_block = 0);
+
+// Short contexts, head_dim 64 (the decode graph's single-pass regime): one block per query head with all K and V
+// rows in shared memory. Same result as launch_attention_decode within float rounding. io->pos + 1 must not exceed
+// pos_cap (<= kLayerFusedMaxPositions; the kernel traps).
+void launch_attention_decode_short(const float* q, const float* k_cache, const float* v_cache, const DecodeIO* io,
+                                   int n_heads, int n_kv_heads, int head_dim, int pos_cap, float* out,
+                                   cudaStream_t s);
 
 // Short-context decode: attention + O projection + residual in one kernel, residual += W_o . attention(q). Every
 // block recomputes the attention of all heads (the K/V rows are few and L2-resident) and then multiplies its own

@@ -424,6 +424,41 @@ TEST(CudaFused, DecodeAttentionSinglePassAndSplit) {
 // 256 / 512 threads over n_kv positions each, the backend's default switch-over) for both block sizes, several
 // head geometries and weight types, and with a capacity exactly equal to n_pos.
 // METALATTN_TEST_QUICK=1 (for the slow race checker) keeps SmolLM2's geometry, Q4_0 and a few positions.
+// The short-context decode attention (head_dim 64, every K/V row in shared memory) against the reference at every
+// position of its range, for SmolLM2's 9/3 heads and a 4/4 (no GQA) layout, a cache filled with random rows.
+TEST(CudaFused, DecodeAttentionShortContextEveryPosition) {
+  REQUIRE_GPU();
+  struct Shape {
+    int n_heads, n_kv;
+  };
+  const int hd = 64, cap = kAttnSinglePassMax;
+  for (const Shape sh : {Shape{9, 3}, Shape{4, 4}}) {
+    const int q_dim = sh.n_heads * hd, kv_dim = sh.n_kv * hd;
+    const std::vector<float> kc = random_vec(static_cast<size_t>(cap) * kv_dim, -2.f, 2.f);
+    const std::vector<float> vc = random_vec(static_cast<size_t>(cap) * kv_dim);
+    DevBuf<float> dk(kc), dv(vc), out(q_dim);
+    for (int n_pos = 1; n_pos <= cap; ++n_pos) {
+      SCOPED_TRACE("heads " + std::to_string(sh.n_heads) + "/" + std::to_string(sh.n_kv) + " n_pos " +
+                   std::to_string(n_pos));
+      const std::vector<float> q = random_vec(q_dim, -1.5f, 1.5f);
+      DevBuf<float> dq(q);
+      DevBuf<DecodeIO> io(std::vector<DecodeIO>{{0, n_pos - 1}});
+      out.poison();
+      launch_attention_decode_short(dq.p, dk.p, dv.p, io.p, sh.n_heads, sh.n_kv, hd, cap, out.p, nullptr);
+      std::vector<float> expect(q_dim);
+      ref::attention(q.data(), kc.data(), vc.data(), sh.n_heads, sh.n_kv, hd, n_pos, expect.data());
+      ASSERT_LE(max_abs_diff(out.download(), expect), kTol) << "attention output";
+    }
+  }
+  DevBuf<float> dummy(64);
+  EXPECT_THROW(launch_attention_decode_short(dummy.p, dummy.p, dummy.p, nullptr, 9, 3, 128, 256, dummy.p, nullptr),
+               EngineError)
+      << "head_dim 64 only";
+  EXPECT_THROW(launch_attention_decode_short(dummy.p, dummy.p, dummy.p, nullptr, 9, 3, 64, cap + 1, dummy.p, nullptr),
+               EngineError)
+      << "capacity beyond the single-pass range";
+}
+
 TEST(CudaFused, AttentionOProjectionResidual) {
   REQUIRE_GPU();
   struct Geo {
