@@ -197,6 +197,10 @@ void trace_block_counts(unsigned* blocks, unsigned* late) {
 __device__ __forceinline__ float h2f(uint16_t h) { return __half2float(__ushort_as_half(h)); }
 __device__ __forceinline__ float4 ld4(const float* p) { return *reinterpret_cast<const float4*>(p); }
 
+__device__ __forceinline__ void prefetch_l2(const void* p) {
+  asm volatile("prefetch.global.L2 [%0];" ::"l"(p));
+}
+
 template <GgmlType T>
 struct Blk;
 
@@ -210,22 +214,23 @@ struct Blk<GgmlType::Q4_0> {
     d = __ldg(W.scales + blk);
   }
   __device__ __forceinline__ float dot(const float* xb) const {
+    // One accumulator per 32-bit word: four independent FMA chains of 8, not one of 32 (decode is latency-bound).
     const uint32_t w[4] = {q.x, q.y, q.z, q.w};
-    float s = 0.f;
+    float s[4];
 #pragma unroll
     for (int i = 0; i < 4; ++i) {
       const float4 lo = ld4(xb + 4 * i), hi = ld4(xb + 16 + 4 * i);
       const uint32_t v = w[i];
-      s += lo.x * static_cast<float>(static_cast<int>(v & 15) - 8);
-      s += lo.y * static_cast<float>(static_cast<int>((v >> 8) & 15) - 8);
-      s += lo.z * static_cast<float>(static_cast<int>((v >> 16) & 15) - 8);
-      s += lo.w * static_cast<float>(static_cast<int>((v >> 24) & 15) - 8);
-      s += hi.x * static_cast<float>(static_cast<int>((v >> 4) & 15) - 8);
-      s += hi.y * static_cast<float>(static_cast<int>((v >> 12) & 15) - 8);
-      s += hi.z * static_cast<float>(static_cast<int>((v >> 20) & 15) - 8);
-      s += hi.w * static_cast<float>(static_cast<int>((v >> 28) & 15) - 8);
+      s[i] = lo.x * static_cast<float>(static_cast<int>(v & 15) - 8);
+      s[i] += lo.y * static_cast<float>(static_cast<int>((v >> 8) & 15) - 8);
+      s[i] += lo.z * static_cast<float>(static_cast<int>((v >> 16) & 15) - 8);
+      s[i] += lo.w * static_cast<float>(static_cast<int>((v >> 24) & 15) - 8);
+      s[i] += hi.x * static_cast<float>(static_cast<int>((v >> 4) & 15) - 8);
+      s[i] += hi.y * static_cast<float>(static_cast<int>((v >> 12) & 15) - 8);
+      s[i] += hi.z * static_cast<float>(static_cast<int>((v >> 20) & 15) - 8);
+      s[i] += hi.w * static_cast<float>(static_cast<int>((v >> 28) & 15) - 8);
     }
-    return h2f(d) * s;
+    return h2f(d) * ((s[0] + s[1]) + (s[2] + s[3]));
   }
 };
 
@@ -240,18 +245,19 @@ struct Blk<GgmlType::Q4_1> {
   }
   __device__ __forceinline__ float dot(const float* xb) const {
     const uint32_t w[4] = {q.x, q.y, q.z, q.w};
-    float s = 0.f, sx = 0.f;
+    float s[4], sx[4];  // per-word accumulators: short dependency chains
 #pragma unroll
     for (int i = 0; i < 4; ++i) {
       const float4 lo = ld4(xb + 4 * i), hi = ld4(xb + 16 + 4 * i);
       const uint32_t v = w[i];
-      s += lo.x * static_cast<float>(v & 15) + lo.y * static_cast<float>((v >> 8) & 15) +
-           lo.z * static_cast<float>((v >> 16) & 15) + lo.w * static_cast<float>((v >> 24) & 15);
-      s += hi.x * static_cast<float>((v >> 4) & 15) + hi.y * static_cast<float>((v >> 12) & 15) +
-           hi.z * static_cast<float>((v >> 20) & 15) + hi.w * static_cast<float>((v >> 28) & 15);
-      sx += (lo.x + lo.y) + (lo.z + lo.w) + (hi.x + hi.y) + (hi.z + hi.w);
+      s[i] = lo.x * static_cast<float>(v & 15) + lo.y * static_cast<float>((v >> 8) & 15) +
+             lo.z * static_cast<float>((v >> 16) & 15) + lo.w * static_cast<float>((v >> 24) & 15);
+      s[i] += hi.x * static_cast<float>((v >> 4) & 15) + hi.y * static_cast<float>((v >> 12) & 15) +
+              hi.z * static_cast<float>((v >> 20) & 15) + hi.w * static_cast<float>((v >> 28) & 15);
+      sx[i] = (lo.x + lo.y) + (lo.z + lo.w) + (hi.x + hi.y) + (hi.z + hi.w);
     }
-    return h2f(static_cast<uint16_t>(dm & 0xffffu)) * s + h2f(static_cast<uint16_t>(dm >> 16)) * sx;
+    return h2f(static_cast<uint16_t>(dm & 0xffffu)) * ((s[0] + s[1]) + (s[2] + s[3])) +
+           h2f(static_cast<uint16_t>(dm >> 16)) * ((sx[0] + sx[1]) + (sx[2] + sx[3]));
   }
 };
 
@@ -268,17 +274,17 @@ struct Blk<GgmlType::Q8_0> {
   }
   __device__ __forceinline__ float dot(const float* xb) const {
     const uint32_t w[8] = {q[0].x, q[0].y, q[0].z, q[0].w, q[1].x, q[1].y, q[1].z, q[1].w};
-    float s = 0.f;
+    float s[4] = {0.f, 0.f, 0.f, 0.f};  // four independent FMA chains
 #pragma unroll
     for (int i = 0; i < 8; ++i) {
       const float4 x = ld4(xb + 4 * i);
       const uint32_t v = w[i];
-      s += x.x * static_cast<float>(static_cast<int8_t>(v & 0xff)) +
-           x.y * static_cast<float>(static_cast<int8_t>((v >> 8) & 0xff)) +
-           x.z * static_cast<float>(static_cast<int8_t>((v >> 16) & 0xff)) +
-           x.w * static_cast<float>(static_cast<int8_t>(v >> 24));
+      s[i & 3] += x.x * static_cast<float>(static_cast<int8_t>(v & 0xff)) +
+                  x.y * static_cast<float>(static_cast<int8_t>((v >> 8) & 0xff)) +
+                  x.z * static_cast<float>(static_cast<int8_t>((v >> 16) & 0xff)) +
+                  x.w * static_cast<float>(static_cast<int8_t>(v >> 24));
     }
-    return h2f(d) * s;
+    return h2f(d) * ((s[0] + s[1]) + (s[2] + s[3]));
   }
 };
 
@@ -586,6 +592,22 @@ __global__ void __launch_bounds__(256) norm_matvec_argmax_kernel(DevMatrix W, co
   rd.prefetch(W, base + local, sub);
   NormPrefetch nw;
   nw.load(norm_w, W.cols);
+  // The rows of the later passes go to L2 now, while the kernels before still run: the lm_head is the one matrix
+  // too large for its first pass to hide the rest of its reads.
+  {
+    const int pb = payload_bytes(W.type), sc = scale_count(W.type);
+    for (int g = base + stride; g < W.rows; g += stride) {
+      const int rows = min(rows_per_pass, W.rows - g);
+      const char* pay = reinterpret_cast<const char*>(W.payload) + static_cast<int64_t>(g) * W.nb * pb;
+      const int pay_bytes = rows * W.nb * pb;
+      for (int off = threadIdx.x * 128; off < pay_bytes; off += blockDim.x * 128) prefetch_l2(pay + off);
+      if (sc > 0) {
+        const char* scl = reinterpret_cast<const char*>(W.scales) + static_cast<int64_t>(g) * W.nb * sc * 2;
+        const int scl_bytes = rows * W.nb * sc * 2;
+        for (int off = threadIdx.x * 128; off < scl_bytes; off += blockDim.x * 128) prefetch_l2(scl + off);
+      }
+    }
+  }
   grid_dependency_wait();
   trace.released();
   const float scale = stage_normed(x, norm_w, nw, eps, W.cols, W.nb * 32, x_s, red, a.parts, a.n_parts);
@@ -667,9 +689,6 @@ inline size_t attention_smem_bytes(int heads_per_block, int head_dim, int chunk_
          sizeof(float);
 }
 
-__device__ __forceinline__ void prefetch_l2(const void* p) {
-  asm volatile("prefetch.global.L2 [%0];" ::"l"(p));
-}
 
 // 16 bytes global -> shared without passing through registers; completes at cp_async_wait_all().
 __device__ __forceinline__ void cp_async16(void* smem, const void* gmem) {
