@@ -914,9 +914,12 @@ static_assert(2 * kLayerFusedMaxPositions <= kLayerThreads, "two threads per pos
 static_assert(kLayerHd == 64 && kFfnSlice == 64, "a thread pair covers the two 32-column blocks of a split-K row");
 static_assert(kLayerFusedMaxPositions == kAttnSinglePassMax, "the short attention serves the single-pass regime");
 
+// Score buffers hold a multiple of 4 floats, so the buffers after them stay 16-byte aligned for float4 access.
+__host__ __device__ inline int score_slots(int pos_cap) { return (pos_cap + 3) / 4 * 4; }
+
 inline size_t attention_layer_smem_bytes(int nb, int pos_cap) {
   return (static_cast<size_t>(pos_cap) * (kLayerKStride + kLayerHd) + static_cast<size_t>(nb) * kSmemBlockStride +
-          3 * kLayerHd + pos_cap + kLayerPvGroups * kLayerHd + 2 * kSmemBlockStride) *
+          3 * kLayerHd + score_slots(pos_cap) + kLayerPvGroups * kLayerHd + 2 * kSmemBlockStride) *
          sizeof(float);
 }
 inline size_t ffn_layer_smem_bytes(int nb) {
@@ -1046,8 +1049,8 @@ __global__ void __launch_bounds__(kLayerThreads) attention_decode_short_kernel(c
   float* k_s = reinterpret_cast<float*>(smem_dyn);  // [pos_cap][kLayerKStride]
   float* v_s = k_s + pos_cap * kLayerKStride;        // [pos_cap][HD]
   float* q_s = v_s + pos_cap * HD;                   // [HD]
-  float* sc = q_s + HD;                              // [pos_cap]
-  float* pv = sc + pos_cap;                          // [kLayerPvGroups][HD]
+  float* sc = q_s + HD;                              // [score_slots(pos_cap)]
+  float* pv = sc + score_slots(pos_cap);             // [kLayerPvGroups][HD]
   __shared__ float sum_exp;
   const int head = blockIdx.x, kvh = head / (n_heads / n_kv_heads), kv_dim = n_kv_heads * HD;
   const int pos = io->pos, n_pos = pos + 1;  // io was written before this graph launch
@@ -1092,8 +1095,8 @@ __global__ void __launch_bounds__(kLayerThreads) attention_layer_kernel(AttnLaye
   float* v_s = k_s + pos_cap * kLayerKStride;        // [pos_cap][HD]
   float* x_s = v_s + pos_cap * HD;                   // normed residual, padded layout
   float* qkv_s = x_s + W.nb * kSmemBlockStride;      // [3][HD]: q (roped in place), k, v of this step
-  float* sc = qkv_s + 3 * HD;                        // [pos_cap] scores, then exp(score - max)
-  float* pv = sc + pos_cap;                          // [kLayerPvGroups][HD] P.V partial sums
+  float* sc = qkv_s + 3 * HD;                        // [score_slots(pos_cap)] scores, then exp(score - max)
+  float* pv = sc + score_slots(pos_cap);             // [kLayerPvGroups][HD] P.V partial sums
   float* att_s = pv + kLayerPvGroups * HD;           // the head's attention output, padded layout
   __shared__ float red[32];
   __shared__ float sum_exp;
@@ -1704,7 +1707,7 @@ void launch_attention_decode_short(const float* q, const float* k_cache, const f
   if (head_dim != kLayerHd) throw EngineError("short decode attention needs head_dim 64");
   if (n_kv_heads < 1 || n_heads % n_kv_heads != 0) throw EngineError("attention: unsupported head grouping");
   if (pos_cap < 1 || pos_cap > kLayerFusedMaxPositions) throw EngineError("short decode attention: bad capacity");
-  const size_t smem = (static_cast<size_t>(pos_cap) * (kLayerKStride + kLayerHd + 1) + kLayerHd +
+  const size_t smem = (static_cast<size_t>(pos_cap) * (kLayerKStride + kLayerHd) + score_slots(pos_cap) + kLayerHd +
                        kLayerPvGroups * kLayerHd) * sizeof(float);
   allow_smem(attention_decode_short_kernel, smem);
   launch(attention_decode_short_kernel, dim3(n_heads), dim3(kLayerThreads), smem, s, q, k_cache, v_cache, io, n_heads,

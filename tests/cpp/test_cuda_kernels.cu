@@ -431,30 +431,33 @@ TEST(CudaFused, DecodeAttentionShortContextEveryPosition) {
   struct Shape {
     int n_heads, n_kv;
   };
-  const int hd = 64, cap = kAttnSinglePassMax;
+  const int hd = 64;
   for (const Shape sh : {Shape{9, 3}, Shape{4, 4}}) {
-    const int q_dim = sh.n_heads * hd, kv_dim = sh.n_kv * hd;
-    const std::vector<float> kc = random_vec(static_cast<size_t>(cap) * kv_dim, -2.f, 2.f);
-    const std::vector<float> vc = random_vec(static_cast<size_t>(cap) * kv_dim);
-    DevBuf<float> dk(kc), dv(vc), out(q_dim);
-    for (int n_pos = 1; n_pos <= cap; ++n_pos) {
-      SCOPED_TRACE("heads " + std::to_string(sh.n_heads) + "/" + std::to_string(sh.n_kv) + " n_pos " +
-                   std::to_string(n_pos));
-      const std::vector<float> q = random_vec(q_dim, -1.5f, 1.5f);
-      DevBuf<float> dq(q);
-      DevBuf<DecodeIO> io(std::vector<DecodeIO>{{0, n_pos - 1}});
-      out.poison();
-      launch_attention_decode_short(dq.p, dk.p, dv.p, io.p, sh.n_heads, sh.n_kv, hd, cap, out.p, nullptr);
-      std::vector<float> expect(q_dim);
-      ref::attention(q.data(), kc.data(), vc.data(), sh.n_heads, sh.n_kv, hd, n_pos, expect.data());
-      ASSERT_LE(max_abs_diff(out.download(), expect), kTol) << "attention output";
+    for (int cap : {kAttnSinglePassMax, 37}) {  // 37: a capacity that is not a multiple of 4
+      const int q_dim = sh.n_heads * hd, kv_dim = sh.n_kv * hd;
+      const std::vector<float> kc = random_vec(static_cast<size_t>(cap) * kv_dim, -2.f, 2.f);
+      const std::vector<float> vc = random_vec(static_cast<size_t>(cap) * kv_dim);
+      DevBuf<float> dk(kc), dv(vc), out(q_dim);
+      for (int n_pos = 1; n_pos <= cap; ++n_pos) {
+        SCOPED_TRACE("heads " + std::to_string(sh.n_heads) + "/" + std::to_string(sh.n_kv) + " capacity " +
+                     std::to_string(cap) + " n_pos " + std::to_string(n_pos));
+        const std::vector<float> q = random_vec(q_dim, -1.5f, 1.5f);
+        DevBuf<float> dq(q);
+        DevBuf<DecodeIO> io(std::vector<DecodeIO>{{0, n_pos - 1}});
+        out.poison();
+        launch_attention_decode_short(dq.p, dk.p, dv.p, io.p, sh.n_heads, sh.n_kv, hd, cap, out.p, nullptr);
+        std::vector<float> expect(q_dim);
+        ref::attention(q.data(), kc.data(), vc.data(), sh.n_heads, sh.n_kv, hd, n_pos, expect.data());
+        ASSERT_LE(max_abs_diff(out.download(), expect), kTol) << "attention output";
+      }
     }
   }
   DevBuf<float> dummy(64);
   EXPECT_THROW(launch_attention_decode_short(dummy.p, dummy.p, dummy.p, nullptr, 9, 3, 128, 256, dummy.p, nullptr),
                EngineError)
       << "head_dim 64 only";
-  EXPECT_THROW(launch_attention_decode_short(dummy.p, dummy.p, dummy.p, nullptr, 9, 3, 64, cap + 1, dummy.p, nullptr),
+  EXPECT_THROW(launch_attention_decode_short(dummy.p, dummy.p, dummy.p, nullptr, 9, 3, 64, kAttnSinglePassMax + 1,
+                                             dummy.p, nullptr),
                EngineError)
       << "capacity beyond the single-pass range";
 }
@@ -1310,10 +1313,16 @@ TEST(CudaBackend, DecodeAcrossTheFusedAttentionSwitchOver) {
 // shapes, for each weight type it serves, across its position limit (after which both take the same kernels).
 TEST(CudaBackend, LayerFusedDecodeMatchesFiveKernelLayers) {
   REQUIRE_GPU();
-  const int limit = kLayerFusedMaxPositions, n = limit + 6;
-  for (GgmlType t : {GgmlType::Q4_0, GgmlType::Q4_1, GgmlType::Q8_0}) {
-    SCOPED_TRACE(std::string("layer type ") + type_name(t));
-    auto m = make_model(3, 2048, n + 2, t, GgmlType::Q8_0);
+  struct Case {
+    GgmlType t;
+    int n_ctx;  // 41: a position capacity that is not a multiple of 4
+  };
+  for (const Case c : {Case{GgmlType::Q4_0, 264}, Case{GgmlType::Q4_1, 264}, Case{GgmlType::Q8_0, 264},
+                       Case{GgmlType::Q4_0, 41}}) {
+    const GgmlType t = c.t;
+    const int limit = std::min(c.n_ctx, kLayerFusedMaxPositions), n = std::min(c.n_ctx, limit + 6);
+    SCOPED_TRACE(std::string("layer type ") + type_name(t) + ", n_ctx " + std::to_string(c.n_ctx));
+    auto m = make_model(3, 2048, c.n_ctx, t, GgmlType::Q8_0);
     const char* prev = std::getenv("METALATTN_CUDA_LAYER_FUSED");
     const std::string saved = prev != nullptr ? prev : "";
     setenv("METALATTN_CUDA_LAYER_FUSED", "1", 1);
