@@ -150,6 +150,20 @@ class CudaBackend final : public Backend {
     counter += bytes;
     return static_cast<T*>(p);
   }
+  // Decode activation buffers: device memory, or in debug mode mapped pinned host memory (the kernels reach it
+  // through its device alias), so a debugger or a host-side probe can read every intermediate of a step.
+  template <typename T>
+  T* activation_alloc(size_t count) {
+    if (!debug_) return device_alloc<T>(count, mem_.scratch);
+    void* h = nullptr;
+    const size_t bytes = count * sizeof(T);
+    CUDA_CHECK(cudaHostAlloc(&h, bytes < 16 ? 16 : bytes, cudaHostAllocMapped));
+    res_.pinned.push_back(h);
+    void* d = nullptr;
+    CUDA_CHECK(cudaHostGetDevicePointer(&d, h, 0));
+    mem_.scratch += bytes;
+    return static_cast<T*>(d);
+  }
   DevMatrix upload(const std::vector<const WeightView*>& parts);
   const float* upload_floats(const float* host, size_t n);
   __half* half_copy(const DevMatrix& m);
@@ -330,7 +344,7 @@ CudaBackend::CudaBackend(const ModelSpec& spec, const ModelWeights& w, bool debu
   attn_.ml = device_alloc<float>(static_cast<size_t>(spec.n_heads) * attn_.max_splits * 2, mem_.scratch);
   attn_.counters = device_alloc<unsigned int>(spec.n_heads, mem_.scratch);  // one per head block
   CUDA_CHECK(cudaMemsetAsync(attn_.counters, 0, spec.n_heads * sizeof(unsigned int), res_.stream));
-  attn_out_ = device_alloc<float>(q_dim, mem_.scratch);
+  attn_out_ = activation_alloc<float>(q_dim);
   if (attention_o_fusable(spec.n_heads, spec.n_kv_heads, spec.head_dim)) {
     const char* v = std::getenv("METALATTN_CUDA_FUSED_ATTN");
     const int want = (v != nullptr && *v != '\0') ? std::atoi(v) : kFusedAttnDefaultMaxPositions;
@@ -356,11 +370,11 @@ CudaBackend::CudaBackend(const ModelSpec& spec, const ModelWeights& w, bool debu
   argmax_.counter = device_alloc<unsigned int>(1, mem_.scratch);
   CUDA_CHECK(cudaMemsetAsync(argmax_.counter, 0, sizeof(unsigned int), res_.stream));
   io_dev_ = device_alloc<DecodeIO>(1, mem_.scratch);
-  x_ = device_alloc<float>(d, mem_.scratch);
-  q_ = device_alloc<float>(q_dim, mem_.scratch);
-  gate_up_ = device_alloc<float>(2 * static_cast<size_t>(spec.d_ff), mem_.scratch);
-  logits_ = device_alloc<float>(spec.vocab, mem_.scratch);
-  hidden_ = device_alloc<float>(static_cast<size_t>(L + 1) * d, mem_.scratch);
+  x_ = activation_alloc<float>(d);
+  q_ = activation_alloc<float>(q_dim);
+  gate_up_ = activation_alloc<float>(2 * static_cast<size_t>(spec.d_ff));
+  logits_ = activation_alloc<float>(spec.vocab);
+  hidden_ = activation_alloc<float>(static_cast<size_t>(L + 1) * d);
   {
     void* p = nullptr;
     CUDA_CHECK(cudaHostAlloc(&p, sizeof(DecodeIO), cudaHostAllocDefault));
@@ -432,7 +446,7 @@ void CudaBackend::enqueue_decode(bool capture_hidden, DecodeVariant variant) {
   if (s.n_layers == 0) {  // no first layer to fold the embedding gather into
     launch_embed(embd_, io_dev_, x_, st);
     after_launch();
-    if (capture_hidden) CUDA_CHECK(cudaMemcpyAsync(hidden_, x_, s.d_model * sizeof(float), cudaMemcpyDeviceToDevice, st));
+    if (capture_hidden) CUDA_CHECK(cudaMemcpyAsync(hidden_, x_, s.d_model * sizeof(float), cudaMemcpyDefault, st));
   }
   for (int l = 0; l < s.n_layers; ++l) {
     const DevLayer& L = layers_[l];
@@ -451,7 +465,7 @@ void CudaBackend::enqueue_decode(bool capture_hidden, DecodeVariant variant) {
       launch_embed_norm_matvec_qkv(embd_, x_, L.qkv, L.attn_norm, s.rms_eps, t, st);  // also x_ = embedding row
       after_launch();
       if (capture_hidden)
-        CUDA_CHECK(cudaMemcpyAsync(hidden_, x_, s.d_model * sizeof(float), cudaMemcpyDeviceToDevice, st));
+        CUDA_CHECK(cudaMemcpyAsync(hidden_, x_, s.d_model * sizeof(float), cudaMemcpyDefault, st));
     } else {
       launch_norm_matvec_qkv(L.qkv, x_, L.attn_norm, s.rms_eps, t, st);
       after_launch();
@@ -480,7 +494,7 @@ void CudaBackend::enqueue_decode(bool capture_hidden, DecodeVariant variant) {
     after_launch();
     if (capture_hidden)
       CUDA_CHECK(cudaMemcpyAsync(hidden_ + static_cast<size_t>(l + 1) * s.d_model, x_, s.d_model * sizeof(float),
-                                 cudaMemcpyDeviceToDevice, st));
+                                 cudaMemcpyDefault, st));
   }
   launch_norm_matvec_argmax(lm_head_, x_, out_norm_, s.rms_eps, logits_, argmax_, result_dev_, io_dev_, st);
   after_launch();
@@ -590,7 +604,7 @@ void CudaBackend::forward_token(int32_t token, int pos, float* logits) {
   set_io(token, pos);
   run_decode(pos);
   finish_decode(pos);
-  CUDA_CHECK(cudaMemcpy(logits, logits_, spec_.vocab * sizeof(float), cudaMemcpyDeviceToHost));
+  CUDA_CHECK(cudaMemcpy(logits, logits_, spec_.vocab * sizeof(float), cudaMemcpyDefault));
 }
 
 void CudaBackend::forward_token_debug(int32_t token, int pos, float* hidden, float* logits) {
@@ -598,8 +612,8 @@ void CudaBackend::forward_token_debug(int32_t token, int pos, float* hidden, flo
   enqueue_decode(true, decode_variant_at(pos, /*need_hidden=*/true));
   finish_decode(pos);
   CUDA_CHECK(cudaMemcpy(hidden, hidden_, static_cast<size_t>(spec_.n_layers + 1) * spec_.d_model * sizeof(float),
-                        cudaMemcpyDeviceToHost));
-  CUDA_CHECK(cudaMemcpy(logits, logits_, spec_.vocab * sizeof(float), cudaMemcpyDeviceToHost));
+                        cudaMemcpyDefault));
+  CUDA_CHECK(cudaMemcpy(logits, logits_, spec_.vocab * sizeof(float), cudaMemcpyDefault));
 }
 
 // C[n x rows] (row-major, fp32) = A[n x cols] . W[rows x cols]^T + beta C, one cuBLAS call: A and W are operand
@@ -743,7 +757,7 @@ ArgmaxResult CudaBackend::forward_prompt(const int32_t* tokens, int n, int pos, 
   CUDA_CHECK(cudaStreamSynchronize(st));
   const ArgmaxResult r = *result_host_;
   if (last_logits != nullptr)
-    CUDA_CHECK(cudaMemcpy(last_logits, logits_, s.vocab * sizeof(float), cudaMemcpyDeviceToHost));
+    CUDA_CHECK(cudaMemcpy(last_logits, logits_, s.vocab * sizeof(float), cudaMemcpyDefault));
   if (r.token == kNoIndex) throw EngineError("argmax: every logit is NaN");
   return r;
 }
