@@ -1350,8 +1350,9 @@ TEST(CudaBackend, LayerFusedDecodeMatchesFiveKernelLayers) {
       fused->forward_token(toks[p], p, lf.data());
       five->forward_token(toks[p], p, l5.data());
       expect_logits_close(lf, want, 1e-3, "fused-layer logits vs reference");
-      // Same float arithmetic, summed in another order: far inside the reference bound.
-      expect_logits_close(lf, l5, 1e-5, "fused-layer logits vs five-kernel layers");
+      // Same float arithmetic summed in another order (split-K partials): measured up to 3.5e-5 over 3 layers on
+      // random weights, so bounded at 1e-4, 10x inside the reference bound.
+      expect_logits_close(lf, l5, 1e-4, "fused-layer logits vs five-kernel layers");
     }
   }
 }
