@@ -1205,12 +1205,21 @@ TEST(CudaBackend, PromptGraphReplayAtNewStartPositions) {
   std::vector<std::vector<float>> dec(toks.size(), std::vector<float>(V));
   for (size_t p = 0; p < toks.size(); ++p) be->forward_token(toks[p], static_cast<int>(p), dec[p].data());
   // Positions 0..39 first (a one-off length), then 32 tokens at 0 three times: eager, captured, replayed.
+  // Both sides against the float reference at position 31, so a failure says which side drifted.
+  RefForward ref_fwd(*m);
+  std::vector<float> want31;
+  for (int p = 0; p < 32; ++p) want31 = ref_fwd.forward(toks[p], p);
+  expect_logits_close(dec[31], want31, 1e-3, "decode at 31 vs reference");
   be->forward_prompt(toks.data(), 40, 0, nullptr, nullptr);
   for (int rep = 0; rep < 3; ++rep) {
     SCOPED_TRACE("32 tokens at 0, use " + std::to_string(rep));
     std::vector<float> last(V, NAN);
     be->forward_prompt(toks.data(), 32, 0, last.data(), nullptr);
+    expect_logits_close(last, want31, 1e-3, "prompt at 0 vs reference");
     expect_logits_close(last, dec[31], 1e-3, "prompt at 0");
+    if (rep == 0)
+      std::printf("[ 32 at 0: rel L2 prompt vs decode %.2e, decode vs reference %.2e, prompt vs reference %.2e ]\n",
+                  rel_l2(last, dec[31]), rel_l2(dec[31], want31), rel_l2(last, want31));
   }
   // Replays of the captured 32-token graph at 40 and 72: they see the cache the earlier calls left.
   for (int p0 : {40, 72}) {
