@@ -3,9 +3,10 @@
 // prompt, and the time of each decode kernel (each captured 200 times in a graph and replayed, without PDL).
 //   bench_cuda [n_ctx=2048]
 // Environment: METALATTN_CUDA_PDL=0 turns off Programmatic Dependent Launch in the decode graph,
-// METALATTN_CUDA_PREFILL_SPLIT=0 runs the prefill GEMMs on fp16 weights and activations, one K-slice; METALATTN_CUDA_FUSED_ATTN=<n>
-// turns on the fused attention + O decode path for n_pos <= n. `bench_cuda <n_ctx> kernels` runs only the
-// per-kernel section (for profilers).
+// METALATTN_CUDA_PREFILL_SPLIT=0 runs the prefill GEMMs on fp16 weights and activations, one K-slice;
+// METALATTN_CUDA_LAYER_FUSED=1 the experimental two-kernel layers. `bench_cuda <n_ctx> kernels` runs only the
+// per-kernel section (for profilers); `bench_cuda <n_ctx> trace` (a -DMETALATTN_TRACE build, see
+// benchmarks/device/trace.sh) shows where a decode step's time goes inside the kernel chain.
 #include <algorithm>
 #include <chrono>
 #include <cmath>
@@ -256,24 +257,6 @@ int main(int argc, char** argv) {
       }
       std::printf("decode at pos ~%d: median %.1f us/token\n", p0, median(tt));
     }
-    // Decode just below and just above the fused-attention switch-over (both graphs).
-    {
-      const char* fused_env = std::getenv("METALATTN_CUDA_FUSED_ATTN");
-      const int sw = fused_env != nullptr ? std::atoi(fused_env) : kFusedAttnDefaultMaxPositions;
-      if (sw >= 64 && sw + 64 < s.n_ctx) {
-        be->forward_prompt(prompt.data(), sw - 64, 0, nullptr, nullptr);
-        std::vector<double> below, above;
-        ArgmaxResult r{1, 0.f};
-        for (int p = sw - 64; p < sw + 64; ++p) {
-          const auto ti = Clock::now();
-          r = be->forward_token_greedy(static_cast<int32_t>(r.token), p);
-          (p + 1 <= sw ? below : above).push_back(seconds_since(ti) * 1e6);
-        }
-        std::printf("decode around the switch-over (n_pos %d): median %.1f us/token below, %.1f above\n", sw,
-                    median(below), median(above));
-      }
-    }
-
     // Prefill pp512 and time to first token of a 32-token prompt.
     for (int n : {32, 128, 512, 2048}) {
       if (n > s.n_ctx) continue;
@@ -365,6 +348,9 @@ int main(int argc, char** argv) {
       const double t_embqkv = graph_time_us(sm, [&] { launch_embed_norm_matvec_qkv(lm, x0, qkv, nw, 1e-5f, tg, sm); });
       const double t_qkv = graph_time_us(sm, [&] { launch_norm_matvec_qkv(qkv, x, nw, 1e-5f, tg, sm); });
       const double t_att = graph_time_us(sm, [&] { launch_attention_decode(q, kc, vc, io, 9, 3, 64, s.n_ctx, ap, attn_out, sm); });
+      const double t_att_short = graph_time_us(sm, [&] {
+        launch_attention_decode_short(q, kc, vc, io, 9, 3, 64, std::min(s.n_ctx, kAttnSinglePassMax), attn_out, sm);
+      });
       const double t_o = graph_time_us(sm, [&] { launch_matvec_residual(o, attn_out, q, sm); });
       const double t_gu = graph_time_us(sm, [&] { launch_norm_matvec(gu, x, nw, 1e-5f, gate_up, sm); });
       const double t_down = graph_time_us(sm, [&] { launch_matvec_residual_silu(down, gate_up, q, sm); });
@@ -375,30 +361,14 @@ int main(int argc, char** argv) {
       const double t_att_300 = graph_time_us(sm, [&] { launch_attention_decode(q, kc, vc, io, 9, 3, 64, s.n_ctx, ap, attn_out, sm); });
       set_pos(s.n_ctx - 1);
       const double t_att_long = graph_time_us(sm, [&] { launch_attention_decode(q, kc, vc, io, 9, 3, 64, s.n_ctx, ap, attn_out, sm); });
-      std::printf("per-kernel (graph replay, us): embed+qkv %.2f | qkv %.2f | attn@160 %.2f (@300 %.2f, @%d %.2f;"
-                  " block per KV head @160 %.2f) | O %.2f | norm+gate/up %.2f | silu+down %.2f | lm_head+argmax %.2f\n",
-                  t_embqkv, t_qkv, t_att, t_att_300, s.n_ctx - 1, t_att_long, t_att_kv, t_o, t_gu, t_down, t_lm);
-      // Fused attention + O + residual against split attention + O, by position (picks the switch-over).
-      double t_fused_160 = 0;
-      for (int pos : {32, 64, 160, 255, 383, 511, 767, 1023}) {
-        if (pos >= s.n_ctx || pos >= kFusedAttnMaxPositions) continue;
-        set_pos(pos);
-        const double split = graph_time_us(sm, [&] { launch_attention_decode(q, kc, vc, io, 9, 3, 64, s.n_ctx, ap, attn_out, sm); });
-        double fused[2];
-        for (int k = 0; k < 2; ++k)
-          fused[k] = graph_time_us(sm, [&] {
-            launch_attention_o_residual(q, kc, vc, io, 9, 3, 64, kFusedAttnMaxPositions, o, x0, sm, k == 0 ? 256 : 512);
-          });
-        if (pos == 160) t_fused_160 = std::min(fused[0], fused[1]);
-        std::printf("  pos %4d: attn %.2f + O %.2f = %.2f | fused attn+O: 256 thr %.2f, 512 thr %.2f\n", pos, split, t_o,
-                    split + t_o, fused[0], fused[1]);
-      }
-      const double layer = t_qkv + t_att + t_o + t_gu + t_down;
-      const double layer_fused = t_qkv + t_fused_160 + t_gu + t_down;
-      std::printf("sum for one token at pos 160: %.1f us split (layer %.2f x 30 + %.2f), %.1f us fused (layer %.2f);"
-                  " kernels per token: %d\n",
-                  30 * layer + (t_embqkv - t_qkv) + t_lm, layer, (t_embqkv - t_qkv) + t_lm,
-                  30 * layer_fused + (t_embqkv - t_qkv) + t_lm, layer_fused, be->kernels_per_token());
+      std::printf("per-kernel (graph replay, us): embed+qkv %.2f | qkv %.2f | attn@160 short %.2f, split-capable %.2f"
+                  " (@300 %.2f, @%d %.2f; block per KV head @160 %.2f) | O %.2f | norm+gate/up %.2f | silu+down %.2f |"
+                  " lm_head+argmax %.2f\n",
+                  t_embqkv, t_qkv, t_att_short, t_att, t_att_300, s.n_ctx - 1, t_att_long, t_att_kv, t_o, t_gu, t_down,
+                  t_lm);
+      const double layer = t_qkv + t_att_short + t_o + t_gu + t_down;
+      std::printf("sum for one token at pos 160: %.1f us (layer %.2f x 30 + %.2f); kernels per token: %d\n",
+                  30 * layer + (t_embqkv - t_qkv) + t_lm, layer, (t_embqkv - t_qkv) + t_lm, be->kernels_per_token());
       for (void* p : bufs) cudaFree(p);
       cudaStreamDestroy(sm);
     }

@@ -23,13 +23,13 @@ for stage in "$@"; do
     benchpdl) METALATTN_CUDA_PDL=1 timeout 120 $BE 2048 2>&1 | tee $OUT/bench_pdl.log ;;
     benchnosplit) METALATTN_CUDA_PREFILL_SPLIT=0 timeout 120 $BE 2048 2>&1 | grep prefill | tee $OUT/bench_nosplit.log ;;
     ncu) NCU=$(command -v ncu || ls /usr/local/cuda/bin/ncu /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -1); echo "ncu: $NCU"
-      # kernels-only bench: attention_decode's first launch is pos 160; the fused kernel's 7000th is pos 160, 512 threads.
-      for spec in "attention_decode_kernel 0" "attention_o_residual 7000"; do set -- $spec
+      # kernels-only bench: the first launch of each attention kernel is at pos 160.
+      for spec in "attention_decode_short_kernel 0" "attention_decode_kernel 0"; do set -- $spec
         timeout 150 $NCU -k regex:$1 --launch-skip $2 -c 1 --section SpeedOfLight --section WarpStateStats --section SchedulerStats \
           --section MemoryWorkloadAnalysis --section LaunchStats --section Occupancy $BE 2048 kernels > $OUT/ncu_$1.log 2>&1
         echo "ncu $1 rc=$?"; grep -E "Duration|Elapsed Cycles|Stall|Warp Cycles Per|Issued Warp|L1/TEX Hit|L2 Hit|Mem Busy|Max Bandwidth|Registers|Achieved Occ|ERR" $OUT/ncu_$1.log | head -30
       done ;;
     memcheck) timeout 200 compute-sanitizer --tool memcheck $T --gtest_filter='CudaMatvec.FloatRows*:CudaFused.*:CudaKernels.*:CudaBackend.Greedy*:CudaBackend.DecodeMatchesReferenceSmall*' > $OUT/memcheck.log 2>&1; echo "memcheck rc=$?"; grep -E "ERROR SUMMARY|PASSED|FAILED" $OUT/memcheck.log | head ;;
-    racecheck) METALATTN_TEST_QUICK=1 timeout 200 compute-sanitizer --tool racecheck $T --gtest_filter='CudaFused.AttentionO*:CudaFused.DecodeAttentionShort*:CudaBackend.Greedy*' > $OUT/racecheck.log 2>&1; echo "racecheck rc=$?"; grep -E "ERROR SUMMARY|RACECHECK SUMMARY|PASSED|FAILED" $OUT/racecheck.log | head ;;
+    racecheck) METALATTN_TEST_QUICK=1 timeout 200 compute-sanitizer --tool racecheck $T --gtest_filter='CudaFused.DecodeAttentionShort*:CudaBackend.Greedy*' > $OUT/racecheck.log 2>&1; echo "racecheck rc=$?"; grep -E "ERROR SUMMARY|RACECHECK SUMMARY|PASSED|FAILED" $OUT/racecheck.log | head ;;
   esac
 done

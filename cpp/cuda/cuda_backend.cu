@@ -87,8 +87,8 @@ struct Resources {
   cudaStream_t stream = nullptr;
   cublasHandle_t cublas = nullptr;
   // Decode graphs, one per DecodeVariant, each captured at first use.
-  cudaGraph_t graph[4] = {nullptr, nullptr, nullptr, nullptr};
-  cudaGraphExec_t graph_exec[4] = {nullptr, nullptr, nullptr, nullptr};
+  cudaGraph_t graph[3] = {nullptr, nullptr, nullptr};
+  cudaGraphExec_t graph_exec[3] = {nullptr, nullptr, nullptr};
   std::vector<void*> device;
   std::vector<void*> pinned;
   // Prefill graphs, one per chunk length (a small LRU); exec stays null until the length's second use.
@@ -132,12 +132,10 @@ class CudaBackend final : public Backend {
   void forward_token_debug(int32_t token, int pos, float* hidden, float* logits) override;
   ArgmaxResult forward_prompt(const int32_t* tokens, int n, int pos, float* last_logits, float* all_logits) override;
   MemoryInfo memory_info() const override { return mem_; }
-  // At short contexts: 2 per layer on the fused-layer path, 4 on the experimental fused attention path, else 5;
-  // plus the final norm + lm_head + argmax. Contexts past the fused-layer limit take 5 per layer.
+  // 5 per layer (2 at short contexts on the experimental fused-layer path), plus the final norm + lm_head + argmax.
   int kernels_per_token() const override {
     if (spec_.n_layers == 0) return 2;
-    const int per_layer = fused_attn_max_npos_ > 0 ? 4 : layer_fused_max_npos_ > 0 ? 2 : 5;
-    return per_layer * spec_.n_layers + 1;
+    return (layer_fused_max_npos_ > 0 ? 2 : 5) * spec_.n_layers + 1;
   }
 
  private:
@@ -171,15 +169,13 @@ class CudaBackend final : public Backend {
   void check_token(int32_t token) const;
   void set_io(int32_t token, int pos);
   void after_launch();
-  // Decode graphs by context length: attention with one block per query head while it runs in one pass (more SMs
-  // share the latency-bound work), one block per KV head once the context is split (each KV head's rows read once,
-  // one combine per KV head instead of per query head), or the experimental fused attention+O path.
-  // The fused-layer path (two kernels per layer, kernels.cuh) serves short contexts unless the experimental fused
-  // attention path was asked for; forward_token_debug always takes the five-kernel layers, which expose the
-  // residual stream after each layer.
-  enum DecodeVariant { kDecodeShort = 0, kDecodeFused = 1, kDecodeLong = 2, kDecodeLayerFused = 3 };
+  // Decode graphs by context length: while attention runs in one pass, one block per query head with all K/V rows
+  // in shared memory (more SMs share the latency-bound work); once the context is split, one block per KV head per
+  // chunk (each KV head's rows read once, one combine per KV head). The experimental fused-layer path (two kernels
+  // per layer, kernels.cuh) replaces the first when it is on; forward_token_debug always takes the five-kernel
+  // layers, which expose the residual stream after each layer.
+  enum DecodeVariant { kDecodeShort = 0, kDecodeLong = 1, kDecodeLayerFused = 2 };
   DecodeVariant decode_variant_at(int pos, bool need_hidden = false) const {
-    if (pos + 1 <= fused_attn_max_npos_) return kDecodeFused;
     if (!need_hidden && pos + 1 <= layer_fused_max_npos_) return kDecodeLayerFused;
     return pos + 1 <= kAttnSinglePassMax ? kDecodeShort : kDecodeLong;
   }
@@ -196,9 +192,6 @@ class CudaBackend final : public Backend {
   bool debug_;
   bool use_pdl_;
   bool split_;  // prefill GEMM operands as fp16 hi/lo K-slices (see kernels.cuh)
-  // Decode takes the fused attention + O path while pos + 1 <= this; 0 (the default, METALATTN_CUDA_FUSED_ATTN
-  // unset) = never: on H100 the fused kernel measured slower than split attention + O at every position.
-  int fused_attn_max_npos_ = 0;
   // Decode takes the fused-layer path while pos + 1 <= this (0: not asked for with METALATTN_CUDA_LAYER_FUSED=1,
   // or the model's geometry or weight types are not supported there).
   int layer_fused_max_npos_ = 0;
@@ -345,11 +338,6 @@ CudaBackend::CudaBackend(const ModelSpec& spec, const ModelWeights& w, bool debu
   attn_.counters = device_alloc<unsigned int>(spec.n_heads, mem_.scratch);  // one per head block
   CUDA_CHECK(cudaMemsetAsync(attn_.counters, 0, spec.n_heads * sizeof(unsigned int), res_.stream));
   attn_out_ = activation_alloc<float>(q_dim);
-  if (attention_o_fusable(spec.n_heads, spec.n_kv_heads, spec.head_dim)) {
-    const char* v = std::getenv("METALATTN_CUDA_FUSED_ATTN");
-    const int want = (v != nullptr && *v != '\0') ? std::atoi(v) : kFusedAttnDefaultMaxPositions;
-    fused_attn_max_npos_ = std::max(0, std::min({want, spec.n_ctx, kFusedAttnMaxPositions}));
-  }
   {
     // OFF by default: on H100 it measured slower than the five-kernel layers (benchmarks/NOTES.md, "fused-layer
     // decode"); METALATTN_CUDA_LAYER_FUSED=1 turns it on.
@@ -470,24 +458,18 @@ void CudaBackend::enqueue_decode(bool capture_hidden, DecodeVariant variant) {
       launch_norm_matvec_qkv(L.qkv, x_, L.attn_norm, s.rms_eps, t, st);
       after_launch();
     }
-    if (variant == kDecodeFused) {
-      launch_attention_o_residual(q_, kc, vc, io_dev_, s.n_heads, s.n_kv_heads, s.head_dim, fused_attn_max_npos_, L.o,
-                                  x_, st);
-      after_launch();
+    if (variant == kDecodeShort && s.head_dim == 64) {
+      // kDecodeShort serves pos + 1 <= kAttnSinglePassMax, all of whose K and V rows fit in shared memory.
+      launch_attention_decode_short(q_, kc, vc, io_dev_, s.n_heads, s.n_kv_heads, s.head_dim,
+                                    std::min(s.n_ctx, kAttnSinglePassMax), attn_out_, st);
     } else {
-      if (variant == kDecodeShort && s.head_dim == 64) {
-        // kDecodeShort serves pos + 1 <= kAttnSinglePassMax, all of whose K and V rows fit in shared memory.
-        launch_attention_decode_short(q_, kc, vc, io_dev_, s.n_heads, s.n_kv_heads, s.head_dim,
-                                      std::min(s.n_ctx, kAttnSinglePassMax), attn_out_, st);
-      } else {
-        const int heads_per_block = variant == kDecodeLong ? s.n_heads / s.n_kv_heads : 1;
-        launch_attention_decode(q_, kc, vc, io_dev_, s.n_heads, s.n_kv_heads, s.head_dim, s.n_ctx, attn_, attn_out_,
-                                st, heads_per_block);
-      }
-      after_launch();
-      launch_matvec_residual(L.o, attn_out_, x_, st);
-      after_launch();
+      const int heads_per_block = variant == kDecodeLong ? s.n_heads / s.n_kv_heads : 1;
+      launch_attention_decode(q_, kc, vc, io_dev_, s.n_heads, s.n_kv_heads, s.head_dim, s.n_ctx, attn_, attn_out_,
+                              st, heads_per_block);
     }
+    after_launch();
+    launch_matvec_residual(L.o, attn_out_, x_, st);
+    after_launch();
     launch_norm_matvec(L.gate_up, x_, L.ffn_norm, s.rms_eps, gate_up_, st);
     after_launch();
     launch_matvec_residual_silu(L.down, gate_up_, x_, st);

@@ -4,9 +4,10 @@
 // Decode step, per token (all kernels read the token id and position from DecodeIO in device memory):
 //   L x [ norm+QKV matvec (+RoPE +KV append; layer 0 also gathers the embedding row) -> attention
 //         -> O matvec+residual -> norm+gate/up matvec -> SiLU*up+down matvec+residual ]  ->  final norm+lm_head+argmax
-// that is 4 kernels per layer and 1 more: 4L + 1 launches, captured once as one CUDA graph. Short contexts fuse
-// attention and O matvec+residual into one kernel (3L + 1 launches), captured as a second graph; the host picks
-// the graph by position.
+// that is 5 kernels per layer and 1 more: 5L + 1 launches, captured once as one CUDA graph per attention regime
+// (one pass with all K/V rows in shared memory up to kAttnSinglePassMax positions, split over the context beyond);
+// the host picks the graph by position. Each kernel starts early (programmatic dependent launch), loads what does
+// not depend on the kernel before (weights, norm weights, RoPE factors, cached K/V rows), then waits.
 #pragma once
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
@@ -426,25 +427,6 @@ void launch_attention_decode(const float* q, const float* k_cache, const float* 
 void launch_attention_decode_short(const float* q, const float* k_cache, const float* v_cache, const DecodeIO* io,
                                    int n_heads, int n_kv_heads, int head_dim, int pos_cap, float* out,
                                    cudaStream_t s);
-
-// Short-context decode: attention + O projection + residual in one kernel, residual += W_o . attention(q). Every
-// block recomputes the attention of all heads (the K/V rows are few and L2-resident) and then multiplies its own
-// rows of W_o, so no attention output goes through global memory and one launch per layer disappears.
-// Supported geometry (attention_o_fusable): head_dim 64, at most 4 KV heads, at most 4 query heads per KV head.
-// pos_cap (<= kFusedAttnMaxPositions) sizes shared memory: io->pos + 1 must not exceed it (the kernel traps).
-constexpr int kFusedAttnHeadDim = 64;
-constexpr int kFusedAttnMaxKv = 4;
-constexpr int kFusedAttnMaxGroup = 4;
-constexpr int kFusedAttnMaxPositions = 1024;
-// OFF by default: measured slower than split attention + O at every position on H100 (see benchmarks/NOTES.md).
-// METALATTN_CUDA_FUSED_ATTN=<n> makes the backend take the fused path while n_pos = pos + 1 <= n.
-constexpr int kFusedAttnDefaultMaxPositions = 0;
-constexpr int kFusedAttnTestSwitchOver = 256;  // the switch-over the tests turn on
-bool attention_o_fusable(int n_heads, int n_kv_heads, int head_dim);
-// threads: 256 or 512 (0 = the default); the grid is W_o.rows / (threads / 8) blocks.
-void launch_attention_o_residual(const float* q, const float* k_cache, const float* v_cache, const DecodeIO* io,
-                                 int n_heads, int n_kv_heads, int head_dim, int pos_cap, const DevMatrix& W_o,
-                                 float* residual, cudaStream_t s, int threads = 0);
 
 // Two-stage argmax of x[0..n) in one launch (last block reduces the per-block partials).
 void launch_argmax(const float* x, int n, const ArgmaxScratch& scratch, ArgmaxResult* result, DecodeIO* io_next,

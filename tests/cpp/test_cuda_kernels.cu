@@ -462,59 +462,6 @@ TEST(CudaFused, DecodeAttentionShortContextEveryPosition) {
       << "capacity beyond the single-pass range";
 }
 
-TEST(CudaFused, AttentionOProjectionResidual) {
-  REQUIRE_GPU();
-  struct Geo {
-    int n_heads, n_kv;
-  };
-  const int hd = kFusedAttnHeadDim, n_ctx = kFusedAttnMaxPositions;
-  const int sw = kFusedAttnTestSwitchOver;
-  const char* quick_env = std::getenv("METALATTN_TEST_QUICK");
-  const bool quick = quick_env != nullptr && std::strcmp(quick_env, "1") == 0;
-  std::vector<Geo> geos = {Geo{9, 3}, Geo{4, 2}, Geo{16, 4}, Geo{3, 3}};
-  std::vector<GgmlType> types = {GgmlType::Q4_0, GgmlType::Q8_0, GgmlType::F16};
-  std::vector<int> positions = {0, 1, 15, 16, 31, 63, 64, 85, 160, 170, 255, 256, sw - 2, sw - 1, sw, 511, 512, 767, 1023};
-  if (quick) {
-    geos.resize(1);
-    types.resize(1);
-    positions = {0, 160, 700};
-  }
-  for (Geo geo : geos) {
-    const int n_heads = geo.n_heads, n_kv = geo.n_kv, q_dim = n_heads * hd, kv_dim = n_kv * hd, d = 576;
-    ASSERT_TRUE(attention_o_fusable(n_heads, n_kv, hd));
-    const std::vector<float> kc = random_vec(static_cast<size_t>(n_ctx) * kv_dim, -2.f, 2.f);
-    const std::vector<float> vc = random_vec(static_cast<size_t>(n_ctx) * kv_dim);
-    DevBuf<float> dk(kc), dv(vc);
-    for (GgmlType t : types) {
-      auto wo = random_matrix(t, d, q_dim, 0.5f / std::sqrt(static_cast<float>(q_dim)));
-      GpuMatrix g = to_gpu({&wo->view});
-      for (int threads : {256, 512}) {
-        for (int pos : positions) {
-          const int n_pos = pos + 1;
-          for (int cap : {n_pos, n_ctx}) {
-            SCOPED_TRACE(std::string(type_name(t)) + " heads " + std::to_string(n_heads) + "/" + std::to_string(n_kv) +
-                         " threads " + std::to_string(threads) + " pos " + std::to_string(pos) + " cap " +
-                         std::to_string(cap));
-            const std::vector<float> q = random_vec(q_dim, -1.5f, 1.5f), x = random_vec(d, -2.f, 2.f);
-            DevBuf<float> dq(q), dx(x);
-            DevBuf<DecodeIO> io(std::vector<DecodeIO>{{0, pos}});
-            launch_attention_o_residual(dq.p, dk.p, dv.p, io.p, n_heads, n_kv, hd, cap, g.m, dx.p, nullptr, threads);
-            std::vector<float> att(q_dim);
-            ref::attention(q.data(), kc.data(), vc.data(), n_heads, n_kv, hd, n_pos, att.data());
-            std::vector<float> expect = ref_matvec(wo->view, att);
-            for (int i = 0; i < d; ++i) expect[i] += x[i];
-            EXPECT_LE(max_abs_diff(dx.download(), expect), kTol);
-          }
-        }
-      }
-    }
-  }
-  EXPECT_FALSE(attention_o_fusable(9, 3, 32));
-  EXPECT_FALSE(attention_o_fusable(10, 2, 64));  // 5 query heads per KV head
-  EXPECT_FALSE(attention_o_fusable(10, 5, 64));  // 5 KV heads
-  EXPECT_FALSE(attention_o_fusable(9, 2, 64));
-}
-
 // Layer 0's QKV kernel gathers the embedding row itself: same q / cache rows as embed then norm+QKV, and the row
 // lands in x for the residual stream.
 TEST(CudaFused, EmbeddingFoldedIntoFirstQkv) {
@@ -1280,22 +1227,16 @@ TEST(CudaBackend, GreedyFeedbackDebugModeAndGraphAgree) {
   EXPECT_EQ(lf, ld) << "graph replay and debug launches are the same kernels";
 }
 
-// A generation that crosses the switch-over from the fused short-context decode graph to the long-context one (and
-// runs on past it): logits match the reference forward at positions on both sides, and the graph backend is
-// bit-identical to the debug (eager) one.
-TEST(CudaBackend, DecodeAcrossTheFusedAttentionSwitchOver) {
+// A generation that crosses the switch-over from the short-context decode graph (one attention pass, all K/V rows
+// in shared memory) to the long-context one (attention split over the context), and runs on past it: logits match
+// the reference forward at positions on both sides, and the graph backend is bit-identical to the debug (eager) one.
+TEST(CudaBackend, DecodeAcrossTheShortToLongAttentionSwitchOver) {
   REQUIRE_GPU();
-  const int sw = kFusedAttnTestSwitchOver, n = sw + 24;
+  const int sw = kAttnSinglePassMax, n = sw + 24;
   auto m = make_model(3, 2048, n + 8, GgmlType::Q4_0, GgmlType::Q8_0);
-  // The fused path is off by default; the backends read the switch-over when they are made.
-  const char* prev = std::getenv("METALATTN_CUDA_FUSED_ATTN");
-  const std::string saved = prev != nullptr ? prev : "";
-  setenv("METALATTN_CUDA_FUSED_ATTN", std::to_string(sw).c_str(), 1);
   auto fast = make_cuda_backend(m->spec, m->w, false);
   auto dbg = make_cuda_backend(m->spec, m->w, true);
-  if (prev != nullptr) setenv("METALATTN_CUDA_FUSED_ATTN", saved.c_str(), 1);
-  else unsetenv("METALATTN_CUDA_FUSED_ATTN");
-  EXPECT_EQ(fast->kernels_per_token(), 4 * 3 + 1);
+  EXPECT_EQ(fast->kernels_per_token(), 5 * 3 + 1);
   RefForward ref_fwd(*m);
   const std::vector<int32_t> toks = random_tokens(n, m->spec.vocab);
   std::vector<float> lf(m->spec.vocab), ld(m->spec.vocab);
