@@ -132,7 +132,8 @@ class CudaBackend final : public Backend {
   void forward_token_debug(int32_t token, int pos, float* hidden, float* logits) override;
   ArgmaxResult forward_prompt(const int32_t* tokens, int n, int pos, float* last_logits, float* all_logits) override;
   MemoryInfo memory_info() const override { return mem_; }
-  // 5 per layer (2 at short contexts on the experimental fused-layer path), plus the final norm + lm_head + argmax.
+  // 5 per layer, plus the final norm + lm_head + argmax; 2 per layer on the experimental fused-layer path, which
+  // serves the first kLayerFusedMaxPositions positions (beyond, 5 again).
   int kernels_per_token() const override {
     if (spec_.n_layers == 0) return 2;
     return (layer_fused_max_npos_ > 0 ? 2 : 5) * spec_.n_layers + 1;
@@ -348,9 +349,9 @@ CudaBackend::CudaBackend(const ModelSpec& spec, const ModelWeights& w, bool debu
     if (ok) {
       layer_fused_max_npos_ = std::min(spec.n_ctx, kLayerFusedMaxPositions);
       n_down_parts_ = spec.d_ff / kFfnSlice;
-      x_mid_ = device_alloc<float>(d, mem_.scratch);
-      o_part_ = device_alloc<float>(static_cast<size_t>(spec.n_heads) * d, mem_.scratch);
-      d_part_ = device_alloc<float>(static_cast<size_t>(n_down_parts_) * d, mem_.scratch);
+      x_mid_ = activation_alloc<float>(d);
+      o_part_ = activation_alloc<float>(static_cast<size_t>(spec.n_heads) * d);
+      d_part_ = activation_alloc<float>(static_cast<size_t>(n_down_parts_) * d);
     }
   }
   argmax_.capacity = argmax_partials_needed(lm_head_);

@@ -565,6 +565,7 @@ __global__ void __launch_bounds__(256) norm_matvec_kernel(DevMatrix W, const flo
 struct ArgmaxArgs {
   const float* parts = nullptr;  // optional split-K partials added to x (see stage_normed)
   int n_parts = 0;
+  bool prefetch_l2 = false;      // the rows of later passes go to L2 before the wait (when they fit there)
   float* logits = nullptr;
   ArgmaxScratch am;
   ArgmaxResult* result = nullptr;
@@ -594,7 +595,7 @@ __global__ void __launch_bounds__(256) norm_matvec_argmax_kernel(DevMatrix W, co
   nw.load(norm_w, W.cols);
   // The rows of the later passes go to L2 now, while the kernels before still run: the lm_head is the one matrix
   // too large for its first pass to hide the rest of its reads.
-  {
+  if (a.prefetch_l2) {
     const int pb = payload_bytes(W.type), sc = scale_count(W.type);
     for (int g = base + stride; g < W.rows; g += stride) {
       const int rows = min(rows_per_pass, W.rows - g);
@@ -1364,7 +1365,12 @@ K pick(int tpr, K k8, K k16, K k32) {
 template <typename K>
 void allow_smem(K kernel, size_t smem) {
   constexpr size_t kDefaultLimit = 48 * 1024;
-  if (smem > kDefaultLimit)
+  if (smem <= kDefaultLimit) return;
+  // Only ever raised: the limit belongs to the kernel function, and a graph captured by another backend (a larger
+  // n_ctx) may launch it with more shared memory than this call needs.
+  cudaFuncAttributes attr{};
+  CUDA_CHECK(cudaFuncGetAttributes(&attr, kernel));
+  if (smem > static_cast<size_t>(attr.maxDynamicSharedSizeBytes))
     CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem)));
 }
 
@@ -1461,6 +1467,13 @@ void launch_norm_matvec_argmax(const DevMatrix& W, const float* x, const float* 
   const int grid = (groups + passes - 1) / passes;
   if (grid > scratch.capacity) throw EngineError("argmax scratch too small");
   ArgmaxArgs a;
+  // Prefetching the whole matrix to L2 pays only where it fits there with room to spare (SmolLM2's Q8_0 lm_head is
+  // 28 MB of the H100's 50 MB); a larger one would evict its own lines and the KV cache.
+  int l2_bytes = 0;
+  CUDA_CHECK(cudaDeviceGetAttribute(&l2_bytes, cudaDevAttrL2CacheSize, device));
+  const size_t matrix_bytes =
+      static_cast<size_t>(W.rows) * W.nb * (payload_bytes(W.type) + 2 * scale_count(W.type));
+  a.prefetch_l2 = matrix_bytes <= static_cast<size_t>(l2_bytes) * 3 / 5;
   a.parts = parts;
   a.n_parts = parts != nullptr ? n_parts : 0;
   a.logits = logits;

@@ -66,7 +66,9 @@ GgmlType common_exact_type(const std::vector<const WeightView*>& parts);
 PackedMatrix pack_matrix(const std::vector<const WeightView*>& parts, GgmlType target);
 
 // Token id and position of the decode step, in device memory. The final argmax writes the chosen token and
-// pos + 1 back, so greedy decode needs no host-to-device write per token.
+// pos + 1 back, so greedy decode needs no host-to-device write per token. Decode kernels read it BEFORE their
+// programmatic wait; that is safe only because each step is one graph launch, which starts after the previous one
+// (and its argmax's write) has completed: never launch decode steps back to back with programmatic launch.
 struct DecodeIO {
   int32_t token;
   int32_t pos;
