@@ -1295,9 +1295,10 @@ struct Geometry {
 // blocks, so a whole warp per row (each lane one or two 32-weight blocks at SmolLM2's widths) and 256 threads per
 // block (x staged in one batch of loads, eight warps to hide the shared-memory latency of the dot products) make
 // the dependent part shortest; the idle lanes of an 18-block row cost nothing that matters here.
+constexpr int kMatvecTpr = 32;
 Geometry matvec_geometry(const DevMatrix& W) {
   Geometry g;
-  g.tpr = 32;
+  g.tpr = kMatvecTpr;
   g.threads = 256;
   const int rows_per_block = g.threads / g.tpr;
   g.grid = (W.rows + rows_per_block - 1) / rows_per_block;
@@ -1316,46 +1317,56 @@ Geometry lm_head_geometry(const DevMatrix& W) {
   return g;
 }
 
-using NormKernel = void (*)(DevMatrix, const float*, const float*, float, NormMatvecArgs);
-using ArgmaxKernel = void (*)(DevMatrix, const float*, const float*, float, ArgmaxArgs);
-using ResidualKernel = void (*)(DevMatrix, ResidualIn, const float*, float*);
+// The one switch from a weight type to a kernel instantiation: Family::get<T>() names the kernel for type T.
+// quant_kernel_for serves kernels instantiated for the quantized types only.
+template <typename Family>
+typename Family::Fn kernel_for(GgmlType t) {
+  switch (t) {
+    case GgmlType::Q4_0: return Family::template get<GgmlType::Q4_0>();
+    case GgmlType::Q4_1: return Family::template get<GgmlType::Q4_1>();
+    case GgmlType::Q8_0: return Family::template get<GgmlType::Q8_0>();
+    case GgmlType::F16: return Family::template get<GgmlType::F16>();
+    case GgmlType::BF16: return Family::template get<GgmlType::BF16>();
+    case GgmlType::F32: return Family::template get<GgmlType::F32>();
+  }
+  throw EngineError("matvec: unsupported weight type");
+}
+template <typename Family>
+typename Family::Fn quant_kernel_for(GgmlType t, const char* what) {
+  switch (t) {
+    case GgmlType::Q4_0: return Family::template get<GgmlType::Q4_0>();
+    case GgmlType::Q4_1: return Family::template get<GgmlType::Q4_1>();
+    case GgmlType::Q8_0: return Family::template get<GgmlType::Q8_0>();
+    default: throw EngineError(std::string(what) + ": unsupported weight type");
+  }
+}
 
+struct NormKernels {
+  using Fn = void (*)(DevMatrix, const float*, const float*, float, NormMatvecArgs);
+  template <GgmlType T>
+  static Fn get() { return norm_matvec_kernel<T, kMatvecTpr>; }
+};
+struct ResidualKernels {
+  using Fn = void (*)(DevMatrix, ResidualIn, const float*, float*);
+  template <GgmlType T>
+  static Fn get() { return matvec_residual_kernel<T, kMatvecTpr>; }
+};
 template <int TPR>
-NormKernel norm_kernel_for(GgmlType t) {
-  switch (t) {
-    case GgmlType::Q4_0: return norm_matvec_kernel<GgmlType::Q4_0, TPR>;
-    case GgmlType::Q4_1: return norm_matvec_kernel<GgmlType::Q4_1, TPR>;
-    case GgmlType::Q8_0: return norm_matvec_kernel<GgmlType::Q8_0, TPR>;
-    case GgmlType::F16: return norm_matvec_kernel<GgmlType::F16, TPR>;
-    case GgmlType::BF16: return norm_matvec_kernel<GgmlType::BF16, TPR>;
-    case GgmlType::F32: return norm_matvec_kernel<GgmlType::F32, TPR>;
-  }
-  throw EngineError("matvec: unsupported weight type");
-}
-template <int TPR>
-ArgmaxKernel argmax_kernel_for(GgmlType t) {
-  switch (t) {
-    case GgmlType::Q4_0: return norm_matvec_argmax_kernel<GgmlType::Q4_0, TPR>;
-    case GgmlType::Q4_1: return norm_matvec_argmax_kernel<GgmlType::Q4_1, TPR>;
-    case GgmlType::Q8_0: return norm_matvec_argmax_kernel<GgmlType::Q8_0, TPR>;
-    case GgmlType::F16: return norm_matvec_argmax_kernel<GgmlType::F16, TPR>;
-    case GgmlType::BF16: return norm_matvec_argmax_kernel<GgmlType::BF16, TPR>;
-    case GgmlType::F32: return norm_matvec_argmax_kernel<GgmlType::F32, TPR>;
-  }
-  throw EngineError("matvec: unsupported weight type");
-}
-template <int TPR>
-ResidualKernel residual_kernel_for(GgmlType t) {
-  switch (t) {
-    case GgmlType::Q4_0: return matvec_residual_kernel<GgmlType::Q4_0, TPR>;
-    case GgmlType::Q4_1: return matvec_residual_kernel<GgmlType::Q4_1, TPR>;
-    case GgmlType::Q8_0: return matvec_residual_kernel<GgmlType::Q8_0, TPR>;
-    case GgmlType::F16: return matvec_residual_kernel<GgmlType::F16, TPR>;
-    case GgmlType::BF16: return matvec_residual_kernel<GgmlType::BF16, TPR>;
-    case GgmlType::F32: return matvec_residual_kernel<GgmlType::F32, TPR>;
-  }
-  throw EngineError("matvec: unsupported weight type");
-}
+struct ArgmaxKernels {
+  using Fn = void (*)(DevMatrix, const float*, const float*, float, ArgmaxArgs);
+  template <GgmlType T>
+  static Fn get() { return norm_matvec_argmax_kernel<T, TPR>; }
+};
+struct AttnLayerKernels {
+  using Fn = void (*)(AttnLayerArgs);
+  template <GgmlType T>
+  static Fn get() { return attention_layer_kernel<T>; }
+};
+struct FfnLayerKernels {
+  using Fn = void (*)(FfnLayerArgs);
+  template <GgmlType T>
+  static Fn get() { return ffn_layer_kernel<T>; }
+};
 
 template <typename K>
 K pick(int tpr, K k8, K k16, K k32) {
@@ -1377,15 +1388,14 @@ void allow_smem(K kernel, size_t smem) {
 void run_norm_matvec(const DevMatrix& W, const float* x, const float* norm_w, float eps, const NormMatvecArgs& a,
                      cudaStream_t s) {
   const Geometry g = matvec_geometry(W);
-  NormKernel k = pick(g.tpr, norm_kernel_for<8>(W.type), norm_kernel_for<16>(W.type), norm_kernel_for<32>(W.type));
+  const NormKernels::Fn k = kernel_for<NormKernels>(W.type);
   allow_smem(k, g.smem);
   launch(k, dim3(g.grid), dim3(g.threads), g.smem, s, W, x, norm_w, eps, a);
 }
 
 void run_matvec_residual(const DevMatrix& W, ResidualIn mode, const float* x, float* residual, cudaStream_t s) {
   const Geometry g = matvec_geometry(W);
-  ResidualKernel k =
-      pick(g.tpr, residual_kernel_for<8>(W.type), residual_kernel_for<16>(W.type), residual_kernel_for<32>(W.type));
+  const ResidualKernels::Fn k = kernel_for<ResidualKernels>(W.type);
   allow_smem(k, g.smem);
   launch(k, dim3(g.grid), dim3(g.threads), g.smem, s, W, mode, x, residual);
 }
@@ -1453,8 +1463,8 @@ void launch_norm_matvec_argmax(const DevMatrix& W, const float* x, const float* 
                                const ArgmaxScratch& scratch, ArgmaxResult* result, DecodeIO* io_next,
                                cudaStream_t s, const float* parts, int n_parts) {
   const Geometry g = lm_head_geometry(W);
-  ArgmaxKernel k =
-      pick(g.tpr, argmax_kernel_for<8>(W.type), argmax_kernel_for<16>(W.type), argmax_kernel_for<32>(W.type));
+  const auto k = pick(g.tpr, kernel_for<ArgmaxKernels<8>>(W.type), kernel_for<ArgmaxKernels<16>>(W.type),
+                      kernel_for<ArgmaxKernels<32>>(W.type));
   allow_smem(k, g.smem);
   // As many blocks as fit on the GPU at once, spread so that every block takes the same number of row groups.
   int device = 0, n_sms = 0, per_sm = 0;
@@ -1541,13 +1551,7 @@ void launch_attention_layer(const AttnLayerArgs& a, cudaStream_t s) {
     throw EngineError("attention layer: unsupported geometry or weight types");
   if (a.pos_cap < 1 || a.pos_cap > kLayerFusedMaxPositions) throw EngineError("attention layer: bad position capacity");
   if (a.embed.payload != nullptr && a.embed.cols != a.qkv.cols) throw EngineError("attention layer: bad embedding");
-  void (*k)(AttnLayerArgs) = nullptr;
-  switch (a.qkv.type) {
-    case GgmlType::Q4_0: k = attention_layer_kernel<GgmlType::Q4_0>; break;
-    case GgmlType::Q4_1: k = attention_layer_kernel<GgmlType::Q4_1>; break;
-    case GgmlType::Q8_0: k = attention_layer_kernel<GgmlType::Q8_0>; break;
-    default: throw EngineError("attention layer: unsupported weight type");
-  }
+  const AttnLayerKernels::Fn k = quant_kernel_for<AttnLayerKernels>(a.qkv.type, "attention layer");
   const size_t smem = attention_layer_smem_bytes(a.qkv.nb, a.pos_cap);
   allow_smem(k, smem);
   launch(k, dim3(a.n_heads), dim3(kLayerThreads), smem, s, a);
@@ -1559,13 +1563,7 @@ void launch_ffn_layer(const FfnLayerArgs& a, cudaStream_t s) {
                              a.gate_up.type) ||
       a.gate_up.rows != 2 * d_ff || a.down.cols != d_ff || a.down.rows != a.gate_up.cols)
     throw EngineError("ffn layer: unsupported geometry or weight types");
-  void (*k)(FfnLayerArgs) = nullptr;
-  switch (a.gate_up.type) {
-    case GgmlType::Q4_0: k = ffn_layer_kernel<GgmlType::Q4_0>; break;
-    case GgmlType::Q4_1: k = ffn_layer_kernel<GgmlType::Q4_1>; break;
-    case GgmlType::Q8_0: k = ffn_layer_kernel<GgmlType::Q8_0>; break;
-    default: throw EngineError("ffn layer: unsupported weight type");
-  }
+  const FfnLayerKernels::Fn k = quant_kernel_for<FfnLayerKernels>(a.gate_up.type, "ffn layer");
   const size_t smem = ffn_layer_smem_bytes(a.gate_up.nb);
   allow_smem(k, smem);
   launch(k, dim3(d_ff / kFfnSlice), dim3(kLayerThreads), smem, s, a);
