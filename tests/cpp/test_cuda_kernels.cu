@@ -1065,6 +1065,30 @@ void expect_logits_close(const std::vector<float>& got, const std::vector<float>
       << what << " (rel L2 " << e << ")";
 }
 
+// Decodes n random tokens on backends a and b side by side (and on the reference forward). At the positions where
+// check(p) holds both return logits (poisoned first) and compare(logits_a, logits_b, reference) runs; elsewhere
+// greedy steps just fill the caches.
+template <typename Check, typename Compare>
+void decode_side_by_side(const TestModel& m, Backend& a, Backend& b, int n, Check check, Compare compare) {
+  RefForward ref_fwd(m);
+  const std::vector<int32_t> toks = random_tokens(n, m.spec.vocab);
+  std::vector<float> la(m.spec.vocab), lb(m.spec.vocab);
+  for (int p = 0; p < n; ++p) {
+    const std::vector<float> want = ref_fwd.forward(toks[p], p);
+    if (!check(p)) {
+      a.forward_token_greedy(toks[p], p);
+      b.forward_token_greedy(toks[p], p);
+      continue;
+    }
+    SCOPED_TRACE("pos " + std::to_string(p));
+    std::fill(la.begin(), la.end(), NAN);
+    std::fill(lb.begin(), lb.end(), NAN);
+    a.forward_token(toks[p], p, la.data());
+    b.forward_token(toks[p], p, lb.data());
+    compare(la, lb, want);
+  }
+}
+
 }  // namespace
 
 TEST(CudaBackend, DecodeMatchesReferenceSmallModelWithHiddenStates) {
@@ -1237,25 +1261,12 @@ TEST(CudaBackend, DecodeAcrossTheShortToLongAttentionSwitchOver) {
   auto fast = make_cuda_backend(m->spec, m->w, false);
   auto dbg = make_cuda_backend(m->spec, m->w, true);
   EXPECT_EQ(fast->kernels_per_token(), 5 * 3 + 1);
-  RefForward ref_fwd(*m);
-  const std::vector<int32_t> toks = random_tokens(n, m->spec.vocab);
-  std::vector<float> lf(m->spec.vocab), ld(m->spec.vocab);
-  for (int p = 0; p < n; ++p) {
-    const bool check = p < 2 || (p >= sw - 3 && p <= sw + 2) || p == n - 1;
-    const std::vector<float> want = ref_fwd.forward(toks[p], p);
-    if (!check) {
-      fast->forward_token_greedy(toks[p], p);
-      dbg->forward_token_greedy(toks[p], p);
-      continue;
-    }
-    SCOPED_TRACE("pos " + std::to_string(p));
-    std::fill(lf.begin(), lf.end(), NAN);
-    std::fill(ld.begin(), ld.end(), NAN);
-    fast->forward_token(toks[p], p, lf.data());
-    dbg->forward_token(toks[p], p, ld.data());
-    expect_logits_close(lf, want, 1e-3, "decode logits");
-    EXPECT_EQ(lf, ld) << "graph replay and debug launches are the same kernels";
-  }
+  decode_side_by_side(
+      *m, *fast, *dbg, n, [&](int p) { return p < 2 || (p >= sw - 3 && p <= sw + 2) || p == n - 1; },
+      [](const std::vector<float>& lf, const std::vector<float>& ld, const std::vector<float>& want) {
+        expect_logits_close(lf, want, 1e-3, "decode logits");
+        EXPECT_EQ(lf, ld) << "graph replay and debug launches are the same kernels";
+      });
 }
 
 // The fused-layer decode (two kernels per layer, split-K O and down projections; METALATTN_CUDA_LAYER_FUSED=1)
@@ -1283,27 +1294,15 @@ TEST(CudaBackend, LayerFusedDecodeMatchesFiveKernelLayers) {
     else unsetenv("METALATTN_CUDA_LAYER_FUSED");
     EXPECT_EQ(fused->kernels_per_token(), 2 * 3 + 1);
     EXPECT_EQ(five->kernels_per_token(), 5 * 3 + 1);
-    RefForward ref_fwd(*m);
-    const std::vector<int32_t> toks = random_tokens(n, m->spec.vocab);
-    std::vector<float> lf(m->spec.vocab), l5(m->spec.vocab);
-    for (int p = 0; p < n; ++p) {
-      const std::vector<float> want = ref_fwd.forward(toks[p], p);
-      const bool check = p < 3 || p % 37 == 0 || (p >= limit - 2 && p <= limit + 1) || p == n - 1;
-      if (!check) {
-        fused->forward_token_greedy(toks[p], p);
-        five->forward_token_greedy(toks[p], p);
-        continue;
-      }
-      SCOPED_TRACE("pos " + std::to_string(p));
-      std::fill(lf.begin(), lf.end(), NAN);
-      std::fill(l5.begin(), l5.end(), NAN);
-      fused->forward_token(toks[p], p, lf.data());
-      five->forward_token(toks[p], p, l5.data());
-      expect_logits_close(lf, want, 1e-3, "fused-layer logits vs reference");
-      // Same float arithmetic summed in another order (split-K partials): measured up to 3.5e-5 over 3 layers on
-      // random weights, so bounded at 1e-4, 10x inside the reference bound.
-      expect_logits_close(lf, l5, 1e-4, "fused-layer logits vs five-kernel layers");
-    }
+    decode_side_by_side(
+        *m, *fused, *five, n,
+        [&](int p) { return p < 3 || p % 37 == 0 || (p >= limit - 2 && p <= limit + 1) || p == n - 1; },
+        [](const std::vector<float>& lf, const std::vector<float>& l5, const std::vector<float>& want) {
+          expect_logits_close(lf, want, 1e-3, "fused-layer logits vs reference");
+          // Same float arithmetic summed in another order (split-K partials): measured up to 3.5e-5 over 3 layers
+          // on random weights, so bounded at 1e-4, 10x inside the reference bound.
+          expect_logits_close(lf, l5, 1e-4, "fused-layer logits vs five-kernel layers");
+        });
   }
 }
 
