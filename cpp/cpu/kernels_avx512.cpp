@@ -17,6 +17,7 @@
 #include <vector>
 
 #include "kernels_isa.h"
+#include "tiled_matmul.h"
 
 // GCC 12's AVX-512 headers seed some intrinsics (casts, cvtepi32_ps, permutexvar) with a self-initialised
 // "undefined" vector, which -Wuninitialized reports at every inlined use (GCC bug 105593). Nothing is uninitialised.
@@ -35,18 +36,6 @@ struct alignas(64) ActQuad {
   int32_t bias[16];   // Q4_0: lane 4X = -8 * sum(qs of block X), other lanes 0
   float s[16];        // Q4_1: lane 4X = s of block X (multiplies the block's min), other lanes 0
 };
-
-constexpr int kTokenTile = 8;
-constexpr size_t kRowChunkBytes = 1 << 20;  // weights a thread keeps cache-resident while all tokens pass over them
-// Software prefetch this far ahead of the rows being read: with the hardware prefetcher alone a streaming
-// matvec reached ~10 GB/s on one core of the dev machine, with 8 KiB ahead ~22 GB/s (its plain read stream: ~30).
-constexpr size_t kPrefetchBytes = 8192;
-
-template <int R>
-inline void prefetch_rows(const uint8_t* rows, size_t stride) {
-  const uint8_t* ahead = rows + kPrefetchBytes;
-  for (size_t off = 0; off < R * stride; off += 64) _mm_prefetch(reinterpret_cast<const char*>(ahead + off), _MM_HINT_T0);
-}
 
 alignas(64) const uint8_t kZeroBlock[64] = {};  // stands in for the missing blocks of a row's last quad
 
@@ -217,52 +206,6 @@ void q_tile(const uint8_t* row0, size_t stride, int nb, const ActQuad* acts, int
   store_sums<R, T>(acc, y, ldy);
 }
 
-template <GgmlType WT, int T>
-void q_rows(const WeightView& w, int64_t r0, int64_t r1, const ActQuad* acts, float* Y, int64_t ldy) {
-  constexpr int R = T >= 4 ? 2 : 4;  // R*T accumulators + R decoded quads (5-6 registers each) fit in 32
-  const int nb = static_cast<int>(w.cols / kQuantBlock), nquads = (nb + 3) / 4;
-  const size_t stride = w.row_stride();
-  int64_t r = r0;
-  for (; r + R <= r1; r += R) {
-    prefetch_rows<R>(w.row(r), stride);
-    q_tile<WT, R, T>(w.row(r), stride, nb, acts, nquads, Y + r, ldy);
-  }
-  for (; r < r1; ++r) q_tile<WT, 1, T>(w.row(r), stride, nb, acts, nquads, Y + r, ldy);
-}
-
-template <GgmlType WT>
-void q_matmul(const WeightView& w, const block_q16_act* Xq, int n_tok, float* Y, int64_t ldy, int64_t r0, int64_t r1) {
-  const int nb = static_cast<int>(w.cols / kQuantBlock), nquads = (nb + 3) / 4;
-  thread_local std::vector<ActQuad> packed;
-  if (packed.size() < static_cast<size_t>(kTokenTile * nquads)) packed.resize(kTokenTile * nquads);
-  // Large matrices are walked in row chunks so each chunk stays in cache while every token tile passes.
-  const int64_t chunk = std::max<int64_t>(8, static_cast<int64_t>(kRowChunkBytes / w.row_stride()) / 8 * 8);
-  for (int64_t c0 = r0; c0 < r1; c0 += chunk) {
-    const int64_t c1 = std::min(r1, c0 + chunk);
-    for (int t0 = 0; t0 < n_tok; t0 += kTokenTile) {
-      const int tt = std::min(kTokenTile, n_tok - t0);
-      pack_acts(Xq + static_cast<int64_t>(t0) * nb, nb, tt, packed.data());
-      for (int t = 0; t < tt;) {
-        float* y = Y + (t0 + t) * ldy;
-        const ActQuad* a = packed.data() + t * nquads;
-        if (tt - t >= 8) {
-          q_rows<WT, 8>(w, c0, c1, a, y, ldy);
-          t += 8;
-        } else if (tt - t >= 4) {
-          q_rows<WT, 4>(w, c0, c1, a, y, ldy);
-          t += 4;
-        } else if (tt - t >= 2) {
-          q_rows<WT, 2>(w, c0, c1, a, y, ldy);
-          t += 2;
-        } else {
-          q_rows<WT, 1>(w, c0, c1, a, y, ldy);
-          t += 1;
-        }
-      }
-    }
-  }
-}
-
 // ---------------------------------------------------------------- float weights
 
 template <GgmlType WT>
@@ -295,37 +238,29 @@ void f_tile(const uint8_t* row0, size_t stride, int64_t cols, const float* X, fl
     for (int t = 0; t < T; ++t) y[t * ldy + i] = reduce(acc[i][t]);
 }
 
-template <GgmlType WT, int T>
-void f_rows(const WeightView& w, int64_t r0, int64_t r1, const float* X, float* Y, int64_t ldy) {
-  constexpr int R = 4;
-  const size_t stride = w.row_stride();
-  int64_t r = r0;
-  for (; r + R <= r1; r += R) {
-    prefetch_rows<R>(w.row(r), stride);
-    f_tile<WT, R, T>(w.row(r), stride, w.cols, X, Y + r, ldy);
+// What TiledMatmul (tiled_matmul.h) needs from this ISA.
+struct Isa {
+  using Act = ActQuad;
+  static constexpr int kActGroup = 4;
+  static constexpr int kTokenTile = 8;
+  template <int T>
+  static constexpr int q_rows_per_tile() {
+    return T >= 4 ? 2 : 4;  // R*T accumulators + R decoded quads (5-6 registers each) fit in 32
   }
-  for (; r < r1; ++r) f_tile<WT, 1, T>(w.row(r), stride, w.cols, X, Y + r, ldy);
-}
-
-template <GgmlType WT>
-void f_matmul(const WeightView& w, const float* X, int n_tok, float* Y, int64_t ldy, int64_t r0, int64_t r1) {
-  const int64_t chunk = std::max<int64_t>(8, static_cast<int64_t>(kRowChunkBytes / w.row_stride()) / 8 * 8);
-  for (int64_t c0 = r0; c0 < r1; c0 += chunk) {
-    const int64_t c1 = std::min(r1, c0 + chunk);
-    for (int t = 0; t < n_tok;) {
-      const float* x = X + t * w.cols;
-      float* y = Y + t * ldy;
-      if (n_tok - t >= 4) {
-        f_rows<WT, 4>(w, c0, c1, x, y, ldy);
-        t += 4;
-      } else {
-        f_rows<WT, 1>(w, c0, c1, x, y, ldy);
-        t += 1;
-      }
-    }
+  template <int T>
+  static constexpr int f_rows_per_tile() {
+    return 4;
   }
-}
-
+  static void pack_acts(const block_q16_act* xq, int nb, int n_tok, Act* out) { avx512::pack_acts(xq, nb, n_tok, out); }
+  template <GgmlType WT, int R, int T>
+  static void q_tile(const uint8_t* row0, size_t stride, int nb, const Act* acts, int n_groups, float* y, int64_t ldy) {
+    avx512::q_tile<WT, R, T>(row0, stride, nb, acts, n_groups, y, ldy);
+  }
+  template <GgmlType WT, int R, int T>
+  static void f_tile(const uint8_t* row0, size_t stride, int64_t cols, const float* X, float* y, int64_t ldy) {
+    avx512::f_tile<WT, R, T>(row0, stride, cols, X, y, ldy);
+  }
+};
 }  // namespace
 
 void quantize_acts(const float* x, int64_t n, block_q16_act* out) {
@@ -352,15 +287,7 @@ void quantize_acts(const float* x, int64_t n, block_q16_act* out) {
 
 void matmul(const WeightView& w, const float* X, const block_q16_act* Xq, int n_tok, float* Y, int64_t ldy,
             int64_t r0, int64_t r1) {
-  switch (w.type) {
-    case GgmlType::Q4_0: return q_matmul<GgmlType::Q4_0>(w, Xq, n_tok, Y, ldy, r0, r1);
-    case GgmlType::Q4_1: return q_matmul<GgmlType::Q4_1>(w, Xq, n_tok, Y, ldy, r0, r1);
-    case GgmlType::Q8_0: return q_matmul<GgmlType::Q8_0>(w, Xq, n_tok, Y, ldy, r0, r1);
-    case GgmlType::F32: return f_matmul<GgmlType::F32>(w, X, n_tok, Y, ldy, r0, r1);
-    case GgmlType::F16: return f_matmul<GgmlType::F16>(w, X, n_tok, Y, ldy, r0, r1);
-    case GgmlType::BF16: return f_matmul<GgmlType::BF16>(w, X, n_tok, Y, ldy, r0, r1);
-  }
-  throw EngineError("matmul: unsupported weight type");
+  TiledMatmul<Isa>::matmul(w, X, Xq, n_tok, Y, ldy, r0, r1);
 }
 
 }  // namespace metalattn::cpu::avx512
