@@ -94,6 +94,7 @@ struct Resources {
   // Prefill graphs, one per chunk length (a small LRU); exec stays null until the length's second use.
   struct PrefillGraph {
     int n = 0;
+    int variant = 0;  // CudaBackend::PrefillVariant
     int uses = 0;
     uint64_t last_use = 0;
     cudaGraphExec_t exec = nullptr;
@@ -186,13 +187,23 @@ class CudaBackend final : public Backend {
   ArgmaxResult finish_decode(int pos);
   void gemm(const __half* w, int rows, int cols, int n, const __half* a, float* c, float beta);
   void ensure_all_logits_buffer();
-  void enqueue_prefill_chunk(int m, const int32_t* io);
-  void run_prefill_chunk(int m, const int32_t* io);
+  // How a prompt chunk runs: cuBLAS GEMMs, or (at most kPromptMmaMaxTokens tokens) the tensor-core projections of
+  // prompt_mma.cu with the few-token attention (while the chunk ends by kPromptFewAttnMaxKeys) or the prefill one.
+  enum PrefillVariant { kPrefillGemm = 0, kPrefillFewAttention = 1, kPrefillFewLongAttention = 2 };
+  PrefillVariant prefill_variant(int m, int pos) const {
+    if (!prompt_mma_ || m > kPromptMmaMaxTokens) return kPrefillGemm;
+    return pos + m <= kPromptFewAttnMaxKeys ? kPrefillFewAttention : kPrefillFewLongAttention;
+  }
+  void enqueue_prefill_chunk(int m, const int32_t* io, PrefillVariant variant);
+  void run_prefill_chunk(int m, const int32_t* io, PrefillVariant variant);
 
   ModelSpec spec_;
   bool debug_;
   bool use_pdl_;
   bool split_;  // prefill GEMM operands as fp16 hi/lo K-slices (see kernels.cuh)
+  // Prompt chunks of at most kPromptMmaMaxTokens tokens take the tensor-core projections of prompt_mma.cu instead of
+  // cuBLAS (METALATTN_CUDA_PROMPT_MMA=0 turns that off; needs every layer matrix in a type it reads).
+  bool prompt_mma_ = false;
   // Decode takes the fused-layer path while pos + 1 <= this (0: not asked for with METALATTN_CUDA_LAYER_FUSED=1,
   // or the model's geometry or weight types are not supported there).
   int layer_fused_max_npos_ = 0;
@@ -328,6 +339,13 @@ CudaBackend::CudaBackend(const ModelSpec& spec, const ModelWeights& w, bool debu
     CUDA_CHECK(cudaMemcpyAsync(rope_, table.data(), table.size() * sizeof(float2), cudaMemcpyHostToDevice, res_.stream));
     CUDA_CHECK(cudaStreamSynchronize(res_.stream));  // `table` dies here
   }
+
+  prompt_mma_ = env_flag("METALATTN_CUDA_PROMPT_MMA", true) && spec.head_dim == 64;
+  for (const DevLayer& dl : layers_)
+    prompt_mma_ = prompt_mma_ && prompt_mma_supported(dl.qkv.type, dl.qkv.cols, 0) &&
+                  prompt_mma_supported(dl.o.type, dl.o.cols, 0) &&
+                  prompt_mma_supported(dl.gate_up.type, dl.gate_up.cols, spec.d_ff) &&
+                  prompt_mma_supported(dl.down.type, dl.down.cols, 0);
 
   // Decode scratch.
   cudaDeviceProp prop{};
@@ -619,8 +637,9 @@ void CudaBackend::ensure_all_logits_buffer() {
 // sequence (captured once as a graph) serves every start position. Per layer 8 launches (9 when head_dim != 64),
 // with or without the hi/lo split: norm->fp16, QKV GEMM, RoPE+KV append+attention->fp16, O GEMM (+residual via beta 1),
 // norm->fp16, gate/up GEMM, SiLU*up->fp16, down GEMM (+residual); then the last token's norm+lm_head+argmax from
-// the exact quantized weights. Our kernels launch with PDL (unless METALATTN_CUDA_PDL=0).
-void CudaBackend::enqueue_prefill_chunk(int m, const int32_t* io) {
+// the exact quantized weights. Our kernels launch with PDL (unless METALATTN_CUDA_PDL=0). Chunks of at most
+// kPromptMmaMaxTokens tokens run 5 launches per layer instead, none of them cuBLAS (prompt_mma.cu).
+void CudaBackend::enqueue_prefill_chunk(int m, const int32_t* io, PrefillVariant variant) {
   struct ProgrammaticLaunchScope {
     bool previous = programmatic_launch();
     explicit ProgrammaticLaunchScope(bool on) { set_programmatic_launch(on); }
@@ -632,10 +651,69 @@ void CudaBackend::enqueue_prefill_chunk(int m, const int32_t* io) {
   const size_t layer_cache = static_cast<size_t>(s.n_ctx) * kv_dim;
   launch_embed_rows(embd_, io + 1, m, px_, st);
   after_launch();
+  const bool few_tokens = variant != kPrefillGemm;
   for (int l = 0; l < s.n_layers; ++l) {
     const DevLayer& L = layers_[l];
     float* kc = k_cache_ + l * layer_cache;
     float* vc = v_cache_ + l * layer_cache;
+    if (few_tokens) {
+      // Five programmatic launches, the projections straight from the quantized weights (prompt_mma.cu).
+      PromptMmaArgs qkv;
+      qkv.W = L.qkv;
+      qkv.n = m;
+      qkv.x = px_;
+      qkv.norm_w = L.attn_norm;
+      qkv.eps = s.rms_eps;
+      qkv.out_kind = PromptMmaOut::Store;
+      qkv.y = pc_;
+      launch_prompt_mma(qkv, st);
+      after_launch();
+      if (variant == kPrefillFewAttention) {
+        FewAttnArgs fa;
+        fa.qkv = pc_;
+        fa.n = m;
+        fa.pos0_dev = io;
+        fa.rope_table = rope_;
+        fa.k_cache = kc;
+        fa.v_cache = vc;
+        fa.n_heads = s.n_heads;
+        fa.n_kv_heads = s.n_kv_heads;
+        fa.head_dim = s.head_dim;
+        fa.out_slots = pa_;
+        launch_attention_prompt_few(fa, st);
+      } else {
+        launch_rope_attention_prefill_slots(pc_, m, io, rope_, s.n_heads, s.n_kv_heads, s.head_dim, kc, vc, pa_, st);
+      }
+      after_launch();
+      PromptMmaArgs o;
+      o.W = L.o;
+      o.n = m;
+      o.x_slots = pa_;
+      o.out_kind = PromptMmaOut::AddResidual;
+      o.y = px_;
+      launch_prompt_mma(o, st);
+      after_launch();
+      PromptMmaArgs gate_up;
+      gate_up.W = L.gate_up;
+      gate_up.n = m;
+      gate_up.x = px_;
+      gate_up.norm_w = L.ffn_norm;
+      gate_up.eps = s.rms_eps;
+      gate_up.out_kind = PromptMmaOut::SiluHalf;
+      gate_up.out_slots = pa_;
+      gate_up.d_ff = s.d_ff;
+      launch_prompt_mma(gate_up, st);
+      after_launch();
+      PromptMmaArgs down;
+      down.W = L.down;
+      down.n = m;
+      down.x_slots = pa_;
+      down.out_kind = PromptMmaOut::AddResidual;
+      down.y = px_;
+      launch_prompt_mma(down, st);
+      after_launch();
+      continue;
+    }
     launch_rmsnorm_to_half(px_, m, d, L.attn_norm, s.rms_eps, split_, pa_, st);
     after_launch();
     gemm(L.qkv16, qkv_rows, d, m, pa_, pc_, 0.f);
@@ -656,14 +734,16 @@ void CudaBackend::enqueue_prefill_chunk(int m, const int32_t* io) {
 
 // A chunk length's first use runs eagerly (modules load, cuBLAS picks its kernels, no capture cost for a one-off
 // length); from the second use on it is one graph launch.
-void CudaBackend::run_prefill_chunk(int m, const int32_t* io) {
+void CudaBackend::run_prefill_chunk(int m, const int32_t* io, PrefillVariant variant) {
   constexpr size_t kMaxPrefillGraphs = 8;
   if (debug_) {
-    enqueue_prefill_chunk(m, io);
+    enqueue_prefill_chunk(m, io, variant);
     return;
   }
   auto& graphs = res_.prefill_graphs;
-  auto it = std::find_if(graphs.begin(), graphs.end(), [m](const Resources::PrefillGraph& g) { return g.n == m; });
+  auto it = std::find_if(graphs.begin(), graphs.end(), [m, variant](const Resources::PrefillGraph& g) {
+    return g.n == m && g.variant == variant;
+  });
   if (it == graphs.end()) {
     if (graphs.size() >= kMaxPrefillGraphs) {
       it = std::min_element(graphs.begin(), graphs.end(),
@@ -676,17 +756,18 @@ void CudaBackend::run_prefill_chunk(int m, const int32_t* io) {
       it = graphs.emplace(graphs.end());
     }
     it->n = m;
+    it->variant = variant;
   }
   it->last_use = ++prefill_clock_;
   if (it->exec == nullptr && it->uses++ == 0) {
-    enqueue_prefill_chunk(m, io);
+    enqueue_prefill_chunk(m, io, variant);
     return;
   }
   if (it->exec == nullptr) {
     cudaGraph_t g = nullptr;
     CUDA_CHECK(cudaStreamBeginCapture(res_.stream, cudaStreamCaptureModeThreadLocal));
     try {
-      enqueue_prefill_chunk(m, io);
+      enqueue_prefill_chunk(m, io, variant);
     } catch (...) {
       cudaStreamEndCapture(res_.stream, &g);
       if (g != nullptr) cudaGraphDestroy(g);
@@ -720,7 +801,7 @@ ArgmaxResult CudaBackend::forward_prompt(const int32_t* tokens, int n, int pos, 
     io_host[0] = pos + c0;
     std::memcpy(io_host + 1, tokens + c0, m * sizeof(int32_t));
     CUDA_CHECK(cudaMemcpyAsync(tokens_dev_, io_host, (m + 1) * sizeof(int32_t), cudaMemcpyHostToDevice, st));
-    run_prefill_chunk(m, tokens_dev_);
+    run_prefill_chunk(m, tokens_dev_, prefill_variant(m, pos + c0));
     if (all_logits != nullptr) {
       // Every row through the exact quantized lm_head (the decode kernel), not an fp16 copy of it: rounding the
       // weights to fp16 cost up to 8e-3 relative error on some models. Rows run in order, so the last one leaves

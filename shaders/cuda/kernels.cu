@@ -102,20 +102,11 @@ static bool g_programmatic = false;
 void set_programmatic_launch(bool on) { g_programmatic = on; }
 bool programmatic_launch() { return g_programmatic; }
 
+// Every decode kernel launches programmatically while programmatic_launch() is on (kernels.cuh).
 template <typename... KernelArgs, typename... Args>
 static void launch(void (*kernel)(KernelArgs...), dim3 grid, dim3 block, size_t smem, cudaStream_t s,
                    Args&&... args) {
-  cudaLaunchAttribute attr[1];
-  attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
-  attr[0].val.programmaticStreamSerializationAllowed = 1;
-  cudaLaunchConfig_t cfg{};
-  cfg.gridDim = grid;
-  cfg.blockDim = block;
-  cfg.dynamicSmemBytes = smem;
-  cfg.stream = s;
-  cfg.attrs = g_programmatic ? attr : nullptr;
-  cfg.numAttrs = g_programmatic ? 1 : 0;
-  CUDA_CHECK(cudaLaunchKernelEx(&cfg, kernel, std::forward<Args>(args)...));
+  detail::launch_programmatic(kernel, grid, block, smem, s, std::forward<Args>(args)...);
 }
 
 // ------------------------------------------------------------------ weight blocks
@@ -691,12 +682,8 @@ inline size_t attention_smem_bytes(int heads_per_block, int head_dim, int chunk_
 }
 
 
-// 16 bytes global -> shared without passing through registers; completes at cp_async_wait_all().
-__device__ __forceinline__ void cp_async16(void* smem, const void* gmem) {
-  const unsigned dst = static_cast<unsigned>(__cvta_generic_to_shared(smem));
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(dst), "l"(gmem) : "memory");
-}
-__device__ __forceinline__ void cp_async_wait_all() { asm volatile("cp.async.wait_all;" ::: "memory"); }
+using detail::cp_async16;
+using detail::cp_async_wait_all;
 
 // One block per (heads_per_block query heads of one KV head, split); splits = attn_splits(pos + 1), blocks past it
 // exit at once. Cache rows before pos were written by earlier steps, so before the programmatic wait each thread
@@ -1375,14 +1362,7 @@ K pick(int tpr, K k8, K k16, K k32) {
 
 template <typename K>
 void allow_smem(K kernel, size_t smem) {
-  constexpr size_t kDefaultLimit = 48 * 1024;
-  if (smem <= kDefaultLimit) return;
-  // Only ever raised: the limit belongs to the kernel function, and a graph captured by another backend (a larger
-  // n_ctx) may launch it with more shared memory than this call needs.
-  cudaFuncAttributes attr{};
-  CUDA_CHECK(cudaFuncGetAttributes(&attr, kernel));
-  if (smem > static_cast<size_t>(attr.maxDynamicSharedSizeBytes))
-    CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem)));
+  detail::allow_dynamic_smem(kernel, smem);
 }
 
 void run_norm_matvec(const DevMatrix& W, const float* x, const float* norm_w, float eps, const NormMatvecArgs& a,

@@ -13,8 +13,10 @@
 #include <cuda_runtime.h>
 
 #include <cstdint>
+#include <utility>
 #include <vector>
 
+#include "cuda/cuda_check.h"
 #include "metalattn/backend.h"
 #include "metalattn/model.h"
 #include "metalattn/quant.h"
@@ -329,6 +331,69 @@ __device__ __forceinline__ void argmax_finish(ArgmaxPartial block_best, const Ar
   }
 }
 
+// 16 bytes global -> shared without passing through registers; completes at cp_async_wait_all().
+__device__ __forceinline__ void cp_async16(void* smem, const void* gmem) {
+  const unsigned dst = static_cast<unsigned>(__cvta_generic_to_shared(smem));
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(dst), "l"(gmem) : "memory");
+}
+__device__ __forceinline__ void cp_async_wait_all() { asm volatile("cp.async.wait_all;" ::: "memory"); }
+
+// Element j of row t of an fp16 GEMM operand of `width` values (see "prefill launches" below): [hi | lo | hi] when
+// split, else [hi].
+__device__ __forceinline__ void store_operand(float v, int64_t t, int j, int width, bool split, __half* out) {
+  const __half h = __float2half_rn(v);
+  if (!split) {
+    out[t * width + j] = h;
+    return;
+  }
+  __half* row = out + t * 3 * width;
+  row[j] = h;
+  row[width + j] = __float2half_rn(v - __half2float(h));
+  row[2 * width + j] = h;
+}
+
+// Element j of row t of an activation in the "slot" operand layout the tensor-core prompt projections read
+// (prompt_mma.cu): per group of 4 values one 16-byte slot [hi x4 | lo x4] of fp16 (hi = fp16(v), lo = fp16(v - hi)),
+// rows of 2 * width halves.
+__device__ __forceinline__ void store_slot_operand(float v, int64_t t, int j, int width, __half* out) {
+  const __half h = __float2half_rn(v);
+  __half* slot = out + t * 2 * width + (j / 4) * 8 + (j % 4);
+  slot[0] = h;
+  slot[4] = __float2half_rn(v - __half2float(h));
+}
+
+// Launches `kernel`, with Programmatic Dependent Launch while programmatic_launch() is on: the kernel is scheduled
+// while its predecessor drains and must call grid_dependency_wait() before it touches what that predecessor writes.
+template <typename... KernelArgs, typename... Args>
+void launch_programmatic(void (*kernel)(KernelArgs...), dim3 grid, dim3 block, size_t smem, cudaStream_t s,
+                         Args&&... args) {
+  cudaLaunchAttribute attr[1];
+  attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  attr[0].val.programmaticStreamSerializationAllowed = 1;
+  cudaLaunchConfig_t cfg{};
+  cfg.gridDim = grid;
+  cfg.blockDim = block;
+  cfg.dynamicSmemBytes = smem;
+  cfg.stream = s;
+  const bool on = programmatic_launch();
+  cfg.attrs = on ? attr : nullptr;
+  cfg.numAttrs = on ? 1 : 0;
+  CUDA_CHECK(cudaLaunchKernelEx(&cfg, kernel, std::forward<Args>(args)...));
+}
+
+// Raises `kernel`'s dynamic shared memory limit to `smem` where the default 48 KiB is too little. Only ever
+// raised: the limit belongs to the kernel function, and a graph captured earlier (another backend, a larger n_ctx)
+// may launch it with more than this call needs.
+template <typename K>
+void allow_dynamic_smem(K kernel, size_t smem) {
+  constexpr size_t kDefaultLimit = 48 * 1024;
+  if (smem <= kDefaultLimit) return;
+  cudaFuncAttributes attr{};
+  CUDA_CHECK(cudaFuncGetAttributes(&attr, kernel));
+  if (smem > static_cast<size_t>(attr.maxDynamicSharedSizeBytes))
+    CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem)));
+}
+
 }  // namespace detail
 
 // ------------------------------------------------------------------ decode launches
@@ -480,5 +545,55 @@ void launch_attention_prefill_at(const float* q, const float* k_cache, const flo
 void launch_rope_attention_prefill(const float* qkv, int n, const int32_t* pos0, const float2* rope_table,
                                    int n_heads, int n_kv_heads, int head_dim, float* k_cache, float* v_cache,
                                    float* q_scratch, bool split, __half* out, cudaStream_t s);
+
+// ------------------------------------------------------------------ few-token prompts on tensor cores (prompt_mma.cu)
+// For prompts of at most kPromptMmaMaxTokens tokens the backend runs each projection as one programmatic launch
+// that reads the quantized decode weights directly (no cuBLAS, no fp16 weight copy): Y = W . X with the weights
+// exact and X as fp16 hi + lo on tensor cores, fp32 accumulation.
+constexpr int kPromptMmaMaxTokens = 32;
+constexpr int kPromptMmaMaxSmem = 227 * 1024;  // the H100's opt-in shared memory per block
+enum class PromptMmaOut : int {
+  Store = 0,        // y[t][row] = (W . x_t)[row]
+  AddResidual = 1,  // y[t][row] += (W . x_t)[row]
+  SiluHalf = 2,     // W = [gate (d_ff rows); up (d_ff rows)]: out_slots row t = silu(gate . x_t) * (up . x_t)
+};
+struct PromptMmaArgs {
+  DevMatrix W;               // Q4_0, Q4_1 or Q8_0; cols a multiple of 32
+  int n = 0;                 // tokens, 1..kPromptMmaMaxTokens
+  // The input, exactly one of:
+  const float* x = nullptr;  // [n][W.cols] fp32 rows, rmsnorm'ed here with norm_w (required) and eps
+  const float* norm_w = nullptr;
+  float eps = 0.f;
+  const __half* x_slots = nullptr;  // [n] rows of W.cols values in the slot layout (store_slot_operand)
+  PromptMmaOut out_kind = PromptMmaOut::Store;
+  float* y = nullptr;               // Store, AddResidual: [n][W.rows]
+  __half* out_slots = nullptr;      // SiluHalf: [n] rows of d_ff values in the slot layout
+  int d_ff = 0;                     // SiluHalf
+};
+// Causal attention of a prompt chunk of n <= kPromptMmaMaxTokens tokens at positions *pos0_dev.. (head_dim 64),
+// from the raw QKV rows: appends the roped k and the v rows to the caches and writes the attention output in the
+// slot layout (q_dim values per token). Keys are taken in tiles of 64, one after the other, so the backend uses it
+// while pos0 + n <= kPromptFewAttnMaxKeys and the tensor-core prefill attention beyond.
+constexpr int kPromptFewAttnMaxKeys = 256;
+struct FewAttnArgs {
+  const float* qkv = nullptr;  // [n][q_dim + 2 kv_dim]
+  int n = 0;
+  const int32_t* pos0_dev = nullptr;  // written before the graph that reads it starts
+  const float2* rope_table = nullptr;
+  float* k_cache = nullptr;  // this layer
+  float* v_cache = nullptr;
+  int n_heads = 0, n_kv_heads = 0, head_dim = 0;
+  __half* out_slots = nullptr;  // [n] rows of q_dim values
+};
+void launch_attention_prompt_few(const FewAttnArgs& a, cudaStream_t s);
+// The same from the tensor-core prefill attention (any pos0; head_dim 64): launch_rope_attention_prefill with the
+// output in the slot layout.
+void launch_rope_attention_prefill_slots(const float* qkv, int n, const int32_t* pos0, const float2* rope_table,
+                                         int n_heads, int n_kv_heads, int head_dim, float* k_cache, float* v_cache,
+                                         __half* out_slots, cudaStream_t s);
+
+// Whether launch_prompt_mma takes this weight type and width (d_ff: the SiluHalf output width, else 0).
+bool prompt_mma_supported(GgmlType type, int cols, int d_ff_or_zero);
+void launch_prompt_mma(const PromptMmaArgs& a, cudaStream_t s);
 
 }  // namespace metalattn::cuda

@@ -17,18 +17,7 @@ namespace metalattn::cuda {
 
 namespace {
 
-// Element j of row t of an activation operand of `width` values: [hi | lo | hi] when split, else [hi].
-__device__ __forceinline__ void store_operand(float v, int64_t t, int j, int width, bool split, __half* out) {
-  const __half h = __float2half_rn(v);
-  if (!split) {
-    out[t * width + j] = h;
-    return;
-  }
-  __half* row = out + t * 3 * width;
-  row[j] = h;
-  row[width + j] = __float2half_rn(v - __half2float(h));
-  row[2 * width + j] = h;
-}
+using detail::store_operand;
 
 // Weight rows [W_hi | W_hi | W_lo]: the lo slice meets the activation's hi slice, the second hi slice its lo.
 __global__ void weights_to_half_kernel(DevMatrix W, bool split, __half* out) {
@@ -230,6 +219,7 @@ struct TcAttnArgs {
   int pos0_value = 0;
   int n_heads = 0, n_kv_heads = 0;
   bool split = true;
+  bool slots = false;  // out in the slot layout of the tensor-core prompt projections instead (split ignored)
   __half* out = nullptr;
 };
 
@@ -242,6 +232,7 @@ __global__ void __launch_bounds__(kTcWarps * 32) attention_prefill_tc_kernel(con
   extern __shared__ __align__(128) unsigned char tc_smem_raw[];
   TcAttnSmem& sm = *reinterpret_cast<TcAttnSmem*>(tc_smem_raw);
   detail::grid_dependency_wait();
+  detail::launch_dependents();  // the next projection may load its weights now; it waits for this grid to finish
   const int pos0 = a.pos0_dev != nullptr ? *a.pos0_dev : a.pos0_value;
   const int n_heads = a.n_heads, group = n_heads / a.n_kv_heads;
   const int h = blockIdx.x, kvh = h / group;
@@ -408,26 +399,15 @@ __global__ void __launch_bounds__(kTcWarps * 32) attention_prefill_tc_kernel(con
     const int t = q0 + w_row0 + r;
 #pragma unroll
     for (int i = 0; i < kTcHeadDim / 2; ++i)
-      store_operand(o[i] * inv, t, h * kTcHeadDim + 2 * i + half, q_dim, a.split, a.out);
+      if (a.slots) detail::store_slot_operand(o[i] * inv, t, h * kTcHeadDim + 2 * i + half, q_dim, a.out);
+      else store_operand(o[i] * inv, t, h * kTcHeadDim + 2 * i + half, q_dim, a.split, a.out);
   }
 }
 
-// Launches with Programmatic Dependent Launch while programmatic_launch() is on (the backend turns it on around a
-// prefill): the kernel is scheduled while its predecessor drains and waits in grid_dependency_wait() before it
-// touches memory, so every kernel here calls that first.
+// Every kernel here calls grid_dependency_wait() first, so all of them may launch programmatically.
 template <typename... KernelArgs, typename... Args>
 void launch_pdl(void (*kernel)(KernelArgs...), dim3 grid, dim3 block, size_t smem, cudaStream_t s, Args&&... args) {
-  cudaLaunchConfig_t cfg{};
-  cfg.gridDim = grid;
-  cfg.blockDim = block;
-  cfg.dynamicSmemBytes = smem;
-  cfg.stream = s;
-  cudaLaunchAttribute attr[1];
-  attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
-  attr[0].val.programmaticStreamSerializationAllowed = 1;
-  cfg.attrs = attr;
-  cfg.numAttrs = programmatic_launch() ? 1 : 0;
-  CUDA_CHECK(cudaLaunchKernelEx(&cfg, kernel, std::forward<Args>(args)...));
+  detail::launch_programmatic(kernel, grid, block, smem, s, std::forward<Args>(args)...);
 }
 
 int grid_for(int64_t total, int threads) {
@@ -535,6 +515,24 @@ void launch_rope_attention_prefill(const float* qkv, int n, const int32_t* pos0,
   a.n_kv_heads = n_kv_heads;
   a.split = split;
   a.out = out;
+  launch_tc(a, s);
+}
+
+void launch_rope_attention_prefill_slots(const float* qkv, int n, const int32_t* pos0, const float2* rope_table,
+                                         int n_heads, int n_kv_heads, int head_dim, float* k_cache, float* v_cache,
+                                         __half* out_slots, cudaStream_t s) {
+  if (head_dim != kTcHeadDim) throw EngineError("launch_rope_attention_prefill_slots: needs head_dim 64");
+  TcAttnArgs a;
+  a.qkv = qkv;
+  a.rope_table = rope_table;
+  a.k_cache = k_cache;
+  a.v_cache = v_cache;
+  a.n = n;
+  a.pos0_dev = pos0;
+  a.n_heads = n_heads;
+  a.n_kv_heads = n_kv_heads;
+  a.slots = true;
+  a.out = out_slots;
   launch_tc(a, s);
 }
 

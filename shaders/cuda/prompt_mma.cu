@@ -1,0 +1,545 @@
+// Few-token prompt projections on tensor cores: Y = W . X for prompts of up to kPromptMmaMaxTokens tokens, read
+// straight from the quantized decode weights (Q4_0, Q4_1, Q8_0), each launched with programmatic dependent launch.
+//
+// Why: a 32-token prompt through the cuBLAS path costs ~48 us per layer, most of it four GEMM launches that the
+// programmatic chain cannot overlap. Here a layer is five of our own kernels (norm+QKV, attention, O+residual,
+// norm+gate/up+SiLU, down+residual), each loading its weights into registers before it waits for its predecessor.
+//
+// Geometry: a block owns one 16-row tile of W (one MMA m16 tile) for all tokens; its 8 warps split the 32-column
+// weight blocks of K (warp w takes blocks w, w+8, ...) and sum their partial tiles through shared memory at the end.
+// Every block stages the whole activation matrix X (m tokens x K) in shared memory once.
+//
+// Numerics: the weights enter the MMA exactly (integer quants as fp16, the per-block scale d applied in fp32 after
+// the block's MMAs, the Q4_1 minimum m times the block's activation sum); an activation travels as fp16 hi + lo
+// (two MMAs), so products keep ~22 bits and accumulation is fp32, as in the decode kernels.
+//
+// MMA fragment map (mma.sync m16n8k16, g = lane / 4, c = lane % 4): of the 16 k-slots of one step, thread c's
+// slots 2c, 2c+1 carry elements 4c, 4c+1 of the step's 16 and slots 2c+8, 2c+9 elements 4c+2, 4c+3 (a dot product
+// does not care about the order, so the quants are used in their stored order). Step 0 of a 32-weight block covers
+// elements 0..15 (for Q4: the low nibbles of payload word c), step 1 elements 16..31 (the high nibbles).
+//
+// Shared layout of X (the "slot" layout, also the global layout of the activations the attention and the gate/up
+// projection hand on, kernels.cuh): token rows of K/4 16-byte slots; slot s holds elements 4s..4s+3 as
+// [hi x4 | lo x4] halves, so one 16-byte load gives a thread both B fragments (hi and lo) of a step. Shared rows are
+// padded by 64 bytes so that the eight lanes of a quarter-warp (2 tokens x 4 slots) hit distinct banks.
+#include <algorithm>
+
+#include "cuda/cuda_check.h"
+#include "kernels.cuh"
+
+namespace metalattn::cuda {
+
+namespace {
+
+constexpr int kMmaWarps = 8;
+constexpr int kMmaThreads = kMmaWarps * 32;
+constexpr int kMmaTileRows = 16;
+constexpr int kMmaMaxTiles = kPromptMmaMaxTokens / 8;  // n-tiles of 8 tokens
+constexpr int kMmaPrefetch = 6;  // weight blocks per warp loaded before the programmatic wait (d_ff 1536 / 8 warps / 32)
+
+// ------------------------------------------------------------------ the weight side of one 32-column block
+
+// The two rows a thread feeds the MMA (tile rows g and g + 8), one block: payload words and scales.
+template <GgmlType T>
+struct WBlock;
+
+// Q4: word c of the 16-byte payload holds elements 4c..4c+3 (low nibbles) and 16+4c..16+4c+3 (high nibbles).
+// Returns the A registers of step `step` for one row: {elements 4c,4c+1 ; 4c+2,4c+3} as half2 of (q - bias).
+__device__ __forceinline__ void q4_pairs(uint32_t w, int step, uint32_t bias_h2, uint32_t& p01, uint32_t& p23) {
+  const uint32_t t01 = __byte_perm(w, 0u, 0x4140), t23 = __byte_perm(w, 0u, 0x4342);  // bytes -> 16-bit lanes
+  const int sh = 4 * step;
+  const uint32_t h01 = ((t01 >> sh) & 0x000F000Fu) | 0x64006400u;  // fp16 1024 + q
+  const uint32_t h23 = ((t23 >> sh) & 0x000F000Fu) | 0x64006400u;
+  const __half2 b = *reinterpret_cast<const __half2*>(&bias_h2);
+  const __half2 r01 = __hsub2(*reinterpret_cast<const __half2*>(&h01), b);
+  const __half2 r23 = __hsub2(*reinterpret_cast<const __half2*>(&h23), b);
+  p01 = *reinterpret_cast<const uint32_t*>(&r01);
+  p23 = *reinterpret_cast<const uint32_t*>(&r23);
+}
+
+// Q8: word w holds 4 signed bytes; (b ^ 0x80) | 0x6400 is fp16 1024 + b + 128.
+__device__ __forceinline__ void q8_pairs(uint32_t w, uint32_t& p01, uint32_t& p23) {
+  const uint32_t u = w ^ 0x80808080u;
+  const uint32_t h01 = __byte_perm(u, 0x64646464u, 0x4140), h23 = __byte_perm(u, 0x64646464u, 0x4342);
+  const __half2 b = __float2half2_rn(1152.f);
+  const __half2 r01 = __hsub2(*reinterpret_cast<const __half2*>(&h01), b);
+  const __half2 r23 = __hsub2(*reinterpret_cast<const __half2*>(&h23), b);
+  p01 = *reinterpret_cast<const uint32_t*>(&r01);
+  p23 = *reinterpret_cast<const uint32_t*>(&r23);
+}
+
+constexpr uint32_t kHalf1032x2 = 0x64086408u;  // fp16 1032 = 1024 + 8 (Q4_0's offset)
+constexpr uint32_t kHalf1024x2 = 0x64006400u;
+
+template <>
+struct WBlock<GgmlType::Q4_0> {
+  static constexpr bool kHasMin = false;
+  uint32_t w[2];
+  uint16_t d[2];
+  __device__ __forceinline__ void load(const DevMatrix& W, const int row[2], int blk, int c) {
+#pragma unroll
+    for (int i = 0; i < 2; ++i) {
+      const int64_t b = static_cast<int64_t>(row[i]) * W.nb + blk;
+      w[i] = row[i] >= 0 ? __ldg(reinterpret_cast<const uint32_t*>(W.payload) + b * 4 + c) : 0u;
+      d[i] = row[i] >= 0 ? __ldg(W.scales + b) : 0;
+    }
+  }
+  __device__ __forceinline__ void a_regs(int step, uint32_t a[4]) const {
+    q4_pairs(w[0], step, kHalf1032x2, a[0], a[2]);
+    q4_pairs(w[1], step, kHalf1032x2, a[1], a[3]);
+  }
+  __device__ __forceinline__ float scale(int i) const { return __half2float(__ushort_as_half(d[i])); }
+  __device__ __forceinline__ float min(int) const { return 0.f; }
+};
+
+template <>
+struct WBlock<GgmlType::Q4_1> {
+  static constexpr bool kHasMin = true;
+  uint32_t w[2];
+  uint32_t dm[2];  // fp16 d (low half), m (high half)
+  __device__ __forceinline__ void load(const DevMatrix& W, const int row[2], int blk, int c) {
+#pragma unroll
+    for (int i = 0; i < 2; ++i) {
+      const int64_t b = static_cast<int64_t>(row[i]) * W.nb + blk;
+      w[i] = row[i] >= 0 ? __ldg(reinterpret_cast<const uint32_t*>(W.payload) + b * 4 + c) : 0u;
+      dm[i] = row[i] >= 0 ? __ldg(reinterpret_cast<const unsigned int*>(W.scales) + b) : 0u;
+    }
+  }
+  __device__ __forceinline__ void a_regs(int step, uint32_t a[4]) const {
+    q4_pairs(w[0], step, kHalf1024x2, a[0], a[2]);
+    q4_pairs(w[1], step, kHalf1024x2, a[1], a[3]);
+  }
+  __device__ __forceinline__ float scale(int i) const {
+    return __half2float(__ushort_as_half(static_cast<uint16_t>(dm[i] & 0xffffu)));
+  }
+  __device__ __forceinline__ float min(int i) const {
+    return __half2float(__ushort_as_half(static_cast<uint16_t>(dm[i] >> 16)));
+  }
+};
+
+template <>
+struct WBlock<GgmlType::Q8_0> {
+  static constexpr bool kHasMin = false;
+  uint32_t w[2][2];  // [row][step]: word 4 * step + c of the 32-byte payload
+  uint16_t d[2];
+  __device__ __forceinline__ void load(const DevMatrix& W, const int row[2], int blk, int c) {
+#pragma unroll
+    for (int i = 0; i < 2; ++i) {
+      const int64_t b = static_cast<int64_t>(row[i]) * W.nb + blk;
+      const uint32_t* p = reinterpret_cast<const uint32_t*>(W.payload) + b * 8 + c;
+      w[i][0] = row[i] >= 0 ? __ldg(p) : 0u;
+      w[i][1] = row[i] >= 0 ? __ldg(p + 4) : 0u;
+      d[i] = row[i] >= 0 ? __ldg(W.scales + b) : 0;
+    }
+  }
+  __device__ __forceinline__ void a_regs(int step, uint32_t a[4]) const {
+    q8_pairs(w[0][step], a[0], a[2]);
+    q8_pairs(w[1][step], a[1], a[3]);
+  }
+  __device__ __forceinline__ float scale(int i) const { return __half2float(__ushort_as_half(d[i])); }
+  __device__ __forceinline__ float min(int) const { return 0.f; }
+};
+
+__device__ __forceinline__ void mma_16816(float c[4], const uint32_t a[4], uint32_t b0, uint32_t b1) {
+  asm volatile(
+      "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+      "{%0,%1,%2,%3};"
+      : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+
+__device__ __forceinline__ uint32_t pack_half2(float a, float b) {
+  const __half2 h = __floats2half2_rn(a, b);
+  return *reinterpret_cast<const uint32_t*>(&h);
+}
+
+// [hi x4 | lo x4] of four floats.
+__device__ __forceinline__ uint4 split_slot(float4 v) {
+  const __half2 h01 = __floats2half2_rn(v.x, v.y), h23 = __floats2half2_rn(v.z, v.w);
+  const float2 f01 = __half22float2(h01), f23 = __half22float2(h23);
+  uint4 s;
+  s.x = *reinterpret_cast<const uint32_t*>(&h01);
+  s.y = *reinterpret_cast<const uint32_t*>(&h23);
+  s.z = pack_half2(v.x - f01.x, v.y - f01.y);
+  s.w = pack_half2(v.z - f23.x, v.w - f23.y);
+  return s;
+}
+
+__device__ __forceinline__ float slot_sum(uint4 s) {
+  const float2 a = __half22float2(*reinterpret_cast<const __half2*>(&s.x));
+  const float2 b = __half22float2(*reinterpret_cast<const __half2*>(&s.y));
+  const float2 c = __half22float2(*reinterpret_cast<const __half2*>(&s.z));
+  const float2 d = __half22float2(*reinterpret_cast<const __half2*>(&s.w));
+  return ((a.x + c.x) + (a.y + c.y)) + ((b.x + d.x) + (b.y + d.y));
+}
+
+// Slots per token row in shared memory (K/4 plus 4 slots = 64 bytes of padding).
+__host__ __device__ inline int slot_stride(int K) { return K / 4 + 4; }
+
+// Shared memory of one block: X (8 * n_tiles token rows), per-(token, block) activation sums (Q4_1), the norm
+// weights and 1/rms per token (normed input). The cross-warp reduction reuses X's space.
+struct MmaSmem {
+  int x_bytes, sums_off, norm_off, rms_off, total;
+  __host__ __device__ MmaSmem(int K, int n_tiles) {
+    const int rows = 8 * n_tiles;
+    x_bytes = rows * slot_stride(K) * 16;
+    const int red_bytes = kMmaWarps * kMmaTileRows * rows * 4;
+    const int head = x_bytes > red_bytes ? x_bytes : red_bytes;
+    sums_off = head;
+    norm_off = sums_off + rows * (K / 32) * 4;
+    rms_off = norm_off + K * 4;
+    total = rms_off + rows * 4;
+  }
+};
+
+// Stages X into the slot layout; ends with __syncthreads. Each warp stages whole token rows (t = warp, warp + 8,
+// ...), so there is no per-element index arithmetic. Input kinds:
+//  - fp32 rows x (rmsnorm'ed): copied as fp32, then turned in place into [hi | lo] of x * norm_w by the lanes that
+//    copied them; 1/rms per token goes to rms_s and is applied to the outputs (the projection is linear).
+//  - slot-layout rows (x_slots): a plain copy.
+// With sums set, also sums[t][b] = the staged activations of 32-column block b of token t, summed (Q4_1's minimum).
+__device__ void stage_x(const PromptMmaArgs& a, int K, int n_rows, uint4* x_s, float* sums, const float* norm_s,
+                        float* rms_s) {
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  const int slots = K / 4, stride = slot_stride(K), m = a.n, nb = K / 32;
+  const bool normed = a.x != nullptr;
+  for (int t = warp; t < n_rows; t += kMmaWarps)
+    for (int s = lane; s < slots; s += 32) {
+      uint4* dst = &x_s[t * stride + s];
+      if (t >= m) *dst = make_uint4(0u, 0u, 0u, 0u);
+      else if (normed) detail::cp_async16(dst, a.x + static_cast<int64_t>(t) * K + 4 * s);
+      else detail::cp_async16(dst, a.x_slots + static_cast<int64_t>(t) * 2 * K + 8 * s);
+    }
+  detail::cp_async_wait_all();
+  __syncthreads();  // also publishes the norm weights, copied by other threads
+  if (normed) {
+    for (int t = warp; t < n_rows; t += kMmaWarps) {
+      float ss = 0.f;
+      for (int s0 = 0; s0 < slots; s0 += 32) {  // whole-warp trip count: the block sums shuffle
+        const int s = s0 + lane;
+        float part = 0.f;
+        if (s < slots) {
+          const float4 v = *reinterpret_cast<const float4*>(&x_s[t * stride + s]);
+          const float4 w = *reinterpret_cast<const float4*>(norm_s + 4 * s);
+          ss += (v.x * v.x + v.y * v.y) + (v.z * v.z + v.w * v.w);
+          const float4 y = make_float4(v.x * w.x, v.y * w.y, v.z * w.z, v.w * w.w);
+          x_s[t * stride + s] = split_slot(y);
+          part = (y.x + y.y) + (y.z + y.w);
+        }
+        if (sums != nullptr) {  // 8 consecutive slots are one 32-column block (K is a multiple of 32)
+          part += __shfl_xor_sync(0xffffffffu, part, 1);
+          part += __shfl_xor_sync(0xffffffffu, part, 2);
+          part += __shfl_xor_sync(0xffffffffu, part, 4);
+          if (s < slots && (lane & 7) == 0) sums[t * nb + s / 8] = part;
+        }
+      }
+      ss = detail::warp_sum(ss);
+      if (lane == 0) rms_s[t] = 1.f / sqrtf(ss / static_cast<float>(K) + a.eps);
+    }
+  } else if (sums != nullptr) {
+    for (int t = warp; t < n_rows; t += kMmaWarps)
+      for (int b = lane; b < nb; b += 32) {
+        float acc = 0.f;
+        for (int s = 0; s < 8; ++s) acc += slot_sum(x_s[t * stride + 8 * b + s]);
+        sums[t * nb + b] = acc;
+      }
+  }
+  __syncthreads();
+}
+
+// W row of tile row r (0..15): rows tile*16 + r, or for the gate/up SiLU output, gate rows 8*tile + r (r < 8) and
+// the matching up rows d_ff + 8*tile + r - 8; -1 past the matrix.
+__device__ __forceinline__ int tile_row(const PromptMmaArgs& a, int tile, int r) {
+  int row;
+  if (a.out_kind == PromptMmaOut::SiluHalf) row = r < 8 ? 8 * tile + r : a.d_ff + 8 * tile + (r - 8);
+  else row = tile * kMmaTileRows + r;
+  return row < a.W.rows ? row : -1;
+}
+
+template <GgmlType T>
+__global__ void __launch_bounds__(kMmaThreads) prompt_mma_kernel(const PromptMmaArgs a) {
+  extern __shared__ __align__(16) unsigned char mma_smem[];
+  const int K = a.W.cols, nb = a.W.nb;
+  const int n_tiles = (a.n + 7) / 8, n_rows = 8 * n_tiles;
+  const MmaSmem lay(K, n_tiles);
+  uint4* x_s = reinterpret_cast<uint4*>(mma_smem);
+  float* red = reinterpret_cast<float*>(mma_smem);  // after the MMA loop: [warp][16 rows][n_rows]
+  float* sums = WBlock<T>::kHasMin ? reinterpret_cast<float*>(mma_smem + lay.sums_off) : nullptr;
+  float* norm_s = reinterpret_cast<float*>(mma_smem + lay.norm_off);
+  float* rms_s = reinterpret_cast<float*>(mma_smem + lay.rms_off);
+
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, c = lane & 3;
+  const int tile = blockIdx.x;
+  const int rows[2] = {tile_row(a, tile, g), tile_row(a, tile, g + 8)};
+
+  // Before the wait: this warp's first weight blocks, and the norm weights (neither depends on earlier kernels).
+  detail::launch_dependents();
+  const int my_blocks = (nb - warp + kMmaWarps - 1) / kMmaWarps;
+  WBlock<T> pre[kMmaPrefetch];
+#pragma unroll
+  for (int j = 0; j < kMmaPrefetch; ++j)
+    if (j < my_blocks) pre[j].load(a.W, rows, warp + j * kMmaWarps, c);
+  if (a.x != nullptr)
+    for (int i = threadIdx.x; i < K / 4; i += kMmaThreads) detail::cp_async16(norm_s + 4 * i, a.norm_w + 4 * i);
+  detail::grid_dependency_wait();
+
+  stage_x(a, K, n_rows, x_s, sums, norm_s, rms_s);
+
+  float acc[kMmaMaxTiles][4];
+#pragma unroll
+  for (int nt = 0; nt < kMmaMaxTiles; ++nt) acc[nt][0] = acc[nt][1] = acc[nt][2] = acc[nt][3] = 0.f;
+  const int stride = slot_stride(K);
+  auto do_block = [&](const WBlock<T>& wb, int blk) {
+    float part[kMmaMaxTiles][4];
+#pragma unroll
+    for (int nt = 0; nt < kMmaMaxTiles; ++nt) part[nt][0] = part[nt][1] = part[nt][2] = part[nt][3] = 0.f;
+#pragma unroll
+    for (int step = 0; step < 2; ++step) {
+      uint32_t ar[4];
+      wb.a_regs(step, ar);
+#pragma unroll
+      for (int nt = 0; nt < kMmaMaxTiles; ++nt) {
+        if (nt < n_tiles) {
+          const uint4 xv = x_s[(nt * 8 + g) * stride + blk * 8 + 4 * step + c];
+          mma_16816(part[nt], ar, xv.x, xv.y);  // hi
+          mma_16816(part[nt], ar, xv.z, xv.w);  // lo
+        }
+      }
+    }
+    const float d0 = wb.scale(0), d1 = wb.scale(1);
+#pragma unroll
+    for (int nt = 0; nt < kMmaMaxTiles; ++nt) {
+      if (nt < n_tiles) {
+        acc[nt][0] += d0 * part[nt][0];
+        acc[nt][1] += d0 * part[nt][1];
+        acc[nt][2] += d1 * part[nt][2];
+        acc[nt][3] += d1 * part[nt][3];
+        if constexpr (WBlock<T>::kHasMin) {
+          const float s0 = sums[(nt * 8 + 2 * c) * nb + blk], s1 = sums[(nt * 8 + 2 * c + 1) * nb + blk];
+          const float m0 = wb.min(0), m1 = wb.min(1);
+          acc[nt][0] += m0 * s0;
+          acc[nt][1] += m0 * s1;
+          acc[nt][2] += m1 * s0;
+          acc[nt][3] += m1 * s1;
+        }
+      }
+    }
+  };
+#pragma unroll
+  for (int j = 0; j < kMmaPrefetch; ++j)
+    if (j < my_blocks) do_block(pre[j], warp + j * kMmaWarps);
+  for (int j = kMmaPrefetch; j < my_blocks; ++j) {  // K beyond kMmaPrefetch blocks per warp: loaded here
+    WBlock<T> wb;
+    wb.load(a.W, rows, warp + j * kMmaWarps, c);
+    do_block(wb, warp + j * kMmaWarps);
+  }
+
+  // Sum the warps' partial tiles in a fixed order.
+  __syncthreads();  // every warp is done reading x_s, which red overlays
+#pragma unroll
+  for (int nt = 0; nt < kMmaMaxTiles; ++nt) {
+    if (nt < n_tiles) {
+      const int t0 = nt * 8 + 2 * c;
+      float* r = red + (warp * kMmaTileRows) * n_rows;
+      r[g * n_rows + t0] = acc[nt][0];
+      r[g * n_rows + t0 + 1] = acc[nt][1];
+      r[(g + 8) * n_rows + t0] = acc[nt][2];
+      r[(g + 8) * n_rows + t0 + 1] = acc[nt][3];
+    }
+  }
+  __syncthreads();
+  const bool normed = a.x != nullptr;
+  auto tile_sum = [&](int r, int t) {
+    float v = 0.f;
+    for (int w = 0; w < kMmaWarps; ++w) v += red[(w * kMmaTileRows + r) * n_rows + t];
+    return normed ? v * rms_s[t] : v;
+  };
+  if (a.out_kind == PromptMmaOut::SiluHalf) {
+    // Output column j = 8 * tile + r of h = silu(gate) * up, in the slot layout the down projection reads.
+    for (int i = threadIdx.x; i < a.n * 8; i += kMmaThreads) {
+      const int t = i / 8, r = i % 8;
+      const int j = 8 * tile + r;
+      if (j >= a.d_ff) continue;
+      const float gv = tile_sum(r, t), uv = tile_sum(r + 8, t);
+      detail::store_slot_operand(gv / (1.f + expf(-gv)) * uv, t, j, a.d_ff, a.out_slots);
+    }
+    return;
+  }
+  for (int i = threadIdx.x; i < a.n * kMmaTileRows; i += kMmaThreads) {
+    const int t = i / kMmaTileRows, r = i % kMmaTileRows;
+    const int row = tile * kMmaTileRows + r;
+    if (row >= a.W.rows) continue;
+    const float v = tile_sum(r, t);
+    float* y = a.y + static_cast<int64_t>(t) * a.W.rows + row;
+    *y = a.out_kind == PromptMmaOut::AddResidual ? *y + v : v;
+  }
+}
+
+template <GgmlType T>
+void launch_typed(const PromptMmaArgs& a, cudaStream_t s) {
+  const int n_tiles = (a.n + 7) / 8;
+  const MmaSmem lay(a.W.cols, n_tiles);
+  const int grid = a.out_kind == PromptMmaOut::SiluHalf ? (a.d_ff + 7) / 8
+                                                        : (a.W.rows + kMmaTileRows - 1) / kMmaTileRows;
+  auto* kernel = prompt_mma_kernel<T>;
+  detail::allow_dynamic_smem(kernel, static_cast<size_t>(lay.total));
+  detail::launch_programmatic(kernel, dim3(grid), dim3(kMmaThreads), static_cast<size_t>(lay.total), s, a);
+}
+
+// ------------------------------------------------------------------ causal attention of a few-token prompt
+
+constexpr int kFewAttnThreads = 128;
+constexpr int kFewAttnTile = 64;  // keys per shared-memory tile
+constexpr int kFewHd = 64;
+constexpr int kFewKStride = kFewHd + 4;  // padded K rows: the two threads of a key read different banks
+
+struct FewAttnSmem {
+  float k[kFewAttnTile][kFewKStride];
+  float v[kFewAttnTile][kFewHd];
+  float q[kFewHd];
+  float p[kFewAttnTile];
+  float pv[2][kFewHd];
+  float max_run, sum_run, alpha;
+};
+
+// One block per (query head, prompt token): RoPE of the token's q, the KV-head group's first head appends the
+// token's roped k and plain v to the cache, then attention over keys 0..pos0+t in tiles of kFewAttnTile (online
+// softmax): keys before pos0 come from the cache, the prompt's own keys from the raw QKV rows (roped here, never
+// read back from the cache, which other blocks are writing). Output: the slot layout the O projection reads.
+__global__ void __launch_bounds__(kFewAttnThreads) attention_prompt_few_kernel(const FewAttnArgs a) {
+  extern __shared__ __align__(16) unsigned char few_smem_raw[];
+  FewAttnSmem& sm = *reinterpret_cast<FewAttnSmem*>(few_smem_raw);
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+  const int h = blockIdx.x, t = blockIdx.y, group = a.n_heads / a.n_kv_heads, kvh = h / group;
+  const int q_dim = a.n_heads * kFewHd, kv_dim = a.n_kv_heads * kFewHd, qkv_rows = q_dim + 2 * kv_dim;
+  // The start position was copied in before this graph began, so it may be read before the wait.
+  const int pos0 = *a.pos0_dev, p = pos0 + t;
+  const float2* rope_p = a.rope_table + static_cast<int64_t>(p) * (kFewHd / 2);
+  const float2 cs = tid < kFewHd / 2 ? rope_p[tid] : make_float2(1.f, 0.f);
+  detail::grid_dependency_wait();
+  detail::launch_dependents();
+
+  const float* row = a.qkv + static_cast<int64_t>(t) * qkv_rows;
+  if (tid < kFewHd / 2) {
+    const float2 q = *reinterpret_cast<const float2*>(row + h * kFewHd + 2 * tid);
+    constexpr float kScale = 0.125f * 1.4426950408889634f;  // 1/sqrt(64) * log2(e): scores in base 2
+    sm.q[2 * tid] = (q.x * cs.x - q.y * cs.y) * kScale;
+    sm.q[2 * tid + 1] = (q.x * cs.y + q.y * cs.x) * kScale;
+    if (h % group == 0) {
+      const float2 k = *reinterpret_cast<const float2*>(row + q_dim + kvh * kFewHd + 2 * tid);
+      const float2 v = *reinterpret_cast<const float2*>(row + q_dim + kv_dim + kvh * kFewHd + 2 * tid);
+      float* kc = a.k_cache + static_cast<int64_t>(p) * kv_dim + kvh * kFewHd + 2 * tid;
+      float* vc = a.v_cache + static_cast<int64_t>(p) * kv_dim + kvh * kFewHd + 2 * tid;
+      kc[0] = k.x * cs.x - k.y * cs.y;
+      kc[1] = k.x * cs.y + k.y * cs.x;
+      vc[0] = v.x;
+      vc[1] = v.y;
+    }
+  }
+  if (tid == 0) {
+    sm.max_run = -INFINITY;
+    sm.sum_run = 0.f;
+  }
+  const int n_keys = p + 1;
+  const int d = tid & (kFewHd - 1), half = tid / kFewHd;  // P.V: output dim d, keys of parity `half`
+  float acc = 0.f;
+  for (int j0 = 0; j0 < n_keys; j0 += kFewAttnTile) {
+    const int rows = min(kFewAttnTile, n_keys - j0);
+    __syncthreads();  // the previous tile is consumed (and q, max_run published on the first pass)
+    for (int i = tid; i < rows * (kFewHd / 4); i += kFewAttnThreads) {
+      const int r = i / (kFewHd / 4), c = 4 * (i % (kFewHd / 4)), j = j0 + r;
+      const float* ks = j < pos0 ? a.k_cache + static_cast<int64_t>(j) * kv_dim + kvh * kFewHd
+                                 : a.qkv + static_cast<int64_t>(j - pos0) * qkv_rows + q_dim + kvh * kFewHd;
+      const float* vs = j < pos0 ? a.v_cache + static_cast<int64_t>(j) * kv_dim + kvh * kFewHd
+                                 : a.qkv + static_cast<int64_t>(j - pos0) * qkv_rows + q_dim + kv_dim + kvh * kFewHd;
+      detail::cp_async16(&sm.k[r][c], ks + c);
+      detail::cp_async16(&sm.v[r][c], vs + c);
+    }
+    detail::cp_async_wait_all();
+    __syncthreads();
+    // The prompt's own keys arrive raw: turn them by their position.
+    for (int i = tid; i < rows * (kFewHd / 2); i += kFewAttnThreads) {
+      const int r = i / (kFewHd / 2), c = i % (kFewHd / 2), j = j0 + r;
+      if (j < pos0) continue;
+      const float2 f = a.rope_table[static_cast<int64_t>(j) * (kFewHd / 2) + c];
+      const float x = sm.k[r][2 * c], y = sm.k[r][2 * c + 1];
+      sm.k[r][2 * c] = x * f.x - y * f.y;
+      sm.k[r][2 * c + 1] = x * f.y + y * f.x;
+    }
+    __syncthreads();
+    // Scores: two threads per key, 32 dims each.
+    {
+      const int r = tid >> 1, part = tid & 1;
+      float s = 0.f;
+      if (r < rows) {
+#pragma unroll
+        for (int c = 0; c < kFewHd / 2; c += 4) {
+          const float4 k4 = *reinterpret_cast<const float4*>(&sm.k[r][part * 32 + c]);
+          const float4 q4 = *reinterpret_cast<const float4*>(&sm.q[part * 32 + c]);
+          s += (k4.x * q4.x + k4.y * q4.y) + (k4.z * q4.z + k4.w * q4.w);
+        }
+      }
+      s += __shfl_xor_sync(0xffffffffu, s, 1);
+      if (r < rows && part == 0) sm.p[r] = s;
+    }
+    __syncthreads();
+    if (warp == 0) {  // online softmax bookkeeping for the tile
+      const float s0 = lane < rows ? sm.p[lane] : -INFINITY, s1 = lane + 32 < rows ? sm.p[lane + 32] : -INFINITY;
+      const float m_old = sm.max_run, m_new = fmaxf(m_old, detail::warp_max(fmaxf(s0, s1)));
+      const float e0 = lane < rows ? exp2f(s0 - m_new) : 0.f, e1 = lane + 32 < rows ? exp2f(s1 - m_new) : 0.f;
+      if (lane < rows) sm.p[lane] = e0;
+      if (lane + 32 < rows) sm.p[lane + 32] = e1;
+      const float tile_sum = detail::warp_sum(e0 + e1);
+      __syncwarp();
+      if (lane == 0) {
+        const float alpha = exp2f(m_old - m_new);  // 0 on the first tile (m_old = -inf)
+        sm.alpha = alpha;
+        sm.sum_run = sm.sum_run * alpha + tile_sum;
+        sm.max_run = m_new;
+      }
+    }
+    __syncthreads();
+    acc *= sm.alpha;
+    for (int r = half; r < rows; r += 2) acc += sm.p[r] * sm.v[r][d];
+  }
+  sm.pv[half][d] = acc;
+  __syncthreads();
+  if (tid < kFewHd) {
+    const float o = (sm.pv[0][tid] + sm.pv[1][tid]) / sm.sum_run;
+    detail::store_slot_operand(o, t, h * kFewHd + tid, q_dim, a.out_slots);
+  }
+}
+
+}  // namespace
+
+bool prompt_mma_supported(GgmlType type, int cols, int d_ff_or_zero) {
+  if (type != GgmlType::Q4_0 && type != GgmlType::Q4_1 && type != GgmlType::Q8_0) return false;
+  if (cols % 32 != 0 || d_ff_or_zero % 8 != 0) return false;
+  return MmaSmem(cols, kMmaMaxTiles).total <= kPromptMmaMaxSmem;
+}
+
+void launch_prompt_mma(const PromptMmaArgs& a, cudaStream_t s) {
+  if (a.n < 1 || a.n > kPromptMmaMaxTokens) throw EngineError("launch_prompt_mma: token count out of range");
+  if (!prompt_mma_supported(a.W.type, a.W.cols, a.out_kind == PromptMmaOut::SiluHalf ? a.d_ff : 0))
+    throw EngineError("launch_prompt_mma: unsupported weight type or shape");
+  if ((a.x != nullptr) == (a.x_slots != nullptr)) throw EngineError("launch_prompt_mma: give exactly one input");
+  if (a.x != nullptr && a.norm_w == nullptr) throw EngineError("launch_prompt_mma: fp32 input needs norm weights");
+  if ((a.out_kind == PromptMmaOut::SiluHalf) != (a.out_slots != nullptr) || (a.y == nullptr) == (a.out_slots == nullptr))
+    throw EngineError("launch_prompt_mma: the output does not match out_kind");
+  switch (a.W.type) {
+    case GgmlType::Q4_0: launch_typed<GgmlType::Q4_0>(a, s); break;
+    case GgmlType::Q4_1: launch_typed<GgmlType::Q4_1>(a, s); break;
+    case GgmlType::Q8_0: launch_typed<GgmlType::Q8_0>(a, s); break;
+    default: throw EngineError("launch_prompt_mma: unsupported weight type");
+  }
+}
+
+void launch_attention_prompt_few(const FewAttnArgs& a, cudaStream_t s) {
+  if (a.n < 1 || a.n > kPromptMmaMaxTokens) throw EngineError("launch_attention_prompt_few: token count out of range");
+  if (a.head_dim != kFewHd || a.n_kv_heads <= 0 || a.n_heads % a.n_kv_heads != 0)
+    throw EngineError("launch_attention_prompt_few: needs head_dim 64 and whole query-head groups");
+  detail::launch_programmatic(attention_prompt_few_kernel, dim3(a.n_heads, a.n), dim3(kFewAttnThreads),
+                              sizeof(FewAttnSmem), s, a);
+}
+
+}  // namespace metalattn::cuda
