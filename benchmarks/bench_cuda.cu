@@ -257,8 +257,9 @@ int main(int argc, char** argv) {
       }
       std::printf("decode at pos ~%d: median %.1f us/token\n", p0, median(tt));
     }
-    // Prefill pp512 and time to first token of a 32-token prompt.
-    for (int n : {32, 128, 512, 2048}) {
+    // Prefill pp512 and time to first token of a 32-token prompt (and of shorter ones: the few-token path's cost
+    // by prompt length).
+    for (int n : {1, 8, 16, 32, 128, 512, 2048}) {
       if (n > s.n_ctx) continue;
       std::vector<double> t;
       for (int it = 0; it < 8; ++it) {

@@ -5,9 +5,10 @@
 // programmatic chain cannot overlap. Here a layer is five of our own kernels (norm+QKV, attention, O+residual,
 // norm+gate/up+SiLU, down+residual), each loading its weights into registers before it waits for its predecessor.
 //
-// Geometry: a block owns one 16-row tile of W (one MMA m16 tile) for all tokens; its 8 warps split the 32-column
-// weight blocks of K (warp w takes blocks w, w+8, ...) and sum their partial tiles through shared memory at the end.
-// Every block stages the whole activation matrix X (m tokens x K) in shared memory once.
+// Geometry: a block owns one 16-row tile of W (one MMA m16 tile; two for the wide gate/up projection) for all
+// tokens; its 8 warps split the 32-column weight blocks of K (warp w takes blocks w, w+8, ...) and sum their
+// partial tiles through shared memory at the end. Every block stages the whole activation matrix X (m tokens x K)
+// in shared memory once: that staging, not the MMAs, is most of a block's time, so many warps share it.
 //
 // Numerics: the weights enter the MMA exactly (integer quants as fp16, the per-block scale d applied in fp32 after
 // the block's MMAs, the Q4_1 minimum m times the block's activation sum); an activation travels as fp16 hi + lo
@@ -35,6 +36,7 @@ constexpr int kMmaWarps = 8;
 constexpr int kMmaThreads = kMmaWarps * 32;
 constexpr int kMmaTileRows = 16;
 constexpr int kMmaMaxTiles = kPromptMmaMaxTokens / 8;  // n-tiles of 8 tokens
+constexpr int kMmaMaxNormCols = 1024;  // rmsnorm'ed inputs (d_model) up to this width
 constexpr int kMmaPrefetch = 6;  // weight blocks per warp loaded before the programmatic wait (d_ff 1536 / 8 warps / 32)
 
 // ------------------------------------------------------------------ the weight side of one 32-column block
@@ -180,10 +182,10 @@ __host__ __device__ inline int slot_stride(int K) { return K / 4 + 4; }
 // weights and 1/rms per token (normed input). The cross-warp reduction reuses X's space.
 struct MmaSmem {
   int x_bytes, sums_off, norm_off, rms_off, total;
-  __host__ __device__ MmaSmem(int K, int n_tiles) {
+  __host__ __device__ MmaSmem(int K, int n_tiles, int row_tiles) {
     const int rows = 8 * n_tiles;
     x_bytes = rows * slot_stride(K) * 16;
-    const int red_bytes = kMmaWarps * kMmaTileRows * rows * 4;
+    const int red_bytes = kMmaWarps * row_tiles * kMmaTileRows * rows * 4;
     const int head = x_bytes > red_bytes ? x_bytes : red_bytes;
     sums_off = head;
     norm_off = sums_off + rows * (K / 32) * 4;
@@ -213,17 +215,28 @@ __device__ void stage_x(const PromptMmaArgs& a, int K, int n_rows, uint4* x_s, f
   detail::cp_async_wait_all();
   __syncthreads();  // also publishes the norm weights, copied by other threads
   if (normed) {
+    // A lane converts slots lane, lane + 32, ... of each of its warp's rows, so it keeps their norm weights in
+    // registers (K <= kMmaMaxNormCols).
+    constexpr int kPer = kMmaMaxNormCols / 4 / 32;
+    float4 w[kPer];
+#pragma unroll
+    for (int k = 0; k < kPer; ++k) {
+      const int s = lane + 32 * k;
+      w[k] = s < slots ? *reinterpret_cast<const float4*>(norm_s + 4 * s) : make_float4(0.f, 0.f, 0.f, 0.f);
+    }
     for (int t = warp; t < n_rows; t += kMmaWarps) {
       float ss = 0.f;
-      for (int s0 = 0; s0 < slots; s0 += 32) {  // whole-warp trip count: the block sums shuffle
-        const int s = s0 + lane;
+      uint4* row = x_s + t * stride;
+#pragma unroll
+      for (int k = 0; k < kPer; ++k) {  // whole-warp trip count: the block sums shuffle
+        const int s = lane + 32 * k;
+        if (32 * k >= slots) break;
         float part = 0.f;
         if (s < slots) {
-          const float4 v = *reinterpret_cast<const float4*>(&x_s[t * stride + s]);
-          const float4 w = *reinterpret_cast<const float4*>(norm_s + 4 * s);
+          const float4 v = *reinterpret_cast<const float4*>(&row[s]);
           ss += (v.x * v.x + v.y * v.y) + (v.z * v.z + v.w * v.w);
-          const float4 y = make_float4(v.x * w.x, v.y * w.y, v.z * w.z, v.w * w.w);
-          x_s[t * stride + s] = split_slot(y);
+          const float4 y = make_float4(v.x * w[k].x, v.y * w[k].y, v.z * w[k].z, v.w * w[k].w);
+          row[s] = split_slot(y);
           part = (y.x + y.y) + (y.z + y.w);
         }
         if (sums != nullptr) {  // 8 consecutive slots are one 32-column block (K is a multiple of 32)
@@ -247,80 +260,104 @@ __device__ void stage_x(const PromptMmaArgs& a, int K, int n_rows, uint4* x_s, f
   __syncthreads();
 }
 
-// W row of tile row r (0..15): rows tile*16 + r, or for the gate/up SiLU output, gate rows 8*tile + r (r < 8) and
-// the matching up rows d_ff + 8*tile + r - 8; -1 past the matrix.
+// W row of tile row r (0..15) of row tile `tile`: rows tile*16 + r, or for the gate/up SiLU output, gate rows
+// 8*tile + r (r < 8) and the matching up rows d_ff + 8*tile + r - 8; -1 past the matrix.
 __device__ __forceinline__ int tile_row(const PromptMmaArgs& a, int tile, int r) {
-  int row;
-  if (a.out_kind == PromptMmaOut::SiluHalf) row = r < 8 ? 8 * tile + r : a.d_ff + 8 * tile + (r - 8);
-  else row = tile * kMmaTileRows + r;
+  if (a.out_kind == PromptMmaOut::SiluHalf) {
+    const int j = 8 * tile + (r & 7);
+    return j < a.d_ff ? (r < 8 ? j : a.d_ff + j) : -1;
+  }
+  const int row = tile * kMmaTileRows + r;
   return row < a.W.rows ? row : -1;
 }
 
-template <GgmlType T>
+// RT row tiles per block (RT = 2 halves the blocks of the wide gate/up projection, and with them the redundant
+// staging of X: every block converts the whole X).
+template <GgmlType T, int RT>
 __global__ void __launch_bounds__(kMmaThreads) prompt_mma_kernel(const PromptMmaArgs a) {
   extern __shared__ __align__(16) unsigned char mma_smem[];
   const int K = a.W.cols, nb = a.W.nb;
   const int n_tiles = (a.n + 7) / 8, n_rows = 8 * n_tiles;
-  const MmaSmem lay(K, n_tiles);
+  const MmaSmem lay(K, n_tiles, RT);
   uint4* x_s = reinterpret_cast<uint4*>(mma_smem);
-  float* red = reinterpret_cast<float*>(mma_smem);  // after the MMA loop: [warp][16 rows][n_rows]
+  float* red = reinterpret_cast<float*>(mma_smem);  // after the MMA loop: [warp][RT * 16 rows][n_rows]
   float* sums = WBlock<T>::kHasMin ? reinterpret_cast<float*>(mma_smem + lay.sums_off) : nullptr;
   float* norm_s = reinterpret_cast<float*>(mma_smem + lay.norm_off);
   float* rms_s = reinterpret_cast<float*>(mma_smem + lay.rms_off);
 
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, c = lane & 3;
-  const int tile = blockIdx.x;
-  const int rows[2] = {tile_row(a, tile, g), tile_row(a, tile, g + 8)};
+  int rows[RT][2];
+#pragma unroll
+  for (int rt = 0; rt < RT; ++rt) {
+    rows[rt][0] = tile_row(a, blockIdx.x * RT + rt, g);
+    rows[rt][1] = tile_row(a, blockIdx.x * RT + rt, g + 8);
+  }
 
   // Before the wait: this warp's first weight blocks, and the norm weights (neither depends on earlier kernels).
   detail::launch_dependents();
   const int my_blocks = (nb - warp + kMmaWarps - 1) / kMmaWarps;
-  WBlock<T> pre[kMmaPrefetch];
+  WBlock<T> pre[kMmaPrefetch][RT];
 #pragma unroll
   for (int j = 0; j < kMmaPrefetch; ++j)
-    if (j < my_blocks) pre[j].load(a.W, rows, warp + j * kMmaWarps, c);
+#pragma unroll
+    for (int rt = 0; rt < RT; ++rt)
+      if (j < my_blocks) pre[j][rt].load(a.W, rows[rt], warp + j * kMmaWarps, c);
   if (a.x != nullptr)
     for (int i = threadIdx.x; i < K / 4; i += kMmaThreads) detail::cp_async16(norm_s + 4 * i, a.norm_w + 4 * i);
   detail::grid_dependency_wait();
 
   stage_x(a, K, n_rows, x_s, sums, norm_s, rms_s);
 
-  float acc[kMmaMaxTiles][4];
+  float acc[RT][kMmaMaxTiles][4];
 #pragma unroll
-  for (int nt = 0; nt < kMmaMaxTiles; ++nt) acc[nt][0] = acc[nt][1] = acc[nt][2] = acc[nt][3] = 0.f;
+  for (int rt = 0; rt < RT; ++rt)
+#pragma unroll
+    for (int nt = 0; nt < kMmaMaxTiles; ++nt) acc[rt][nt][0] = acc[rt][nt][1] = acc[rt][nt][2] = acc[rt][nt][3] = 0.f;
   const int stride = slot_stride(K);
-  auto do_block = [&](const WBlock<T>& wb, int blk) {
-    float part[kMmaMaxTiles][4];
+  // One 32-column block of K for the RT row tiles: each B fragment (token tile, step) is loaded once for all tiles.
+  auto do_block = [&](const WBlock<T>(&wb)[RT], int blk) {
+    float part[RT][kMmaMaxTiles][4];
 #pragma unroll
-    for (int nt = 0; nt < kMmaMaxTiles; ++nt) part[nt][0] = part[nt][1] = part[nt][2] = part[nt][3] = 0.f;
+    for (int rt = 0; rt < RT; ++rt)
+#pragma unroll
+      for (int nt = 0; nt < kMmaMaxTiles; ++nt)
+        part[rt][nt][0] = part[rt][nt][1] = part[rt][nt][2] = part[rt][nt][3] = 0.f;
 #pragma unroll
     for (int step = 0; step < 2; ++step) {
-      uint32_t ar[4];
-      wb.a_regs(step, ar);
+      uint32_t ar[RT][4];
+#pragma unroll
+      for (int rt = 0; rt < RT; ++rt) wb[rt].a_regs(step, ar[rt]);
 #pragma unroll
       for (int nt = 0; nt < kMmaMaxTiles; ++nt) {
         if (nt < n_tiles) {
           const uint4 xv = x_s[(nt * 8 + g) * stride + blk * 8 + 4 * step + c];
-          mma_16816(part[nt], ar, xv.x, xv.y);  // hi
-          mma_16816(part[nt], ar, xv.z, xv.w);  // lo
+#pragma unroll
+          for (int rt = 0; rt < RT; ++rt) {
+            mma_16816(part[rt][nt], ar[rt], xv.x, xv.y);  // hi
+            mma_16816(part[rt][nt], ar[rt], xv.z, xv.w);  // lo
+          }
         }
       }
     }
-    const float d0 = wb.scale(0), d1 = wb.scale(1);
 #pragma unroll
-    for (int nt = 0; nt < kMmaMaxTiles; ++nt) {
-      if (nt < n_tiles) {
-        acc[nt][0] += d0 * part[nt][0];
-        acc[nt][1] += d0 * part[nt][1];
-        acc[nt][2] += d1 * part[nt][2];
-        acc[nt][3] += d1 * part[nt][3];
-        if constexpr (WBlock<T>::kHasMin) {
-          const float s0 = sums[(nt * 8 + 2 * c) * nb + blk], s1 = sums[(nt * 8 + 2 * c + 1) * nb + blk];
-          const float m0 = wb.min(0), m1 = wb.min(1);
-          acc[nt][0] += m0 * s0;
-          acc[nt][1] += m0 * s1;
-          acc[nt][2] += m1 * s0;
-          acc[nt][3] += m1 * s1;
+    for (int rt = 0; rt < RT; ++rt) {
+      const float d0 = wb[rt].scale(0), d1 = wb[rt].scale(1);
+#pragma unroll
+      for (int nt = 0; nt < kMmaMaxTiles; ++nt) {
+        if (nt < n_tiles) {
+          float* ac = acc[rt][nt];
+          ac[0] += d0 * part[rt][nt][0];
+          ac[1] += d0 * part[rt][nt][1];
+          ac[2] += d1 * part[rt][nt][2];
+          ac[3] += d1 * part[rt][nt][3];
+          if constexpr (WBlock<T>::kHasMin) {
+            const float s0 = sums[(nt * 8 + 2 * c) * nb + blk], s1 = sums[(nt * 8 + 2 * c + 1) * nb + blk];
+            const float m0 = wb[rt].min(0), m1 = wb[rt].min(1);
+            ac[0] += m0 * s0;
+            ac[1] += m0 * s1;
+            ac[2] += m1 * s0;
+            ac[3] += m1 * s1;
+          }
         }
       }
     }
@@ -329,45 +366,49 @@ __global__ void __launch_bounds__(kMmaThreads) prompt_mma_kernel(const PromptMma
   for (int j = 0; j < kMmaPrefetch; ++j)
     if (j < my_blocks) do_block(pre[j], warp + j * kMmaWarps);
   for (int j = kMmaPrefetch; j < my_blocks; ++j) {  // K beyond kMmaPrefetch blocks per warp: loaded here
-    WBlock<T> wb;
-    wb.load(a.W, rows, warp + j * kMmaWarps, c);
+    WBlock<T> wb[RT];
+#pragma unroll
+    for (int rt = 0; rt < RT; ++rt) wb[rt].load(a.W, rows[rt], warp + j * kMmaWarps, c);
     do_block(wb, warp + j * kMmaWarps);
   }
 
   // Sum the warps' partial tiles in a fixed order.
+  constexpr int kRows = RT * kMmaTileRows;
   __syncthreads();  // every warp is done reading x_s, which red overlays
 #pragma unroll
-  for (int nt = 0; nt < kMmaMaxTiles; ++nt) {
-    if (nt < n_tiles) {
-      const int t0 = nt * 8 + 2 * c;
-      float* r = red + (warp * kMmaTileRows) * n_rows;
-      r[g * n_rows + t0] = acc[nt][0];
-      r[g * n_rows + t0 + 1] = acc[nt][1];
-      r[(g + 8) * n_rows + t0] = acc[nt][2];
-      r[(g + 8) * n_rows + t0 + 1] = acc[nt][3];
+  for (int rt = 0; rt < RT; ++rt)
+#pragma unroll
+    for (int nt = 0; nt < kMmaMaxTiles; ++nt) {
+      if (nt < n_tiles) {
+        const int t0 = nt * 8 + 2 * c;
+        float* r = red + (warp * kRows + rt * kMmaTileRows) * n_rows;
+        r[g * n_rows + t0] = acc[rt][nt][0];
+        r[g * n_rows + t0 + 1] = acc[rt][nt][1];
+        r[(g + 8) * n_rows + t0] = acc[rt][nt][2];
+        r[(g + 8) * n_rows + t0 + 1] = acc[rt][nt][3];
+      }
     }
-  }
   __syncthreads();
   const bool normed = a.x != nullptr;
-  auto tile_sum = [&](int r, int t) {
+  auto tile_sum = [&](int r, int t) {  // r: row of the block's RT * 16
     float v = 0.f;
-    for (int w = 0; w < kMmaWarps; ++w) v += red[(w * kMmaTileRows + r) * n_rows + t];
+    for (int w = 0; w < kMmaWarps; ++w) v += red[(w * kRows + r) * n_rows + t];
     return normed ? v * rms_s[t] : v;
   };
   if (a.out_kind == PromptMmaOut::SiluHalf) {
-    // Output column j = 8 * tile + r of h = silu(gate) * up, in the slot layout the down projection reads.
-    for (int i = threadIdx.x; i < a.n * 8; i += kMmaThreads) {
-      const int t = i / 8, r = i % 8;
-      const int j = 8 * tile + r;
+    // Column j = 8 * tile + r of h = silu(gate) * up, in the slot layout the down projection reads.
+    for (int i = threadIdx.x; i < a.n * 8 * RT; i += kMmaThreads) {
+      const int t = i / (8 * RT), q = i % (8 * RT), rt = q / 8, r = q % 8;
+      const int j = 8 * (blockIdx.x * RT + rt) + r;
       if (j >= a.d_ff) continue;
-      const float gv = tile_sum(r, t), uv = tile_sum(r + 8, t);
+      const float gv = tile_sum(rt * kMmaTileRows + r, t), uv = tile_sum(rt * kMmaTileRows + r + 8, t);
       detail::store_slot_operand(gv / (1.f + expf(-gv)) * uv, t, j, a.d_ff, a.out_slots);
     }
     return;
   }
-  for (int i = threadIdx.x; i < a.n * kMmaTileRows; i += kMmaThreads) {
-    const int t = i / kMmaTileRows, r = i % kMmaTileRows;
-    const int row = tile * kMmaTileRows + r;
+  for (int i = threadIdx.x; i < a.n * kRows; i += kMmaThreads) {
+    const int t = i / kRows, r = i % kRows;
+    const int row = blockIdx.x * kRows + r;
     if (row >= a.W.rows) continue;
     const float v = tile_sum(r, t);
     float* y = a.y + static_cast<int64_t>(t) * a.W.rows + row;
@@ -375,15 +416,28 @@ __global__ void __launch_bounds__(kMmaThreads) prompt_mma_kernel(const PromptMma
   }
 }
 
-template <GgmlType T>
+// Row tiles per block: 2 where one per block would leave more blocks than SMs to share (the gate/up projection).
+int row_tiles_per_block(const PromptMmaArgs& a) {
+  const int tiles = a.out_kind == PromptMmaOut::SiluHalf ? (a.d_ff + 7) / 8 : (a.W.rows + kMmaTileRows - 1) / kMmaTileRows;
+  return tiles > 128 ? 2 : 1;
+}
+
+template <GgmlType T, int RT>
 void launch_typed(const PromptMmaArgs& a, cudaStream_t s) {
   const int n_tiles = (a.n + 7) / 8;
-  const MmaSmem lay(a.W.cols, n_tiles);
-  const int grid = a.out_kind == PromptMmaOut::SiluHalf ? (a.d_ff + 7) / 8
-                                                        : (a.W.rows + kMmaTileRows - 1) / kMmaTileRows;
-  auto* kernel = prompt_mma_kernel<T>;
+  const MmaSmem lay(a.W.cols, n_tiles, RT);
+  const int tiles = a.out_kind == PromptMmaOut::SiluHalf ? (a.d_ff + 7) / 8
+                                                         : (a.W.rows + kMmaTileRows - 1) / kMmaTileRows;
+  auto* kernel = prompt_mma_kernel<T, RT>;
   detail::allow_dynamic_smem(kernel, static_cast<size_t>(lay.total));
-  detail::launch_programmatic(kernel, dim3(grid), dim3(kMmaThreads), static_cast<size_t>(lay.total), s, a);
+  detail::launch_programmatic(kernel, dim3((tiles + RT - 1) / RT), dim3(kMmaThreads), static_cast<size_t>(lay.total),
+                              s, a);
+}
+
+template <GgmlType T>
+void launch_typed(const PromptMmaArgs& a, cudaStream_t s) {
+  if (row_tiles_per_block(a) == 2) launch_typed<T, 2>(a, s);
+  else launch_typed<T, 1>(a, s);
 }
 
 // ------------------------------------------------------------------ causal attention of a few-token prompt
@@ -416,31 +470,23 @@ __global__ void __launch_bounds__(kFewAttnThreads) attention_prompt_few_kernel(c
   const int pos0 = *a.pos0_dev, p = pos0 + t;
   const float2* rope_p = a.rope_table + static_cast<int64_t>(p) * (kFewHd / 2);
   const float2 cs = tid < kFewHd / 2 ? rope_p[tid] : make_float2(1.f, 0.f);
+  const int n_keys = p + 1;
+  // The RoPE factors of the first tile's prompt keys, also loaded before the wait (kFewRopePerThread per thread).
+  constexpr int kFewRopePerThread = kFewAttnTile * (kFewHd / 2) / kFewAttnThreads;
+  float2 rope0[kFewRopePerThread];
+#pragma unroll
+  for (int k = 0; k < kFewRopePerThread; ++k) {
+    const int i = tid + k * kFewAttnThreads, j = i / (kFewHd / 2);
+    rope0[k] = j < n_keys && j >= pos0 ? a.rope_table[static_cast<int64_t>(j) * (kFewHd / 2) + i % (kFewHd / 2)]
+                                       : make_float2(1.f, 0.f);
+  }
   detail::grid_dependency_wait();
   detail::launch_dependents();
 
-  const float* row = a.qkv + static_cast<int64_t>(t) * qkv_rows;
-  if (tid < kFewHd / 2) {
-    const float2 q = *reinterpret_cast<const float2*>(row + h * kFewHd + 2 * tid);
-    constexpr float kScale = 0.125f * 1.4426950408889634f;  // 1/sqrt(64) * log2(e): scores in base 2
-    sm.q[2 * tid] = (q.x * cs.x - q.y * cs.y) * kScale;
-    sm.q[2 * tid + 1] = (q.x * cs.y + q.y * cs.x) * kScale;
-    if (h % group == 0) {
-      const float2 k = *reinterpret_cast<const float2*>(row + q_dim + kvh * kFewHd + 2 * tid);
-      const float2 v = *reinterpret_cast<const float2*>(row + q_dim + kv_dim + kvh * kFewHd + 2 * tid);
-      float* kc = a.k_cache + static_cast<int64_t>(p) * kv_dim + kvh * kFewHd + 2 * tid;
-      float* vc = a.v_cache + static_cast<int64_t>(p) * kv_dim + kvh * kFewHd + 2 * tid;
-      kc[0] = k.x * cs.x - k.y * cs.y;
-      kc[1] = k.x * cs.y + k.y * cs.x;
-      vc[0] = v.x;
-      vc[1] = v.y;
-    }
-  }
   if (tid == 0) {
     sm.max_run = -INFINITY;
     sm.sum_run = 0.f;
   }
-  const int n_keys = p + 1;
   const int d = tid & (kFewHd - 1), half = tid / kFewHd;  // P.V: output dim d, keys of parity `half`
   float acc = 0.f;
   for (int j0 = 0; j0 < n_keys; j0 += kFewAttnTile) {
@@ -455,16 +501,45 @@ __global__ void __launch_bounds__(kFewAttnThreads) attention_prompt_few_kernel(c
       detail::cp_async16(&sm.k[r][c], ks + c);
       detail::cp_async16(&sm.v[r][c], vs + c);
     }
+    if (j0 == 0 && tid < kFewHd / 2) {  // while the first tile is in flight: q, and the cache append
+      const float* row = a.qkv + static_cast<int64_t>(t) * qkv_rows;
+      const float2 q = *reinterpret_cast<const float2*>(row + h * kFewHd + 2 * tid);
+      constexpr float kScale = 0.125f * 1.4426950408889634f;  // 1/sqrt(64) * log2(e): scores in base 2
+      sm.q[2 * tid] = (q.x * cs.x - q.y * cs.y) * kScale;
+      sm.q[2 * tid + 1] = (q.x * cs.y + q.y * cs.x) * kScale;
+      if (h % group == 0) {
+        const float2 k = *reinterpret_cast<const float2*>(row + q_dim + kvh * kFewHd + 2 * tid);
+        const float2 v = *reinterpret_cast<const float2*>(row + q_dim + kv_dim + kvh * kFewHd + 2 * tid);
+        float* kc = a.k_cache + static_cast<int64_t>(p) * kv_dim + kvh * kFewHd + 2 * tid;
+        float* vc = a.v_cache + static_cast<int64_t>(p) * kv_dim + kvh * kFewHd + 2 * tid;
+        kc[0] = k.x * cs.x - k.y * cs.y;
+        kc[1] = k.x * cs.y + k.y * cs.x;
+        vc[0] = v.x;
+        vc[1] = v.y;
+      }
+    }
     detail::cp_async_wait_all();
     __syncthreads();
     // The prompt's own keys arrive raw: turn them by their position.
-    for (int i = tid; i < rows * (kFewHd / 2); i += kFewAttnThreads) {
-      const int r = i / (kFewHd / 2), c = i % (kFewHd / 2), j = j0 + r;
-      if (j < pos0) continue;
-      const float2 f = a.rope_table[static_cast<int64_t>(j) * (kFewHd / 2) + c];
-      const float x = sm.k[r][2 * c], y = sm.k[r][2 * c + 1];
-      sm.k[r][2 * c] = x * f.x - y * f.y;
-      sm.k[r][2 * c + 1] = x * f.y + y * f.x;
+    if (j0 == 0) {
+#pragma unroll
+      for (int k = 0; k < kFewRopePerThread; ++k) {
+        const int i = tid + k * kFewAttnThreads, r = i / (kFewHd / 2), c = i % (kFewHd / 2);
+        if (r >= rows || r < pos0) continue;
+        const float2 f = rope0[k];
+        const float x = sm.k[r][2 * c], y = sm.k[r][2 * c + 1];
+        sm.k[r][2 * c] = x * f.x - y * f.y;
+        sm.k[r][2 * c + 1] = x * f.y + y * f.x;
+      }
+    } else {
+      for (int i = tid; i < rows * (kFewHd / 2); i += kFewAttnThreads) {
+        const int r = i / (kFewHd / 2), c = i % (kFewHd / 2), j = j0 + r;
+        if (j < pos0) continue;
+        const float2 f = a.rope_table[static_cast<int64_t>(j) * (kFewHd / 2) + c];
+        const float x = sm.k[r][2 * c], y = sm.k[r][2 * c + 1];
+        sm.k[r][2 * c] = x * f.x - y * f.y;
+        sm.k[r][2 * c + 1] = x * f.y + y * f.x;
+      }
     }
     __syncthreads();
     // Scores: two threads per key, 32 dims each.
@@ -512,15 +587,16 @@ __global__ void __launch_bounds__(kFewAttnThreads) attention_prompt_few_kernel(c
 
 }  // namespace
 
-bool prompt_mma_supported(GgmlType type, int cols, int d_ff_or_zero) {
+bool prompt_mma_supported(GgmlType type, int cols, int d_ff_or_zero, bool normed) {
   if (type != GgmlType::Q4_0 && type != GgmlType::Q4_1 && type != GgmlType::Q8_0) return false;
+  if (normed && cols > kMmaMaxNormCols) return false;
   if (cols % 32 != 0 || d_ff_or_zero % 8 != 0) return false;
-  return MmaSmem(cols, kMmaMaxTiles).total <= kPromptMmaMaxSmem;
+  return MmaSmem(cols, kMmaMaxTiles, 2).total <= kPromptMmaMaxSmem;
 }
 
 void launch_prompt_mma(const PromptMmaArgs& a, cudaStream_t s) {
   if (a.n < 1 || a.n > kPromptMmaMaxTokens) throw EngineError("launch_prompt_mma: token count out of range");
-  if (!prompt_mma_supported(a.W.type, a.W.cols, a.out_kind == PromptMmaOut::SiluHalf ? a.d_ff : 0))
+  if (!prompt_mma_supported(a.W.type, a.W.cols, a.out_kind == PromptMmaOut::SiluHalf ? a.d_ff : 0, a.x != nullptr))
     throw EngineError("launch_prompt_mma: unsupported weight type or shape");
   if ((a.x != nullptr) == (a.x_slots != nullptr)) throw EngineError("launch_prompt_mma: give exactly one input");
   if (a.x != nullptr && a.norm_w == nullptr) throw EngineError("launch_prompt_mma: fp32 input needs norm weights");
