@@ -185,7 +185,7 @@ struct MmaSmem {
   __host__ __device__ MmaSmem(int K, int n_tiles, int row_tiles) {
     const int rows = 8 * n_tiles;
     x_bytes = rows * slot_stride(K) * 16;
-    const int red_bytes = kMmaWarps * row_tiles * kMmaTileRows * rows * 4;
+    const int red_bytes = kMmaWarps * row_tiles * kMmaTileRows * (rows + 1) * 4;
     const int head = x_bytes > red_bytes ? x_bytes : red_bytes;
     sums_off = head;
     norm_off = sums_off + rows * (K / 32) * 4;
@@ -280,7 +280,10 @@ __global__ void __launch_bounds__(kMmaThreads) prompt_mma_kernel(const PromptMma
   const int n_tiles = (a.n + 7) / 8, n_rows = 8 * n_tiles;
   const MmaSmem lay(K, n_tiles, RT);
   uint4* x_s = reinterpret_cast<uint4*>(mma_smem);
-  float* red = reinterpret_cast<float*>(mma_smem);  // after the MMA loop: [warp][RT * 16 rows][n_rows]
+  // After the MMA loop: [warp][RT * 16 rows][n_rows + 1]; the odd row stride keeps the epilogue's reads, 16 or 32
+  // consecutive rows of one token, on distinct banks.
+  float* red = reinterpret_cast<float*>(mma_smem);
+  const int red_ld = n_rows + 1;
   float* sums = WBlock<T>::kHasMin ? reinterpret_cast<float*>(mma_smem + lay.sums_off) : nullptr;
   float* norm_s = reinterpret_cast<float*>(mma_smem + lay.norm_off);
   float* rms_s = reinterpret_cast<float*>(mma_smem + lay.rms_off);
@@ -381,18 +384,18 @@ __global__ void __launch_bounds__(kMmaThreads) prompt_mma_kernel(const PromptMma
     for (int nt = 0; nt < kMmaMaxTiles; ++nt) {
       if (nt < n_tiles) {
         const int t0 = nt * 8 + 2 * c;
-        float* r = red + (warp * kRows + rt * kMmaTileRows) * n_rows;
-        r[g * n_rows + t0] = acc[rt][nt][0];
-        r[g * n_rows + t0 + 1] = acc[rt][nt][1];
-        r[(g + 8) * n_rows + t0] = acc[rt][nt][2];
-        r[(g + 8) * n_rows + t0 + 1] = acc[rt][nt][3];
+        float* r = red + (warp * kRows + rt * kMmaTileRows) * red_ld;
+        r[g * red_ld + t0] = acc[rt][nt][0];
+        r[g * red_ld + t0 + 1] = acc[rt][nt][1];
+        r[(g + 8) * red_ld + t0] = acc[rt][nt][2];
+        r[(g + 8) * red_ld + t0 + 1] = acc[rt][nt][3];
       }
     }
   __syncthreads();
   const bool normed = a.x != nullptr;
   auto tile_sum = [&](int r, int t) {  // r: row of the block's RT * 16
     float v = 0.f;
-    for (int w = 0; w < kMmaWarps; ++w) v += red[(w * kRows + r) * n_rows + t];
+    for (int w = 0; w < kMmaWarps; ++w) v += red[(w * kRows + r) * red_ld + t];
     return normed ? v * rms_s[t] : v;
   };
   if (a.out_kind == PromptMmaOut::SiluHalf) {
