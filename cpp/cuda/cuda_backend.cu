@@ -658,12 +658,25 @@ void CudaBackend::enqueue_prefill_chunk(int m, const int32_t* io, PrefillVariant
     float* vc = v_cache_ + l * layer_cache;
     if (few_tokens) {
       // Five programmatic launches, the projections straight from the quantized weights (prompt_mma.cu).
-      PromptMmaArgs qkv;
-      qkv.W = L.qkv;
-      qkv.n = m;
-      qkv.x = px_;
-      qkv.norm_w = L.attn_norm;
-      qkv.eps = s.rms_eps;
+      auto from_residual = [&](const DevMatrix& W, const float* norm_w) {  // rmsnorm'ed residual stream in
+        PromptMmaArgs p;
+        p.W = W;
+        p.n = m;
+        p.x = px_;
+        p.norm_w = norm_w;
+        p.eps = s.rms_eps;
+        return p;
+      };
+      auto into_residual = [&](const DevMatrix& W) {  // slot-layout activations in, added to the residual stream
+        PromptMmaArgs p;
+        p.W = W;
+        p.n = m;
+        p.x_slots = pa_;
+        p.out_kind = PromptMmaOut::AddResidual;
+        p.y = px_;
+        return p;
+      };
+      PromptMmaArgs qkv = from_residual(L.qkv, L.attn_norm);
       qkv.out_kind = PromptMmaOut::Store;
       qkv.y = pc_;
       launch_prompt_mma(qkv, st);
@@ -685,32 +698,15 @@ void CudaBackend::enqueue_prefill_chunk(int m, const int32_t* io, PrefillVariant
         launch_rope_attention_prefill_slots(pc_, m, io, rope_, s.n_heads, s.n_kv_heads, s.head_dim, kc, vc, pa_, st);
       }
       after_launch();
-      PromptMmaArgs o;
-      o.W = L.o;
-      o.n = m;
-      o.x_slots = pa_;
-      o.out_kind = PromptMmaOut::AddResidual;
-      o.y = px_;
-      launch_prompt_mma(o, st);
+      launch_prompt_mma(into_residual(L.o), st);
       after_launch();
-      PromptMmaArgs gate_up;
-      gate_up.W = L.gate_up;
-      gate_up.n = m;
-      gate_up.x = px_;
-      gate_up.norm_w = L.ffn_norm;
-      gate_up.eps = s.rms_eps;
+      PromptMmaArgs gate_up = from_residual(L.gate_up, L.ffn_norm);
       gate_up.out_kind = PromptMmaOut::SiluHalf;
       gate_up.out_slots = pa_;
       gate_up.d_ff = s.d_ff;
       launch_prompt_mma(gate_up, st);
       after_launch();
-      PromptMmaArgs down;
-      down.W = L.down;
-      down.n = m;
-      down.x_slots = pa_;
-      down.out_kind = PromptMmaOut::AddResidual;
-      down.y = px_;
-      launch_prompt_mma(down, st);
+      launch_prompt_mma(into_residual(L.down), st);
       after_launch();
       continue;
     }

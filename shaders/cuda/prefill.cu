@@ -462,6 +462,22 @@ void attention_prefill(const float* q, const float* k_cache, const float* v_cach
              n_kv_heads, head_dim, split, out);
 }
 
+// The tensor-core attention's arguments when it starts from the raw QKV rows of a chunk (RoPE + KV append inside).
+TcAttnArgs tc_args_from_qkv(const float* qkv, int n, const int32_t* pos0, const float2* rope_table, int n_heads,
+                            int n_kv_heads, float* k_cache, float* v_cache, __half* out) {
+  TcAttnArgs a;
+  a.qkv = qkv;
+  a.rope_table = rope_table;
+  a.k_cache = k_cache;
+  a.v_cache = v_cache;
+  a.n = n;
+  a.pos0_dev = pos0;
+  a.n_heads = n_heads;
+  a.n_kv_heads = n_kv_heads;
+  a.out = out;
+  return a;
+}
+
 }  // namespace
 
 void launch_weights_to_half(const DevMatrix& W, bool split, __half* out, cudaStream_t s) {
@@ -504,17 +520,8 @@ void launch_rope_attention_prefill(const float* qkv, int n, const int32_t* pos0,
     attention_prefill(q_scratch, k_cache, v_cache, n, pos0, 0, n_heads, n_kv_heads, head_dim, split, out, s);
     return;
   }
-  TcAttnArgs a;
-  a.qkv = qkv;
-  a.rope_table = rope_table;
-  a.k_cache = k_cache;
-  a.v_cache = v_cache;
-  a.n = n;
-  a.pos0_dev = pos0;
-  a.n_heads = n_heads;
-  a.n_kv_heads = n_kv_heads;
+  TcAttnArgs a = tc_args_from_qkv(qkv, n, pos0, rope_table, n_heads, n_kv_heads, k_cache, v_cache, out);
   a.split = split;
-  a.out = out;
   launch_tc(a, s);
 }
 
@@ -522,17 +529,8 @@ void launch_rope_attention_prefill_slots(const float* qkv, int n, const int32_t*
                                          int n_heads, int n_kv_heads, int head_dim, float* k_cache, float* v_cache,
                                          __half* out_slots, cudaStream_t s) {
   if (head_dim != kTcHeadDim) throw EngineError("launch_rope_attention_prefill_slots: needs head_dim 64");
-  TcAttnArgs a;
-  a.qkv = qkv;
-  a.rope_table = rope_table;
-  a.k_cache = k_cache;
-  a.v_cache = v_cache;
-  a.n = n;
-  a.pos0_dev = pos0;
-  a.n_heads = n_heads;
-  a.n_kv_heads = n_kv_heads;
+  TcAttnArgs a = tc_args_from_qkv(qkv, n, pos0, rope_table, n_heads, n_kv_heads, k_cache, v_cache, out_slots);
   a.slots = true;
-  a.out = out_slots;
   launch_tc(a, s);
 }
 
