@@ -551,7 +551,6 @@ void launch_rope_attention_prefill(const float* qkv, int n, const int32_t* pos0,
 // that reads the quantized decode weights directly (no cuBLAS, no fp16 weight copy): Y = W . X with the weights
 // exact and X as fp16 hi + lo on tensor cores, fp32 accumulation.
 constexpr int kPromptMmaMaxTokens = 32;
-constexpr int kPromptMmaMaxSmem = 227 * 1024;  // the H100's opt-in shared memory per block
 enum class PromptMmaOut : int {
   Store = 0,        // y[t][row] = (W . x_t)[row]
   AddResidual = 1,  // y[t][row] += (W . x_t)[row]
@@ -593,7 +592,7 @@ void launch_rope_attention_prefill_slots(const float* qkv, int n, const int32_t*
                                          __half* out_slots, cudaStream_t s);
 
 // Whether launch_prompt_mma takes this weight type and width (d_ff: the SiluHalf output width, else 0; normed: the
-// input is rmsnorm'ed fp32 rows).
+// input is rmsnorm'ed fp32 rows) on the current device (its blocks need up to ~211 KiB of shared memory at d_ff 1536).
 bool prompt_mma_supported(GgmlType type, int cols, int d_ff_or_zero, bool normed);
 void launch_prompt_mma(const PromptMmaArgs& a, cudaStream_t s);
 

@@ -419,18 +419,19 @@ __global__ void __launch_bounds__(kMmaThreads) prompt_mma_kernel(const PromptMma
   }
 }
 
-// Row tiles per block: 2 where one per block would leave more blocks than SMs to share (the gate/up projection).
-int row_tiles_per_block(const PromptMmaArgs& a) {
-  const int tiles = a.out_kind == PromptMmaOut::SiluHalf ? (a.d_ff + 7) / 8 : (a.W.rows + kMmaTileRows - 1) / kMmaTileRows;
-  return tiles > 128 ? 2 : 1;
+// 16-row tiles of the projection's output (SiluHalf: 8 gate + 8 up rows each).
+int row_tiles(const PromptMmaArgs& a) {
+  return a.out_kind == PromptMmaOut::SiluHalf ? (a.d_ff + 7) / 8 : (a.W.rows + kMmaTileRows - 1) / kMmaTileRows;
 }
+
+// Row tiles per block: 2 where one per block would leave more blocks than SMs to share (the gate/up projection).
+int row_tiles_per_block(const PromptMmaArgs& a) { return row_tiles(a) > 128 ? 2 : 1; }
 
 template <GgmlType T, int RT>
 void launch_typed(const PromptMmaArgs& a, cudaStream_t s) {
   const int n_tiles = (a.n + 7) / 8;
   const MmaSmem lay(a.W.cols, n_tiles, RT);
-  const int tiles = a.out_kind == PromptMmaOut::SiluHalf ? (a.d_ff + 7) / 8
-                                                         : (a.W.rows + kMmaTileRows - 1) / kMmaTileRows;
+  const int tiles = row_tiles(a);
   auto* kernel = prompt_mma_kernel<T, RT>;
   detail::allow_dynamic_smem(kernel, static_cast<size_t>(lay.total));
   detail::launch_programmatic(kernel, dim3((tiles + RT - 1) / RT), dim3(kMmaThreads), static_cast<size_t>(lay.total),
@@ -590,11 +591,22 @@ __global__ void __launch_bounds__(kFewAttnThreads) attention_prompt_few_kernel(c
 
 }  // namespace
 
+// The current device's opt-in shared memory per block (227 KiB on the H100), read once: the backend runs on device 0.
+static int device_smem_optin() {
+  static const int bytes = [] {
+    int dev = 0, n = 0;
+    CUDA_CHECK(cudaGetDevice(&dev));
+    CUDA_CHECK(cudaDeviceGetAttribute(&n, cudaDevAttrMaxSharedMemoryPerBlockOptin, dev));
+    return n;
+  }();
+  return bytes;
+}
+
 bool prompt_mma_supported(GgmlType type, int cols, int d_ff_or_zero, bool normed) {
   if (type != GgmlType::Q4_0 && type != GgmlType::Q4_1 && type != GgmlType::Q8_0) return false;
   if (normed && cols > kMmaMaxNormCols) return false;
   if (cols % 32 != 0 || d_ff_or_zero % 8 != 0) return false;
-  return MmaSmem(cols, kMmaMaxTiles, 2).total <= kPromptMmaMaxSmem;
+  return MmaSmem(cols, kMmaMaxTiles, 2).total <= device_smem_optin();
 }
 
 void launch_prompt_mma(const PromptMmaArgs& a, cudaStream_t s) {
