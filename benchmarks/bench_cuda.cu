@@ -244,6 +244,37 @@ int main(int argc, char** argv) {
       if (run > 0) run_rates.push_back(128.0 / seconds_since(t0));
     }
     std::printf("decode tg128 (after pp32): %.0f tok/s, median %.1f us/token\n", median(run_rates), median(per_token));
+    // Time to first token as `metalattn bench` counts it: a 32-token prompt at position 0 right after a decode
+    // run, against the same prompt right after another prompt, and after an idle pause (alternating, so clocks
+    // and caches see the same history).
+    {
+      auto pp32 = [&] {
+        const auto t0 = Clock::now();
+        be->forward_prompt(prompt.data(), 32, 0, nullptr, nullptr);
+        return seconds_since(t0) * 1e3;
+      };
+      std::vector<double> after_decode, after_prompt, after_idle, after_one_token;
+      for (int it = 0; it < 12; ++it) {
+        ArgmaxResult r = be->forward_prompt(prompt.data(), 32, 0, nullptr, nullptr);
+        for (int i = 0; i < 128; ++i) r = be->forward_token_greedy(static_cast<int32_t>(r.token), 32 + i);
+        const double a = pp32();
+        const double b = pp32();
+        const auto idle0 = Clock::now();
+        while (seconds_since(idle0) < 2e-3) {
+        }
+        const double c = pp32();
+        be->forward_token_greedy(static_cast<int32_t>(r.token), 32);
+        const double d = pp32();
+        if (it > 1) {
+          after_decode.push_back(a);
+          after_prompt.push_back(b);
+          after_idle.push_back(c);
+          after_one_token.push_back(d);
+        }
+      }
+      std::printf("pp32 ms right after: 128 decode steps %.3f | a prompt %.3f | 2 ms idle %.3f | one decode step %.3f\n",
+                  median(after_decode), median(after_prompt), median(after_idle), median(after_one_token));
+    }
     // Decode deep into the context.
     {
       be->forward_prompt(prompt.data(), std::min(1900, s.n_ctx - 130), 0, nullptr, nullptr);

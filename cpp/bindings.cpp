@@ -108,6 +108,12 @@ NB_MODULE(_core, m) {
   nb::register_exception_translator([](const std::exception_ptr& p, void*) {
     try {
       std::rethrow_exception(p);
+    } catch (const metalattn::TokenRangeError& e) {
+      nb::object cls = nb::module_::import_("metalattn.errors").attr("TokenError");
+      PyErr_SetString(cls.ptr(), e.what());
+    } catch (const metalattn::ContextOverflow& e) {
+      nb::object cls = nb::module_::import_("metalattn.errors").attr("ContextOverflowError");
+      PyErr_SetString(cls.ptr(), e.what());
     } catch (const EngineError& e) {
       PyErr_SetString(PyExc_ValueError, e.what());
     }

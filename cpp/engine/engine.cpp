@@ -13,15 +13,21 @@ Engine::Engine(const ModelSpec& spec, const ModelWeights& weights, const std::st
     throw EngineError("unknown device '" + device + "' (expected cpu or cuda)");
 }
 
+// Messages as the Python layer words them (tests match on "out of range", "empty" and the exception types).
 void Engine::check_tokens(const int32_t* tokens, int n) const {
-  if (n <= 0) throw EngineError("empty prompt: at least one token is needed");
-  if (pos_ + n > spec_.n_ctx)
-    throw EngineError("context overflow: position " + std::to_string(pos_) + " + " + std::to_string(n) +
-                      " tokens exceeds n_ctx=" + std::to_string(spec_.n_ctx));
+  if (n <= 0) throw TokenRangeError("empty prompt: at least one token is needed");
   for (int i = 0; i < n; ++i)
     if (tokens[i] < 0 || tokens[i] >= spec_.vocab)
-      throw EngineError("token id " + std::to_string(tokens[i]) + " out of range [0, " + std::to_string(spec_.vocab) +
-                        ")");
+      throw TokenRangeError("token id " + std::to_string(tokens[i]) +
+                            (n > 1 ? " at index " + std::to_string(i) : std::string()) + " out of range [0, " +
+                            std::to_string(spec_.vocab) + ")");
+  if (pos_ + n > spec_.n_ctx) {
+    if (n == 1)
+      throw ContextOverflow("the context is full (" + std::to_string(spec_.n_ctx) +
+                            " tokens); call reset() or load with a larger n_ctx");
+    throw ContextOverflow(std::to_string(n) + " prompt tokens at position " + std::to_string(pos_) +
+                          " exceed the context of " + std::to_string(spec_.n_ctx) + " tokens");
+  }
 }
 
 ArgmaxResult Engine::forward_token_greedy(int32_t token) {

@@ -130,7 +130,24 @@ def test_errors_on_bad_input(synthetic_factory, monkeypatch):
         model.forward_prompt([1.5, 2.0])
     with pytest.raises(metalattn.ContextOverflowError):
         model.forward_prompt(list(range(17)))
+    # int32 arrays and ints go to the engine unchecked by Python: its own checks raise the same errors.
+    with pytest.raises(metalattn.TokenError, match="token id -3 at index 1 out of range"):
+        model.forward_prompt(np.array([1, -3, 2], dtype=np.int32))
+    with pytest.raises(metalattn.TokenError, match="empty"):
+        model.forward_prompt(np.array([], dtype=np.int32))
+    with pytest.raises(metalattn.ContextOverflowError, match="17 prompt tokens at position 0"):
+        model.forward_prompt(np.arange(17, dtype=np.int32))
+    with pytest.raises(metalattn.TokenError, match="out of range"):
+        model.forward_token_greedy(2**40)  # past int32: the Python check takes it
+    with pytest.raises(metalattn.TokenError, match="out of range"):
+        model.forward_token_greedy(np.int64(V))
     assert model.pos == 0  # failed calls leave the cache untouched
+    expected = model.forward_token_greedy(3)
+    for t in (np.int64(3), np.int32(3)):  # numpy integers are tokens too, and run like the int
+        model.reset()
+        assert model.forward_token_greedy(t) == expected
+        assert model.pos == 1
+    model.reset()
     model.forward_prompt(list(range(16)))
     with pytest.raises(metalattn.ContextOverflowError):
         model.forward_token(1)

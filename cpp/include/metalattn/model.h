@@ -50,9 +50,17 @@ struct ModelWeights {
   std::vector<LayerWeights> layers;
 };
 
-// Thrown for misuse the Python layer should have caught (and for internal checks); surfaces as ValueError.
+// Thrown for misuse and for internal checks; surfaces as ValueError.
 struct EngineError : std::runtime_error {
   using std::runtime_error::runtime_error;
+};
+// The engine validates every call's tokens itself (so a prompt that is already an int32 array needs no Python-side
+// pass over it); these surface as metalattn.TokenError and metalattn.ContextOverflowError.
+struct TokenRangeError : EngineError {
+  using EngineError::EngineError;
+};
+struct ContextOverflow : EngineError {
+  using EngineError::EngineError;
 };
 
 // Checks every shape and type against the spec; throws EngineError naming the tensor.
