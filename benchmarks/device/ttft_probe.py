@@ -2,7 +2,8 @@
 
 Usage (device, after the package is importable): python3 benchmarks/device/ttft_probe.py MODEL.gguf
 Prints the median ms of a 32-token prompt at position 0 right after: another prompt, 128 decode steps, 128 decode
-steps with the garbage collector off, and 128 decode steps followed by a 2 ms pause.
+steps with the garbage collector off, and 128 decode steps followed by a 2 ms pause; then the decode rate (tg128)
+through Model.forward_token_greedy and through the bare engine call, to show the Python layer's cost per token.
 """
 import gc
 import statistics
@@ -60,6 +61,20 @@ def main(path: str) -> None:
                 res[k].append(v)
     for k, v in res.items():
         print(f"pp32 {k:28s}: median {statistics.median(v):.3f} ms  min {min(v):.3f}")
+
+    rates = {"Model.forward_token_greedy": [], "engine.forward_token_greedy": []}
+    for it in range(8):
+        for name, step in (("Model.forward_token_greedy", m.forward_token_greedy),
+                           ("engine.forward_token_greedy", m._engine.forward_token_greedy)):
+            m.reset()
+            tok = m.forward_prompt(prompt)
+            t = time.perf_counter()
+            for _ in range(128):
+                tok = step(tok)
+            if it >= 2:
+                rates[name].append(128 / (time.perf_counter() - t))
+    for k, v in rates.items():
+        print(f"tg128 through {k:28s}: median {statistics.median(v):.0f} tok/s")
 
 
 if __name__ == "__main__":
