@@ -384,8 +384,8 @@ int main(int argc, char** argv) {
         launch_attention_decode_short(q, kc, vc, io, 9, 3, 64, std::min(s.n_ctx, kAttnSinglePassMax), attn_out, sm);
       });
       const double t_o = graph_time_us(sm, [&] { launch_matvec_residual(o, attn_out, q, sm); });
-      const double t_gu = graph_time_us(sm, [&] { launch_norm_matvec(gu, x, nw, 1e-5f, gate_up, sm); });
-      const double t_down = graph_time_us(sm, [&] { launch_matvec_residual_silu(down, gate_up, q, sm); });
+      const double t_gu = graph_time_us(sm, [&] { launch_norm_matvec_silu_glu(gu, x, nw, 1e-5f, gate_up, sm); });
+      const double t_down = graph_time_us(sm, [&] { launch_matvec_residual(down, gate_up, q, sm); });
       const double t_lm = graph_time_us(sm, [&] { launch_norm_matvec_argmax(lm, x, nw, 1e-5f, logits, am, res, nullptr, sm); });
       // One block per KV head (3 query heads each), the layout before one block per query head.
       const double t_att_kv = graph_time_us(sm, [&] { launch_attention_decode(q, kc, vc, io, 9, 3, 64, s.n_ctx, ap, attn_out, sm, 3); });
@@ -394,7 +394,7 @@ int main(int argc, char** argv) {
       set_pos(s.n_ctx - 1);
       const double t_att_long = graph_time_us(sm, [&] { launch_attention_decode(q, kc, vc, io, 9, 3, 64, s.n_ctx, ap, attn_out, sm); });
       std::printf("per-kernel (graph replay, us): embed+qkv %.2f | qkv %.2f | attn@160 short %.2f, split-capable %.2f"
-                  " (@300 %.2f, @%d %.2f; block per KV head @160 %.2f) | O %.2f | norm+gate/up %.2f | silu+down %.2f |"
+                  " (@300 %.2f, @%d %.2f; block per KV head @160 %.2f) | O %.2f | norm+gate/up+silu %.2f | down %.2f |"
                   " lm_head+argmax %.2f\n",
                   t_embqkv, t_qkv, t_att_short, t_att, t_att_300, s.n_ctx - 1, t_att_long, t_att_kv, t_o, t_gu, t_down,
                   t_lm);

@@ -222,7 +222,8 @@ class CudaBackend final : public Backend {
   DecodeIO* io_host_ = nullptr;          // pinned staging for the occasional host-to-device write
   ArgmaxResult* result_host_ = nullptr;  // mapped pinned: written by the last kernel
   ArgmaxResult* result_dev_ = nullptr;   // its device alias
-  float *x_ = nullptr, *q_ = nullptr, *gate_up_ = nullptr, *logits_ = nullptr, *hidden_ = nullptr;
+  float *x_ = nullptr, *q_ = nullptr, *logits_ = nullptr, *hidden_ = nullptr;
+  float* ffn_act_ = nullptr;  // [d_ff]: silu(gate) * up, the down projection's input
   AttnScratch attn_;
   float* attn_out_ = nullptr;  // [q_dim]: attention output, the O projection's input
   // fused-layer path: the residual after attention, and the split-K partials of the O and down projections
@@ -379,7 +380,7 @@ CudaBackend::CudaBackend(const ModelSpec& spec, const ModelWeights& w, bool debu
   io_dev_ = device_alloc<DecodeIO>(1, mem_.scratch);
   x_ = activation_alloc<float>(d);
   q_ = activation_alloc<float>(q_dim);
-  gate_up_ = activation_alloc<float>(2 * static_cast<size_t>(spec.d_ff));
+  ffn_act_ = activation_alloc<float>(spec.d_ff);
   logits_ = activation_alloc<float>(spec.vocab);
   hidden_ = activation_alloc<float>(static_cast<size_t>(L + 1) * d);
   {
@@ -489,9 +490,9 @@ void CudaBackend::enqueue_decode(bool capture_hidden, DecodeVariant variant) {
     after_launch();
     launch_matvec_residual(L.o, attn_out_, x_, st);
     after_launch();
-    launch_norm_matvec(L.gate_up, x_, L.ffn_norm, s.rms_eps, gate_up_, st);
+    launch_norm_matvec_silu_glu(L.gate_up, x_, L.ffn_norm, s.rms_eps, ffn_act_, st);
     after_launch();
-    launch_matvec_residual_silu(L.down, gate_up_, x_, st);
+    launch_matvec_residual(L.down, ffn_act_, x_, st);
     after_launch();
     if (capture_hidden)
       CUDA_CHECK(cudaMemcpyAsync(hidden_ + static_cast<size_t>(l + 1) * s.d_model, x_, s.d_model * sizeof(float),

@@ -470,11 +470,14 @@ __device__ __forceinline__ float stage_normed(const float* x, const float* __res
   return 1.f / sqrtf(total / static_cast<float>(cols) + eps);
 }
 
-enum class NormOut : int { Plain = 0, Qkv = 1 };
+// Plain: y = the rows. Qkv: RoPE and the cache append (QkvTargets). SiluGlu: W = [gate; up] stacked, and each block
+// takes the same units of both halves (its first warps gate rows u.., the rest up rows u..), so that y[u] =
+// silu(gate_u) * up_u leaves the kernel finished and the down projection stages plain activations.
+enum class NormOut : int { Plain = 0, Qkv = 1, SiluGlu = 2 };
 
 struct NormMatvecArgs {
   NormOut mode = NormOut::Plain;
-  float* y = nullptr;  // Plain: the output rows
+  float* y = nullptr;  // Plain: the output rows; SiluGlu: the W.rows / 2 activations
   QkvTargets qkv;
   DevMatrix embed;           // Qkv with embed.payload set: x is row qkv.io->token of embed
   float* x_out = nullptr;    // ... and block 0 writes that row here (the residual stream)
@@ -490,8 +493,14 @@ __global__ void __launch_bounds__(256) norm_matvec_kernel(DevMatrix W, const flo
   __shared__ float y_s[256 / 8];
   const int rows_per_block = blockDim.x / TPR;
   const int local = threadIdx.x / TPR, sub = threadIdx.x % TPR;
-  const int row = blockIdx.x * rows_per_block + local;
   const int n = W.nb * 32;
+  // SiluGlu: this block's units [unit0, unit0 + units_per_block) of both halves; rows past a half map to W.rows,
+  // which every row test treats as absent.
+  const int units = W.rows / 2, units_per_block = rows_per_block / 2, unit0 = blockIdx.x * units_per_block;
+  const int glu_unit = unit0 + (local < units_per_block ? local : local - units_per_block);
+  const int row = a.mode != NormOut::SiluGlu ? blockIdx.x * rows_per_block + local
+                  : glu_unit >= units          ? W.rows
+                                               : glu_unit + (local < units_per_block ? 0 : units);
 
   KernelTrace trace(a.mode == NormOut::Qkv ? kTraceQkv : kTraceNormMatvec);
   detail::launch_dependents();
@@ -540,6 +549,14 @@ __global__ void __launch_bounds__(256) norm_matvec_kernel(DevMatrix W, const flo
 
   if (a.mode == NormOut::Plain) {
     if (sub == 0 && row < W.rows) a.y[row] = acc;
+  } else if (a.mode == NormOut::SiluGlu) {
+    if (sub == 0) y_s[local] = acc;
+    __syncthreads();
+    const int u = unit0 + threadIdx.x;
+    if (threadIdx.x < units_per_block && u < units) {
+      const float g = y_s[threadIdx.x], up = y_s[threadIdx.x + units_per_block];
+      a.y[u] = g / (1.f + expf(-g)) * up;
+    }
   } else {
     if (sub == 0) y_s[local] = acc;
     __syncthreads();
@@ -623,11 +640,9 @@ __global__ void __launch_bounds__(256) norm_matvec_argmax_kernel(DevMatrix W, co
 
 // ------------------------------------------------------------------ matvec + residual
 
-enum class ResidualIn : int { Plain = 0, Silu = 1 };
-
 template <GgmlType T, int TPR>
-__global__ void __launch_bounds__(256) matvec_residual_kernel(DevMatrix W, ResidualIn mode,
-                                                              const float* __restrict__ x, float* residual) {
+__global__ void __launch_bounds__(256) matvec_residual_kernel(DevMatrix W, const float* __restrict__ x,
+                                                              float* residual) {
   extern __shared__ float4 smem_dyn[];
   float* x_s = reinterpret_cast<float*>(smem_dyn);
   const int rows_per_block = blockDim.x / TPR;
@@ -644,19 +659,17 @@ __global__ void __launch_bounds__(256) matvec_residual_kernel(DevMatrix W, Resid
   const float res = sub == 0 && row < W.rows ? __ldcg(residual + row) : 0.f;
 
   const int n = W.nb * 32;
-  const bool silu = mode == ResidualIn::Silu;
   for (int i0 = threadIdx.x; i0 < n; i0 += kStageBatch * blockDim.x) {
-    float g[kStageBatch], up[kStageBatch];
+    float v[kStageBatch];
 #pragma unroll
     for (int u = 0; u < kStageBatch; ++u) {
       const int i = i0 + u * blockDim.x;
-      g[u] = i < W.cols ? __ldcg(x + i) : 0.f;
-      up[u] = silu && i < W.cols ? __ldcg(x + W.cols + i) : 0.f;
+      v[u] = i < W.cols ? __ldcg(x + i) : 0.f;
     }
 #pragma unroll
     for (int u = 0; u < kStageBatch; ++u) {
       const int i = i0 + u * blockDim.x;
-      if (i < n) x_s[smem_index(i)] = silu ? g[u] / (1.f + expf(-g[u])) * up[u] : g[u];
+      if (i < n) x_s[smem_index(i)] = v[u];
     }
   }
   __syncthreads();
@@ -1334,7 +1347,7 @@ struct NormKernels {
   static Fn get() { return norm_matvec_kernel<T, kMatvecTpr>; }
 };
 struct ResidualKernels {
-  using Fn = void (*)(DevMatrix, ResidualIn, const float*, float*);
+  using Fn = void (*)(DevMatrix, const float*, float*);
   template <GgmlType T>
   static Fn get() { return matvec_residual_kernel<T, kMatvecTpr>; }
 };
@@ -1373,11 +1386,11 @@ void run_norm_matvec(const DevMatrix& W, const float* x, const float* norm_w, fl
   launch(k, dim3(g.grid), dim3(g.threads), g.smem, s, W, x, norm_w, eps, a);
 }
 
-void run_matvec_residual(const DevMatrix& W, ResidualIn mode, const float* x, float* residual, cudaStream_t s) {
+void run_matvec_residual(const DevMatrix& W, const float* x, float* residual, cudaStream_t s) {
   const Geometry g = matvec_geometry(W);
   const ResidualKernels::Fn k = kernel_for<ResidualKernels>(W.type);
   allow_smem(k, g.smem);
-  launch(k, dim3(g.grid), dim3(g.threads), g.smem, s, W, mode, x, residual);
+  launch(k, dim3(g.grid), dim3(g.threads), g.smem, s, W, x, residual);
 }
 
 // The lm_head kernel's row groups (rows_per_pass rows each); its grid is at most this many blocks.
@@ -1415,6 +1428,17 @@ void launch_norm_matvec(const DevMatrix& W, const float* x, const float* norm_w,
   NormMatvecArgs a;
   a.mode = NormOut::Plain;
   a.y = y;
+  run_norm_matvec(W, x, norm_w, eps, a, s);
+}
+
+void launch_norm_matvec_silu_glu(const DevMatrix& W, const float* x, const float* norm_w, float eps, float* act,
+                                 cudaStream_t s) {
+  // Every block takes units_per_block units of each half, so the grid of matvec_geometry (rows / rows per block)
+  // covers exactly the units when the halves are equal.
+  if (W.rows % 2 != 0) throw EngineError("gate/up matvec: the stacked matrix needs two equal halves");
+  NormMatvecArgs a;
+  a.mode = NormOut::SiluGlu;
+  a.y = act;
   run_norm_matvec(W, x, norm_w, eps, a, s);
 }
 
@@ -1474,11 +1498,7 @@ void launch_norm_matvec_argmax(const DevMatrix& W, const float* x, const float* 
 }
 
 void launch_matvec_residual(const DevMatrix& W, const float* x, float* residual, cudaStream_t s) {
-  run_matvec_residual(W, ResidualIn::Plain, x, residual, s);
-}
-
-void launch_matvec_residual_silu(const DevMatrix& W, const float* gate_up, float* residual, cudaStream_t s) {
-  run_matvec_residual(W, ResidualIn::Silu, gate_up, residual, s);
+  run_matvec_residual(W, x, residual, s);
 }
 
 void launch_attention_decode(const float* q, const float* k_cache, const float* v_cache, const DecodeIO* io,

@@ -402,6 +402,10 @@ void launch_embed(const DevMatrix& emb, const DecodeIO* io, float* x, cudaStream
 
 // y = W . rmsnorm(x, norm_w, eps); norm_w == nullptr: plain y = W . x.
 void launch_norm_matvec(const DevMatrix& W, const float* x, const float* norm_w, float eps, float* y, cudaStream_t s);
+// W = [gate; up] stacked (two halves of W.rows / 2 rows): act[u] = silu(g_u) * up_u with g, up = W . rmsnorm(x).
+// The FFN's activation leaves this kernel finished, so the down projection stages it with plain loads.
+void launch_norm_matvec_silu_glu(const DevMatrix& W, const float* x, const float* norm_w, float eps, float* act,
+                                 cudaStream_t s);
 
 // W = [wq; wk; wv] stacked. q_out = rope(q); k rows (roped) and v rows go to row io->pos of the layer's caches.
 struct QkvTargets {
@@ -478,8 +482,6 @@ void launch_ffn_layer(const FfnLayerArgs& a, cudaStream_t s);
 
 // residual += W . x
 void launch_matvec_residual(const DevMatrix& W, const float* x, float* residual, cudaStream_t s);
-// residual += W . (silu(gate) * up), gate_up = [gate (W.cols); up (W.cols)]
-void launch_matvec_residual_silu(const DevMatrix& W, const float* gate_up, float* residual, cudaStream_t s);
 
 // out[n_heads * head_dim] = attention of q (all heads, roped) over cache positions [0, io->pos] of one layer.
 // n_ctx bounds the position (sizes shared memory); the scratch serves the long-context split. heads_per_block

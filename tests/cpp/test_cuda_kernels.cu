@@ -514,26 +514,39 @@ TEST(CudaFused, EmbeddingFoldedIntoFirstQkv) {
   }
 }
 
-TEST(CudaFused, NormGateUpThenSiluDownResidual) {
+// The FFN as decode runs it: norm + gate/up with silu(gate) * up in the same kernel (each block owns the same units
+// of both halves), then down + residual over the finished activations. Checked stage by stage against the
+// reference, at SmolLM2's widths and at an odd unit count (a block with fewer units than it has room for).
+TEST(CudaFused, NormGateUpSiluThenDownResidual) {
   REQUIRE_GPU();
-  const int d = 576, ff = 1536;
-  for (GgmlType t : {GgmlType::Q4_0, GgmlType::Q4_1, GgmlType::Q8_0, GgmlType::F16}) {
-    SCOPED_TRACE(type_name(t));
-    auto wg = random_matrix(t, ff, d, 0.05f), wu = random_matrix(t, ff, d, 0.05f), wd = random_matrix(t, d, ff, 0.03f);
-    GpuMatrix gu = to_gpu({&wg->view, &wu->view}), gd = to_gpu({&wd->view});
-    const std::vector<float> x = random_vec(d, -3.f, 3.f), nw = random_vec(d, 0.5f, 1.5f);
-    DevBuf<float> dx(x), dnw(nw), dgu(2 * ff);
-    dgu.poison();
-    launch_norm_matvec(gu.m, dx.p, dnw.p, kEps, dgu.p, nullptr);
-    launch_matvec_residual_silu(gd.m, dgu.p, dx.p, nullptr);
+  const int d = 576;
+  // d_ff 1501: the last block holds one unit; float types only (quantized rows come in 32-column blocks).
+  const std::pair<GgmlType, int> cases[] = {{GgmlType::Q4_0, 1536}, {GgmlType::Q4_1, 1536}, {GgmlType::Q8_0, 1536},
+                                            {GgmlType::F16, 1536},  {GgmlType::F32, 1536},  {GgmlType::F16, 1501},
+                                            {GgmlType::F32, 1501}};
+  for (const auto& [t, ff] : cases) {
+    {
+      SCOPED_TRACE(std::string(type_name(t)) + " d_ff " + std::to_string(ff));
+      auto wg = random_matrix(t, ff, d, 0.05f), wu = random_matrix(t, ff, d, 0.05f), wd = random_matrix(t, d, ff, 0.03f);
+      GpuMatrix gu = to_gpu({&wg->view, &wu->view}), gd = to_gpu({&wd->view});
+      const std::vector<float> x = random_vec(d, -3.f, 3.f), nw = random_vec(d, 0.5f, 1.5f);
+      DevBuf<float> dx(x), dnw(nw), dact(ff + 64);
+      dact.poison();
+      launch_norm_matvec_silu_glu(gu.m, dx.p, dnw.p, kEps, dact.p, nullptr);
+      const std::vector<float> act_gpu = dact.download();
 
-    const std::vector<float> h = ref_rmsnorm(x, nw, kEps);
-    const std::vector<float> g = ref_matvec(wg->view, h), u = ref_matvec(wu->view, h);
-    std::vector<float> a(ff);
-    for (int i = 0; i < ff; ++i) a[i] = ref::silu(g[i]) * u[i];
-    std::vector<float> expect = ref_matvec(wd->view, a);
-    for (int i = 0; i < d; ++i) expect[i] += x[i];
-    EXPECT_LE(max_abs_diff(dx.download(), expect), kTol);
+      const std::vector<float> h = ref_rmsnorm(x, nw, kEps);
+      const std::vector<float> g = ref_matvec(wg->view, h), u = ref_matvec(wu->view, h);
+      std::vector<float> a(ff);
+      for (int i = 0; i < ff; ++i) a[i] = ref::silu(g[i]) * u[i];
+      EXPECT_LE(max_abs_diff(std::vector<float>(act_gpu.begin(), act_gpu.begin() + ff), a), kTol) << "activations";
+      for (int i = ff; i < ff + 64; ++i) EXPECT_TRUE(is_poison(act_gpu[i])) << "written past d_ff at " << i;
+
+      launch_matvec_residual(gd.m, dact.p, dx.p, nullptr);
+      std::vector<float> expect = ref_matvec(wd->view, a);
+      for (int i = 0; i < d; ++i) expect[i] += x[i];
+      EXPECT_LE(max_abs_diff(dx.download(), expect), kTol) << "down + residual";
+    }
   }
 }
 
