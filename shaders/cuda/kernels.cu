@@ -385,8 +385,8 @@ struct RowDot {
       }
     }
 #pragma unroll
-    for (int o = TPR / 2; o > 0; o >>= 1) acc += __shfl_xor_sync(0xffffffffu, acc, o);
-    return acc;
+    for (int o = (TPR < 32 ? TPR : 32) / 2; o > 0; o >>= 1) acc += __shfl_xor_sync(0xffffffffu, acc, o);
+    return acc;  // TPR 64: each warp's half of the row (the caller adds the two)
   }
 };
 
@@ -640,11 +640,14 @@ __global__ void __launch_bounds__(256) norm_matvec_argmax_kernel(DevMatrix W, co
 
 // ------------------------------------------------------------------ matvec + residual
 
+// TPR 64 (two warps per row, 512 threads) serves wide matrices such as the down projection (48 blocks per row):
+// each lane then sums at most one weight block after the wait instead of two.
 template <GgmlType T, int TPR>
-__global__ void __launch_bounds__(256) matvec_residual_kernel(DevMatrix W, const float* __restrict__ x,
+__global__ void __launch_bounds__(512) matvec_residual_kernel(DevMatrix W, const float* __restrict__ x,
                                                               float* residual) {
   extern __shared__ float4 smem_dyn[];
   float* x_s = reinterpret_cast<float*>(smem_dyn);
+  __shared__ float half_sums[TPR > 32 ? 512 / 32 : 1];
   const int rows_per_block = blockDim.x / TPR;
   const int local = threadIdx.x / TPR, sub = threadIdx.x % TPR;
   const int row = blockIdx.x * rows_per_block + local;
@@ -675,7 +678,13 @@ __global__ void __launch_bounds__(256) matvec_residual_kernel(DevMatrix W, const
   __syncthreads();
   trace.mark(0);
 
-  const float acc = rd.finish(W, row, sub, x_s);
+  float acc = rd.finish(W, row, sub, x_s);
+  if constexpr (TPR > 32) {
+    const int warp = threadIdx.x / 32;
+    if (threadIdx.x % 32 == 0) half_sums[warp] = acc;
+    __syncthreads();
+    if (sub == 0) acc = half_sums[warp] + half_sums[warp + 1];
+  }
   trace.mark(1);
   if (sub == 0 && row < W.rows) residual[row] = res + acc;
 }
@@ -1351,6 +1360,11 @@ struct ResidualKernels {
   template <GgmlType T>
   static Fn get() { return matvec_residual_kernel<T, kMatvecTpr>; }
 };
+struct WideResidualKernels {
+  using Fn = void (*)(DevMatrix, const float*, float*);
+  template <GgmlType T>
+  static Fn get() { return matvec_residual_kernel<T, 2 * kMatvecTpr>; }
+};
 template <int TPR>
 struct ArgmaxKernels {
   using Fn = void (*)(DevMatrix, const float*, const float*, float, ArgmaxArgs);
@@ -1387,8 +1401,14 @@ void run_norm_matvec(const DevMatrix& W, const float* x, const float* norm_w, fl
 }
 
 void run_matvec_residual(const DevMatrix& W, const float* x, float* residual, cudaStream_t s) {
-  const Geometry g = matvec_geometry(W);
-  const ResidualKernels::Fn k = kernel_for<ResidualKernels>(W.type);
+  Geometry g = matvec_geometry(W);
+  ResidualKernels::Fn k = kernel_for<ResidualKernels>(W.type);
+  if (W.nb > kMatvecTpr) {  // more blocks per row than a warp has lanes: two warps per row (see the kernel)
+    g.tpr = 2 * kMatvecTpr;
+    g.threads = 512;
+    g.grid = (W.rows + g.threads / g.tpr - 1) / (g.threads / g.tpr);
+    k = kernel_for<WideResidualKernels>(W.type);
+  }
   allow_smem(k, g.smem);
   launch(k, dim3(g.grid), dim3(g.threads), g.smem, s, W, x, residual);
 }
