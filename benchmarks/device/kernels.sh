@@ -30,6 +30,6 @@ for stage in "$@"; do
         echo "ncu $1 rc=$?"; grep -E "Duration|Elapsed Cycles|Stall|Warp Cycles Per|Issued Warp|L1/TEX Hit|L2 Hit|Mem Busy|Max Bandwidth|Registers|Achieved Occ|ERR" $OUT/ncu_$1.log | head -30
       done ;;
     memcheck) timeout 400 compute-sanitizer --tool memcheck $T --gtest_filter='CudaMatvec.FloatRows*:CudaFused.*:CudaKernels.*:CudaPrompt.*:CudaBackend.Greedy*:CudaBackend.DecodeMatchesReferenceSmall*:CudaBackend.FewToken*' > $OUT/memcheck.log 2>&1; echo "memcheck rc=$?"; grep -E "ERROR SUMMARY|PASSED|FAILED" $OUT/memcheck.log | head ;;
-    racecheck) METALATTN_TEST_QUICK=1 timeout 300 compute-sanitizer --tool racecheck $T --gtest_filter='CudaFused.DecodeAttentionShort*:CudaPrompt.*:CudaBackend.Greedy*' > $OUT/racecheck.log 2>&1; echo "racecheck rc=$?"; grep -E "ERROR SUMMARY|RACECHECK SUMMARY|PASSED|FAILED" $OUT/racecheck.log | head ;;
+    racecheck) METALATTN_TEST_QUICK=1 timeout 300 compute-sanitizer --tool racecheck $T --gtest_filter='CudaFused.NormGateUpSilu*:CudaFused.DecodeAttentionShort*:CudaPrompt.*:CudaBackend.Greedy*' > $OUT/racecheck.log 2>&1; echo "racecheck rc=$?"; grep -E "ERROR SUMMARY|RACECHECK SUMMARY|PASSED|FAILED" $OUT/racecheck.log | head ;;
   esac
 done

@@ -3,7 +3,7 @@
 //
 // Decode step, per token (all kernels read the token id and position from DecodeIO in device memory):
 //   L x [ norm+QKV matvec (+RoPE +KV append; layer 0 also gathers the embedding row) -> attention
-//         -> O matvec+residual -> norm+gate/up matvec -> SiLU*up+down matvec+residual ]  ->  final norm+lm_head+argmax
+//         -> O matvec+residual -> norm+gate/up matvec+SiLU*up -> down matvec+residual ]  ->  final norm+lm_head+argmax
 // that is 5 kernels per layer and 1 more: 5L + 1 launches, captured once as one CUDA graph per attention regime
 // (one pass with all K/V rows in shared memory up to kAttnSinglePassMax positions, split over the context beyond);
 // the host picks the graph by position. Each kernel starts early (programmatic dependent launch), loads what does
