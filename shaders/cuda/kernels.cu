@@ -1305,10 +1305,10 @@ struct Geometry {
 // block (x staged in one batch of loads, eight warps to hide the shared-memory latency of the dot products) make
 // the dependent part shortest; the idle lanes of an 18-block row cost nothing that matters here.
 constexpr int kMatvecTpr = 32;
-Geometry matvec_geometry(const DevMatrix& W) {
+Geometry matvec_geometry(const DevMatrix& W, int tpr = kMatvecTpr, int threads = 256) {
   Geometry g;
-  g.tpr = kMatvecTpr;
-  g.threads = 256;
+  g.tpr = tpr;
+  g.threads = threads;
   const int rows_per_block = g.threads / g.tpr;
   g.grid = (W.rows + rows_per_block - 1) / rows_per_block;
   g.smem = static_cast<size_t>(W.nb) * kSmemBlockStride * sizeof(float);
@@ -1355,15 +1355,11 @@ struct NormKernels {
   template <GgmlType T>
   static Fn get() { return norm_matvec_kernel<T, kMatvecTpr>; }
 };
+template <int TPR>
 struct ResidualKernels {
   using Fn = void (*)(DevMatrix, const float*, float*);
   template <GgmlType T>
-  static Fn get() { return matvec_residual_kernel<T, kMatvecTpr>; }
-};
-struct WideResidualKernels {
-  using Fn = void (*)(DevMatrix, const float*, float*);
-  template <GgmlType T>
-  static Fn get() { return matvec_residual_kernel<T, 2 * kMatvecTpr>; }
+  static Fn get() { return matvec_residual_kernel<T, TPR>; }
 };
 template <int TPR>
 struct ArgmaxKernels {
@@ -1394,31 +1390,15 @@ void allow_smem(K kernel, size_t smem) {
 
 void run_norm_matvec(const DevMatrix& W, const float* x, const float* norm_w, float eps, const NormMatvecArgs& a,
                      cudaStream_t s) {
-  Geometry g = matvec_geometry(W);
-  if (a.mode == NormOut::SiluGlu) {
-    // 16 rows per block: the gate/up matrix's 3072 rows as 192 blocks instead of 384, each staging and normalizing
-    // x once for twice the rows. Measured in the decode chain (H100): 402 -> 390 us per token; QKV at 512 threads
-    // was slower (391 -> 398) and O even, so they keep 256 (NOTES, "Fifth session").
-    g.threads = 512;
-    g.grid = (W.rows + g.threads / g.tpr - 1) / (g.threads / g.tpr);
-  }
+  // SiluGlu in 512 threads (16 rows per block): the gate/up matrix's 3072 rows as 192 blocks instead of 384, each
+  // staging and normalizing x once for twice the rows. Measured in the decode chain (H100): 402 -> 390 us per
+  // token; QKV at 512 threads was slower (391 -> 398) and O even, so they keep 256 (NOTES, "Fifth session").
+  const Geometry g = matvec_geometry(W, kMatvecTpr, a.mode == NormOut::SiluGlu ? 512 : 256);
   const NormKernels::Fn k = kernel_for<NormKernels>(W.type);
   allow_smem(k, g.smem);
   launch(k, dim3(g.grid), dim3(g.threads), g.smem, s, W, x, norm_w, eps, a);
 }
 
-void run_matvec_residual(const DevMatrix& W, const float* x, float* residual, cudaStream_t s) {
-  Geometry g = matvec_geometry(W);
-  ResidualKernels::Fn k = kernel_for<ResidualKernels>(W.type);
-  if (W.nb > kMatvecTpr) {  // more blocks per row than a warp has lanes: two warps per row (see the kernel)
-    g.tpr = 2 * kMatvecTpr;
-    g.threads = 512;
-    g.grid = (W.rows + g.threads / g.tpr - 1) / (g.threads / g.tpr);
-    k = kernel_for<WideResidualKernels>(W.type);
-  }
-  allow_smem(k, g.smem);
-  launch(k, dim3(g.grid), dim3(g.threads), g.smem, s, W, x, residual);
-}
 
 // The lm_head kernel's row groups (rows_per_pass rows each); its grid is at most this many blocks.
 constexpr int kArgmaxThreads = 256;
@@ -1525,7 +1505,13 @@ void launch_norm_matvec_argmax(const DevMatrix& W, const float* x, const float* 
 }
 
 void launch_matvec_residual(const DevMatrix& W, const float* x, float* residual, cudaStream_t s) {
-  run_matvec_residual(W, x, residual, s);
+  // More weight blocks per row than a warp has lanes: two warps per row (see the kernel).
+  const bool wide = W.nb > kMatvecTpr;
+  const Geometry g = wide ? matvec_geometry(W, 2 * kMatvecTpr, 512) : matvec_geometry(W);
+  const auto k = wide ? kernel_for<ResidualKernels<2 * kMatvecTpr>>(W.type)
+                      : kernel_for<ResidualKernels<kMatvecTpr>>(W.type);
+  allow_smem(k, g.smem);
+  launch(k, dim3(g.grid), dim3(g.threads), g.smem, s, W, x, residual);
 }
 
 void launch_attention_decode(const float* q, const float* k_cache, const float* v_cache, const DecodeIO* io,
