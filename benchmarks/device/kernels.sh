@@ -29,6 +29,12 @@ for stage in "$@"; do
           --section MemoryWorkloadAnalysis --section LaunchStats --section Occupancy $BE 2048 kernels > $OUT/ncu_$1.log 2>&1
         echo "ncu $1 rc=$?"; grep -E "Duration|Elapsed Cycles|Stall|Warp Cycles Per|Issued Warp|L1/TEX Hit|L2 Hit|Mem Busy|Max Bandwidth|Registers|Achieved Occ|ERR" $OUT/ncu_$1.log | head -30
       done ;;
+    ncuprompt) NCU=$(command -v ncu || ls /usr/local/cuda/bin/ncu /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -1)
+      # The bench's first call is a 32-token prompt: its layer 0 is the five few-token kernels (QKV, attention, O,
+      # gate/up, down), each profiled alone (serialized, so without the programmatic overlap).
+      timeout 200 $NCU -k regex:'prompt_mma|attention_prompt_few' -c 5 --section SpeedOfLight --section WarpStateStats \
+        --section MemoryWorkloadAnalysis --section LaunchStats --section Occupancy $BE 2048 > $OUT/ncu_prompt.log 2>&1
+      echo "ncu prompt rc=$?"; grep -E "prompt_mma_kernel|attention_prompt_few|Duration|Stall|Warp Cycles Per Issued|L2 Hit|Mem Busy|Max Bandwidth|Registers Per|Achieved Occ|Grid Size|Dynamic Shared|ERR" $OUT/ncu_prompt.log | head -80 ;;
     memcheck) timeout 400 compute-sanitizer --tool memcheck $T --gtest_filter='CudaMatvec.FloatRows*:CudaFused.*:CudaKernels.*:CudaPrompt.*:CudaBackend.Greedy*:CudaBackend.DecodeMatchesReferenceSmall*:CudaBackend.FewToken*' > $OUT/memcheck.log 2>&1; echo "memcheck rc=$?"; grep -E "ERROR SUMMARY|PASSED|FAILED" $OUT/memcheck.log | head ;;
     racecheck) METALATTN_TEST_QUICK=1 timeout 300 compute-sanitizer --tool racecheck $T --gtest_filter='CudaFused.NormGateUpSilu*:CudaFused.DecodeAttentionShort*:CudaPrompt.*:CudaBackend.Greedy*' > $OUT/racecheck.log 2>&1; echo "racecheck rc=$?"; grep -E "ERROR SUMMARY|RACECHECK SUMMARY|PASSED|FAILED" $OUT/racecheck.log | head ;;
   esac

@@ -343,10 +343,10 @@ CudaBackend::CudaBackend(const ModelSpec& spec, const ModelWeights& w, bool debu
 
   prompt_mma_ = env_flag("METALATTN_CUDA_PROMPT_MMA", true) && spec.head_dim == 64;
   for (const DevLayer& dl : layers_)
-    prompt_mma_ = prompt_mma_ && prompt_mma_supported(dl.qkv.type, dl.qkv.cols, 0, true) &&
-                  prompt_mma_supported(dl.o.type, dl.o.cols, 0, false) &&
-                  prompt_mma_supported(dl.gate_up.type, dl.gate_up.cols, spec.d_ff, true) &&
-                  prompt_mma_supported(dl.down.type, dl.down.cols, 0, false);
+    prompt_mma_ = prompt_mma_ && prompt_mma_supported(dl.qkv.type, dl.qkv.cols, 0) &&
+                  prompt_mma_supported(dl.o.type, dl.o.cols, 0) &&
+                  prompt_mma_supported(dl.gate_up.type, dl.gate_up.cols, spec.d_ff) &&
+                  prompt_mma_supported(dl.down.type, dl.down.cols, 0);
 
   // Decode scratch.
   cudaDeviceProp prop{};

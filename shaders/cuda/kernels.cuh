@@ -593,9 +593,9 @@ void launch_rope_attention_prefill_slots(const float* qkv, int n, const int32_t*
                                          int n_heads, int n_kv_heads, int head_dim, float* k_cache, float* v_cache,
                                          __half* out_slots, cudaStream_t s);
 
-// Whether launch_prompt_mma takes this weight type and width (d_ff: the SiluHalf output width, else 0; normed: the
-// input is rmsnorm'ed fp32 rows) on the current device (its blocks need up to ~211 KiB of shared memory at d_ff 1536).
-bool prompt_mma_supported(GgmlType type, int cols, int d_ff_or_zero, bool normed);
+// Whether launch_prompt_mma takes this weight type and width (d_ff: the SiluHalf output width, else 0) on the current
+// device (its blocks need up to ~211 KiB of shared memory at d_ff 1536).
+bool prompt_mma_supported(GgmlType type, int cols, int d_ff_or_zero);
 void launch_prompt_mma(const PromptMmaArgs& a, cudaStream_t s);
 
 }  // namespace metalattn::cuda

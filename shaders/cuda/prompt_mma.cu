@@ -21,8 +21,11 @@
 //
 // Shared layout of X (the "slot" layout, also the global layout of the activations the attention and the gate/up
 // projection hand on, kernels.cuh): token rows of K/4 16-byte slots; slot s holds elements 4s..4s+3 as
-// [hi x4 | lo x4] halves, so one 16-byte load gives a thread both B fragments (hi and lo) of a step. Shared rows are
-// padded by 64 bytes so that the eight lanes of a quarter-warp (2 tokens x 4 slots) hit distinct banks.
+// [hi x4 | lo x4] halves, so one 16-byte load gives a thread both B fragments (hi and lo) of a step. An rmsnorm'ed
+// input (QKV, gate/up) is staged as fp32 in the same 16-byte slots and turned into [hi | lo] of x * norm_w as the
+// fragment is loaded; each lane also sums the squares it sees, and 1/rms per token is applied to the outputs (the
+// projection is linear). Shared rows are padded by 64 bytes so that the eight lanes of a quarter-warp (2 tokens x 4
+// slots) hit distinct banks.
 #include <algorithm>
 
 #include "cuda/cuda_check.h"
@@ -36,7 +39,6 @@ constexpr int kMmaWarps = 8;
 constexpr int kMmaThreads = kMmaWarps * 32;
 constexpr int kMmaTileRows = 16;
 constexpr int kMmaMaxTiles = kPromptMmaMaxTokens / 8;  // n-tiles of 8 tokens
-constexpr int kMmaMaxNormCols = 1024;  // rmsnorm'ed inputs (d_model) up to this width
 constexpr int kMmaPrefetch = 6;  // weight blocks per warp loaded before the programmatic wait (d_ff 1536 / 8 warps / 32)
 
 // ------------------------------------------------------------------ the weight side of one 32-column block
@@ -178,86 +180,44 @@ __device__ __forceinline__ float slot_sum(uint4 s) {
 // Slots per token row in shared memory (K/4 plus 4 slots = 64 bytes of padding).
 __host__ __device__ inline int slot_stride(int K) { return K / 4 + 4; }
 
-// Shared memory of one block: X (8 * n_tiles token rows), per-(token, block) activation sums (Q4_1), the norm
-// weights and 1/rms per token (normed input). The cross-warp reduction reuses X's space.
+// Shared memory of one block: X (8 * n_tiles token rows of 16-byte slots: fp32 quads for an rmsnorm'ed input, [hi|lo]
+// slots otherwise), the norm weights, each warp's partial sums of squares per token and 1/rms per token (normed
+// input). The cross-warp reduction reuses X's space.
 struct MmaSmem {
-  int x_bytes, sums_off, norm_off, rms_off, total;
+  int x_bytes, norm_off, ss_off, rms_off, total;
   __host__ __device__ MmaSmem(int K, int n_tiles, int row_tiles) {
     const int rows = 8 * n_tiles;
     x_bytes = rows * slot_stride(K) * 16;
     const int red_bytes = kMmaWarps * row_tiles * kMmaTileRows * (rows + 1) * 4;
-    const int head = x_bytes > red_bytes ? x_bytes : red_bytes;
-    sums_off = head;
-    norm_off = sums_off + rows * (K / 32) * 4;
-    rms_off = norm_off + K * 4;
+    norm_off = x_bytes > red_bytes ? x_bytes : red_bytes;
+    ss_off = norm_off + K * 4;
+    rms_off = ss_off + kMmaWarps * rows * 4;
     total = rms_off + rows * 4;
   }
 };
 
-// Stages X into the slot layout; ends with __syncthreads. Each warp stages whole token rows (t = warp, warp + 8,
-// ...), so there is no per-element index arithmetic. Input kinds:
-//  - fp32 rows x (rmsnorm'ed): copied as fp32, then turned in place into [hi | lo] of x * norm_w by the lanes that
-//    copied them; 1/rms per token goes to rms_s and is applied to the outputs (the projection is linear).
-//  - slot-layout rows (x_slots): a plain copy.
-// With sums set, also sums[t][b] = the staged activations of 32-column block b of token t, summed (Q4_1's minimum).
-__device__ void stage_x(const PromptMmaArgs& a, int K, int n_rows, uint4* x_s, float* sums, const float* norm_s,
-                        float* rms_s) {
+// Copies X into shared memory, one 16-byte slot (4 values) per cp.async, token rows past n zeroed; ends with
+// __syncthreads. An rmsnorm'ed input stays fp32 here: the MMA loop scales it by the norm weights and splits it into
+// [hi | lo] as it loads each fragment (each value is read by exactly one lane, so converting there costs no more than
+// a separate pass, and saves that pass's barrier and shared-memory round trip). Each warp copies whole token rows, so
+// there is no per-element index arithmetic. The arguments are copied into registers first: cp.async's memory clobber
+// would otherwise make the compiler reload them from the parameter space in every iteration (measured: +30%
+// instructions in the down projection).
+template <bool kNormed>
+__device__ void stage_x(const PromptMmaArgs& a, int K, int n_rows, uint4* x_s) {
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-  const int slots = K / 4, stride = slot_stride(K), m = a.n, nb = K / 32;
-  const bool normed = a.x != nullptr;
+  const int slots = K / 4, stride = slot_stride(K), n = a.n;
+  const float* const x = a.x;
+  const __half* const x_slots = a.x_slots;
   for (int t = warp; t < n_rows; t += kMmaWarps)
     for (int s = lane; s < slots; s += 32) {
       uint4* dst = &x_s[t * stride + s];
-      if (t >= m) *dst = make_uint4(0u, 0u, 0u, 0u);
-      else if (normed) detail::cp_async16(dst, a.x + static_cast<int64_t>(t) * K + 4 * s);
-      else detail::cp_async16(dst, a.x_slots + static_cast<int64_t>(t) * 2 * K + 8 * s);
+      if (t >= n) *dst = make_uint4(0u, 0u, 0u, 0u);
+      else if constexpr (kNormed) detail::cp_async16(dst, x + static_cast<int64_t>(t) * K + 4 * s);
+      else detail::cp_async16(dst, x_slots + static_cast<int64_t>(t) * 2 * K + 8 * s);
     }
   detail::cp_async_wait_all();
   __syncthreads();  // also publishes the norm weights, copied by other threads
-  if (normed) {
-    // A lane converts slots lane, lane + 32, ... of each of its warp's rows, so it keeps their norm weights in
-    // registers (K <= kMmaMaxNormCols).
-    constexpr int kPer = kMmaMaxNormCols / 4 / 32;
-    float4 w[kPer];
-#pragma unroll
-    for (int k = 0; k < kPer; ++k) {
-      const int s = lane + 32 * k;
-      w[k] = s < slots ? *reinterpret_cast<const float4*>(norm_s + 4 * s) : make_float4(0.f, 0.f, 0.f, 0.f);
-    }
-    for (int t = warp; t < n_rows; t += kMmaWarps) {
-      float ss = 0.f;
-      uint4* row = x_s + t * stride;
-#pragma unroll
-      for (int k = 0; k < kPer; ++k) {  // whole-warp trip count: the block sums shuffle
-        const int s = lane + 32 * k;
-        if (32 * k >= slots) break;
-        float part = 0.f;
-        if (s < slots) {
-          const float4 v = *reinterpret_cast<const float4*>(&row[s]);
-          ss += (v.x * v.x + v.y * v.y) + (v.z * v.z + v.w * v.w);
-          const float4 y = make_float4(v.x * w[k].x, v.y * w[k].y, v.z * w[k].z, v.w * w[k].w);
-          row[s] = split_slot(y);
-          part = (y.x + y.y) + (y.z + y.w);
-        }
-        if (sums != nullptr) {  // 8 consecutive slots are one 32-column block (K is a multiple of 32)
-          part += __shfl_xor_sync(0xffffffffu, part, 1);
-          part += __shfl_xor_sync(0xffffffffu, part, 2);
-          part += __shfl_xor_sync(0xffffffffu, part, 4);
-          if (s < slots && (lane & 7) == 0) sums[t * nb + s / 8] = part;
-        }
-      }
-      ss = detail::warp_sum(ss);
-      if (lane == 0) rms_s[t] = 1.f / sqrtf(ss / static_cast<float>(K) + a.eps);
-    }
-  } else if (sums != nullptr) {
-    for (int t = warp; t < n_rows; t += kMmaWarps)
-      for (int b = lane; b < nb; b += 32) {
-        float acc = 0.f;
-        for (int s = 0; s < 8; ++s) acc += slot_sum(x_s[t * stride + 8 * b + s]);
-        sums[t * nb + b] = acc;
-      }
-  }
-  __syncthreads();
 }
 
 // W row of tile row r (0..15) of row tile `tile`: rows tile*16 + r, or for the gate/up SiLU output, gate rows
@@ -272,20 +232,24 @@ __device__ __forceinline__ int tile_row(const PromptMmaArgs& a, int tile, int r)
 }
 
 // RT row tiles per block (RT = 2 halves the blocks of the wide gate/up projection, and with them the redundant
-// staging of X: every block converts the whole X).
-template <GgmlType T, int RT>
+// staging of X: every block converts the whole X). kNormed: the input is fp32 rows to rmsnorm (a.x), else slot rows
+// (a.x_slots). NT: token tiles of 8 (n <= 8 * NT). Both are template parameters so that the MMA loop has no runtime
+// tests: with a runtime token-tile count ptxas turned each tile's fragment load and MMAs into a branch of its own,
+// recomputing the shared-memory address every time (SASS: 1,400 instructions in the slot kernel's loop against 650;
+// measured: pp1 0.57 -> 0.77 ms).
+template <GgmlType T, int RT, bool kNormed, int NT>
 __global__ void __launch_bounds__(kMmaThreads) prompt_mma_kernel(const PromptMmaArgs a) {
   extern __shared__ __align__(16) unsigned char mma_smem[];
   const int K = a.W.cols, nb = a.W.nb;
-  const int n_tiles = (a.n + 7) / 8, n_rows = 8 * n_tiles;
+  constexpr int n_tiles = NT, n_rows = 8 * NT;
   const MmaSmem lay(K, n_tiles, RT);
   uint4* x_s = reinterpret_cast<uint4*>(mma_smem);
   // After the MMA loop: [warp][RT * 16 rows][n_rows + 1]; the odd row stride keeps the epilogue's reads, 16 or 32
   // consecutive rows of one token, on distinct banks.
   float* red = reinterpret_cast<float*>(mma_smem);
   const int red_ld = n_rows + 1;
-  float* sums = WBlock<T>::kHasMin ? reinterpret_cast<float*>(mma_smem + lay.sums_off) : nullptr;
   float* norm_s = reinterpret_cast<float*>(mma_smem + lay.norm_off);
+  float* ss_s = reinterpret_cast<float*>(mma_smem + lay.ss_off);  // [warp][token]
   float* rms_s = reinterpret_cast<float*>(mma_smem + lay.rms_off);
 
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, c = lane & 3;
@@ -305,11 +269,13 @@ __global__ void __launch_bounds__(kMmaThreads) prompt_mma_kernel(const PromptMma
 #pragma unroll
     for (int rt = 0; rt < RT; ++rt)
       if (j < my_blocks) pre[j][rt].load(a.W, rows[rt], warp + j * kMmaWarps, c);
-  if (a.x != nullptr)
-    for (int i = threadIdx.x; i < K / 4; i += kMmaThreads) detail::cp_async16(norm_s + 4 * i, a.norm_w + 4 * i);
+  if constexpr (kNormed) {
+    const float* const norm_w = a.norm_w;  // in a register: see stage_x
+    for (int i = threadIdx.x; i < K / 4; i += kMmaThreads) detail::cp_async16(norm_s + 4 * i, norm_w + 4 * i);
+  }
   detail::grid_dependency_wait();
 
-  stage_x(a, K, n_rows, x_s, sums, norm_s, rms_s);
+  stage_x<kNormed>(a, K, n_rows, x_s);
 
   float acc[RT][kMmaMaxTiles][4];
 #pragma unroll
@@ -317,6 +283,8 @@ __global__ void __launch_bounds__(kMmaThreads) prompt_mma_kernel(const PromptMma
 #pragma unroll
     for (int nt = 0; nt < kMmaMaxTiles; ++nt) acc[rt][nt][0] = acc[rt][nt][1] = acc[rt][nt][2] = acc[rt][nt][3] = 0.f;
   const int stride = slot_stride(K);
+  // Normed input: this lane's sum of squares of token nt * 8 + g over the slots it loads.
+  float ss[kMmaMaxTiles] = {};
   // One 32-column block of K for the RT row tiles: each B fragment (token tile, step) is loaded once for all tiles.
   auto do_block = [&](const WBlock<T>(&wb)[RT], int blk) {
     float part[RT][kMmaMaxTiles][4];
@@ -325,21 +293,47 @@ __global__ void __launch_bounds__(kMmaThreads) prompt_mma_kernel(const PromptMma
 #pragma unroll
       for (int nt = 0; nt < kMmaMaxTiles; ++nt)
         part[rt][nt][0] = part[rt][nt][1] = part[rt][nt][2] = part[rt][nt][3] = 0.f;
+    float xsum[kMmaMaxTiles] = {};  // Q4_1: token nt * 8 + g's activations in this lane's slots of the block
 #pragma unroll
     for (int step = 0; step < 2; ++step) {
       uint32_t ar[RT][4];
 #pragma unroll
       for (int rt = 0; rt < RT; ++rt) wb[rt].a_regs(step, ar[rt]);
+      const int slot = blk * 8 + 4 * step + c;
+      float4 nw;
+      if constexpr (kNormed) nw = reinterpret_cast<const float4*>(norm_s)[slot];
 #pragma unroll
       for (int nt = 0; nt < kMmaMaxTiles; ++nt) {
         if (nt < n_tiles) {
-          const uint4 xv = x_s[(nt * 8 + g) * stride + blk * 8 + 4 * step + c];
+          uint4 xv = x_s[(nt * 8 + g) * stride + slot];
+          if constexpr (kNormed) {
+            const float4 v = *reinterpret_cast<const float4*>(&xv);
+            ss[nt] += (v.x * v.x + v.y * v.y) + (v.z * v.z + v.w * v.w);
+            const float4 y = make_float4(v.x * nw.x, v.y * nw.y, v.z * nw.z, v.w * nw.w);
+            xv = split_slot(y);
+            if constexpr (WBlock<T>::kHasMin) xsum[nt] += (y.x + y.y) + (y.z + y.w);
+          } else if constexpr (WBlock<T>::kHasMin) {
+            xsum[nt] += slot_sum(xv);
+          }
 #pragma unroll
           for (int rt = 0; rt < RT; ++rt) {
             mma_16816(part[rt][nt], ar[rt], xv.x, xv.y);  // hi
             mma_16816(part[rt][nt], ar[rt], xv.z, xv.w);  // lo
           }
         }
+      }
+    }
+    // Q4_1: the block's activation sum of token nt * 8 + g is spread over the lanes c of group g; this lane's
+    // accumulators hold tokens nt * 8 + 2c and + 2c + 1 (sum0, sum1).
+    float sum0[kMmaMaxTiles], sum1[kMmaMaxTiles];
+#pragma unroll
+    for (int nt = 0; nt < kMmaMaxTiles; ++nt) {
+      if (WBlock<T>::kHasMin && nt < n_tiles) {
+        float xs = xsum[nt];
+        xs += __shfl_xor_sync(0xffffffffu, xs, 1);
+        xs += __shfl_xor_sync(0xffffffffu, xs, 2);
+        sum0[nt] = __shfl_sync(0xffffffffu, xs, 8 * c);
+        sum1[nt] = __shfl_sync(0xffffffffu, xs, 8 * c + 4);
       }
     }
 #pragma unroll
@@ -354,7 +348,7 @@ __global__ void __launch_bounds__(kMmaThreads) prompt_mma_kernel(const PromptMma
           ac[2] += d1 * part[rt][nt][2];
           ac[3] += d1 * part[rt][nt][3];
           if constexpr (WBlock<T>::kHasMin) {
-            const float s0 = sums[(nt * 8 + 2 * c) * nb + blk], s1 = sums[(nt * 8 + 2 * c + 1) * nb + blk];
+            const float s0 = sum0[nt], s1 = sum1[nt];
             const float m0 = wb[rt].min(0), m1 = wb[rt].min(1);
             ac[0] += m0 * s0;
             ac[1] += m0 * s1;
@@ -375,9 +369,21 @@ __global__ void __launch_bounds__(kMmaThreads) prompt_mma_kernel(const PromptMma
     do_block(wb, warp + j * kMmaWarps);
   }
 
+  if constexpr (kNormed) {  // this warp's sum of squares per token, for 1/rms below
+#pragma unroll
+    for (int nt = 0; nt < kMmaMaxTiles; ++nt) {
+      if (nt < n_tiles) {
+        float v = ss[nt];
+        v += __shfl_xor_sync(0xffffffffu, v, 1);
+        v += __shfl_xor_sync(0xffffffffu, v, 2);
+        if (c == 0) ss_s[warp * n_rows + nt * 8 + g] = v;
+      }
+    }
+  }
+
   // Sum the warps' partial tiles in a fixed order.
   constexpr int kRows = RT * kMmaTileRows;
-  __syncthreads();  // every warp is done reading x_s, which red overlays
+  __syncthreads();  // every warp is done reading x_s, which red overlays, and has written its ss_s
 #pragma unroll
   for (int rt = 0; rt < RT; ++rt)
 #pragma unroll
@@ -391,12 +397,16 @@ __global__ void __launch_bounds__(kMmaThreads) prompt_mma_kernel(const PromptMma
         r[(g + 8) * red_ld + t0 + 1] = acc[rt][nt][3];
       }
     }
+  if (kNormed && threadIdx.x < n_rows) {  // 1/rms of token threadIdx.x (the projection is linear: applied to the outputs)
+    float sq = 0.f;
+    for (int w = 0; w < kMmaWarps; ++w) sq += ss_s[w * n_rows + threadIdx.x];
+    rms_s[threadIdx.x] = 1.f / sqrtf(sq / static_cast<float>(K) + a.eps);
+  }
   __syncthreads();
-  const bool normed = a.x != nullptr;
   auto tile_sum = [&](int r, int t) {  // r: row of the block's RT * 16
     float v = 0.f;
     for (int w = 0; w < kMmaWarps; ++w) v += red[(w * kRows + r) * red_ld + t];
-    return normed ? v * rms_s[t] : v;
+    return kNormed ? v * rms_s[t] : v;
   };
   if (a.out_kind == PromptMmaOut::SiluHalf) {
     // Column j = 8 * tile + r of h = silu(gate) * up, in the slot layout the down projection reads.
@@ -427,15 +437,25 @@ int row_tiles(const PromptMmaArgs& a) {
 // Row tiles per block: 2 where one per block would leave more blocks than SMs to share (the gate/up projection).
 int row_tiles_per_block(const PromptMmaArgs& a) { return row_tiles(a) > 128 ? 2 : 1; }
 
-template <GgmlType T, int RT>
+template <GgmlType T, int RT, int NT>
 void launch_typed(const PromptMmaArgs& a, cudaStream_t s) {
-  const int n_tiles = (a.n + 7) / 8;
-  const MmaSmem lay(a.W.cols, n_tiles, RT);
+  const MmaSmem lay(a.W.cols, NT, RT);
   const int tiles = row_tiles(a);
-  auto* kernel = prompt_mma_kernel<T, RT>;
+  auto* kernel = a.x != nullptr ? prompt_mma_kernel<T, RT, true, NT> : prompt_mma_kernel<T, RT, false, NT>;
   detail::allow_dynamic_smem(kernel, static_cast<size_t>(lay.total));
   detail::launch_programmatic(kernel, dim3((tiles + RT - 1) / RT), dim3(kMmaThreads), static_cast<size_t>(lay.total),
                               s, a);
+}
+
+template <GgmlType T, int RT>
+void launch_typed(const PromptMmaArgs& a, cudaStream_t s) {
+  static_assert(kMmaMaxTiles == 4, "one case per token-tile count");
+  switch ((a.n + 7) / 8) {
+    case 1: launch_typed<T, RT, 1>(a, s); break;
+    case 2: launch_typed<T, RT, 2>(a, s); break;
+    case 3: launch_typed<T, RT, 3>(a, s); break;
+    default: launch_typed<T, RT, 4>(a, s); break;
+  }
 }
 
 template <GgmlType T>
@@ -602,16 +622,15 @@ static int device_smem_optin() {
   return bytes;
 }
 
-bool prompt_mma_supported(GgmlType type, int cols, int d_ff_or_zero, bool normed) {
+bool prompt_mma_supported(GgmlType type, int cols, int d_ff_or_zero) {
   if (type != GgmlType::Q4_0 && type != GgmlType::Q4_1 && type != GgmlType::Q8_0) return false;
-  if (normed && cols > kMmaMaxNormCols) return false;
   if (cols % 32 != 0 || d_ff_or_zero % 8 != 0) return false;
   return MmaSmem(cols, kMmaMaxTiles, 2).total <= device_smem_optin();
 }
 
 void launch_prompt_mma(const PromptMmaArgs& a, cudaStream_t s) {
   if (a.n < 1 || a.n > kPromptMmaMaxTokens) throw EngineError("launch_prompt_mma: token count out of range");
-  if (!prompt_mma_supported(a.W.type, a.W.cols, a.out_kind == PromptMmaOut::SiluHalf ? a.d_ff : 0, a.x != nullptr))
+  if (!prompt_mma_supported(a.W.type, a.W.cols, a.out_kind == PromptMmaOut::SiluHalf ? a.d_ff : 0))
     throw EngineError("launch_prompt_mma: unsupported weight type or shape");
   if ((a.x != nullptr) == (a.x_slots != nullptr)) throw EngineError("launch_prompt_mma: give exactly one input");
   if (a.x != nullptr && a.norm_w == nullptr) throw EngineError("launch_prompt_mma: fp32 input needs norm weights");
