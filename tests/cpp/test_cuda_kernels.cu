@@ -1026,7 +1026,7 @@ TEST(CudaPrompt, MmaProjectionsMatchReferenceAtEveryShape) {
   for (GgmlType type : {GgmlType::Q4_0, GgmlType::Q4_1, GgmlType::Q8_0}) {
     if (quick && type != GgmlType::Q4_1) continue;
     for (const Case& cs : cases) {
-      for (int n : {1, 7, 8, 9, 32}) {
+      for (int n : {1, 7, 8, 9, 17, 32}) {  // every token-tile count the kernel is compiled for (1..4 tiles of 8)
         if (quick && n != 9 && n != 32) continue;
         SCOPED_TRACE(std::string(type_name(type)) + " " + std::to_string(cs.rows) + "x" + std::to_string(cs.cols) +
                      " out " + std::to_string(static_cast<int>(cs.out)) + (cs.normed ? " normed" : " slots") +
