@@ -235,8 +235,9 @@ __device__ __forceinline__ int tile_row(const PromptMmaArgs& a, int tile, int r)
 // staging of X: every block converts the whole X). kNormed: the input is fp32 rows to rmsnorm (a.x), else slot rows
 // (a.x_slots). NT: token tiles of 8 (n <= 8 * NT). Both are template parameters so that the MMA loop has no runtime
 // tests: with a runtime token-tile count ptxas turned each tile's fragment load and MMAs into a branch of its own,
-// recomputing the shared-memory address every time (SASS: 1,400 instructions in the slot kernel's loop against 650;
-// measured: pp1 0.57 -> 0.77 ms).
+// recomputing the shared-memory address every time (SASS: 1,400 instructions in the slot kernel's loop against 650).
+// That and the argument reloads stage_x now avoids made the first version of this kernel slower than its
+// predecessor (H100 pp1 0.57 -> 0.77 ms); with both fixed, pp1 is 0.43 ms.
 template <GgmlType T, int RT, bool kNormed, int NT>
 __global__ void __launch_bounds__(kMmaThreads) prompt_mma_kernel(const PromptMmaArgs a) {
   extern __shared__ __align__(16) unsigned char mma_smem[];
