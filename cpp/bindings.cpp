@@ -49,6 +49,21 @@ class PyEngine {
     s.n_ctx = nb::cast<int>(config["n_ctx"]);
     s.rope_base = nb::cast<float>(config["rope_base"]);
     s.rms_eps = nb::cast<float>(config["rms_eps"]);
+    // The architecture description (gguf_model.ARCHITECTURES); absent keys keep the plain Llama layer.
+    auto opt = [&](const char* key) -> nb::object { return config.contains(key) ? config[key] : nb::none(); };
+    if (!opt("rope_style").is_none()) s.rope_style = static_cast<metalattn::RopeStyle>(nb::cast<int>(opt("rope_style")));
+    if (!opt("activation").is_none()) s.activation = static_cast<metalattn::Activation>(nb::cast<int>(opt("activation")));
+    if (!opt("embed_scale").is_none()) s.embed_scale = nb::cast<float>(opt("embed_scale"));
+    if (!opt("attn_scale").is_none()) s.attn_scale = nb::cast<float>(opt("attn_scale"));
+    if (!opt("attn_bias").is_none()) s.attn_bias = nb::cast<bool>(opt("attn_bias"));
+    if (!opt("qk_norm").is_none()) s.qk_norm = nb::cast<bool>(opt("qk_norm"));
+    if (!opt("post_norms").is_none()) s.post_norms = nb::cast<bool>(opt("post_norms"));
+    if (!opt("layers").is_none()) {  // [(rope_base, rope_scale, window)] per layer
+      for (nb::handle h : nb::cast<nb::list>(opt("layers"))) {
+        nb::tuple t = nb::cast<nb::tuple>(h);
+        s.layers.push_back({nb::cast<float>(t[0]), nb::cast<float>(t[1]), nb::cast<int>(t[2])});
+      }
+    }
 
     metalattn::ModelWeights w;
     w.layers.resize(s.n_layers);
@@ -60,22 +75,35 @@ class PyEngine {
       v.type = static_cast<metalattn::GgmlType>(nb::cast<uint32_t>(t[0]));
       v.rows = nb::cast<int64_t>(t[1]);
       v.cols = nb::cast<int64_t>(t[2]);
+      if (metalattn::row_bytes(v.type, v.cols) == 0)
+        throw EngineError("tensor " + name + " has an unsupported type (ggml type " +
+                          std::to_string(static_cast<uint32_t>(v.type)) + ")");
       if (a.shape(0) != static_cast<size_t>(v.rows) || a.shape(1) != metalattn::row_bytes(v.type, v.cols))
         throw EngineError("tensor " + name + ": byte array shape does not match its type and dimensions");
       v.data = a.data();
       matrices_.push_back(a);
       return v;
     };
-    auto norm = [&](const std::string& name) {
-      if (!norms.contains(name.c_str())) throw EngineError("missing tensor " + name);
+    // A float vector of n values, or null where the file has none (validate_model says whether it must).
+    auto vec = [&](const std::string& name, int n) -> const float* {
+      if (!norms.contains(name.c_str())) return nullptr;
       FloatVector a = nb::cast<FloatVector>(norms[name.c_str()]);
-      if (a.shape(0) != static_cast<size_t>(s.d_model)) throw EngineError("tensor " + name + " must have d_model floats");
+      if (a.shape(0) != static_cast<size_t>(n))
+        throw EngineError("tensor " + name + " must have " + std::to_string(n) + " floats, has " +
+                          std::to_string(a.shape(0)));
       norms_.push_back(a);
       return a.data();
+    };
+    auto norm = [&](const std::string& name) {
+      const float* v = vec(name, s.d_model);
+      if (v == nullptr) throw EngineError("missing tensor " + name);
+      return v;
     };
     w.tok_embd = matrix("token_embd.weight");
     w.output = matrix("output.weight");
     w.output_norm = norm("output_norm.weight");
+    w.rope_freqs = vec("rope_freqs.weight", s.head_dim / 2);
+    const int qd = s.n_heads * s.head_dim, kvd = s.n_kv_heads * s.head_dim;
     for (int l = 0; l < s.n_layers; ++l) {
       const std::string p = "blk." + std::to_string(l) + ".";
       metalattn::LayerWeights& L = w.layers[l];
@@ -88,6 +116,13 @@ class PyEngine {
       L.w_gate = matrix(p + "ffn_gate.weight");
       L.w_up = matrix(p + "ffn_up.weight");
       L.w_down = matrix(p + "ffn_down.weight");
+      L.bq = vec(p + "attn_q.bias", qd);
+      L.bk = vec(p + "attn_k.bias", kvd);
+      L.bv = vec(p + "attn_v.bias", kvd);
+      L.q_norm = vec(p + "attn_q_norm.weight", s.head_dim);
+      L.k_norm = vec(p + "attn_k_norm.weight", s.head_dim);
+      L.post_attn_norm = vec(p + "post_attention_norm.weight", s.d_model);
+      L.post_ffn_norm = vec(p + "post_ffw_norm.weight", s.d_model);
     }
     nb::gil_scoped_release release;  // uploading weights to a GPU can take a while
     engine_ = std::make_unique<metalattn::Engine>(s, w, device, n_threads, debug);
@@ -113,6 +148,9 @@ NB_MODULE(_core, m) {
       PyErr_SetString(cls.ptr(), e.what());
     } catch (const metalattn::ContextOverflow& e) {
       nb::object cls = nb::module_::import_("metalattn.errors").attr("ContextOverflowError");
+      PyErr_SetString(cls.ptr(), e.what());
+    } catch (const metalattn::BackendUnsupported& e) {
+      nb::object cls = nb::module_::import_("metalattn.errors").attr("BackendUnsupportedError");
       PyErr_SetString(cls.ptr(), e.what());
     } catch (const EngineError& e) {
       PyErr_SetString(PyExc_ValueError, e.what());

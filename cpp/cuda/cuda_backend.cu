@@ -289,6 +289,25 @@ CudaBackend::CudaBackend(const ModelSpec& spec, const ModelWeights& w, bool debu
       // decode (bound 1e-3). =0 runs plain fp16 GEMMs (1 K-slice instead of 3, a third of the weight copies).
       split_(env_flag("METALATTN_CUDA_PREFILL_SPLIT", true)) {
   validate_model(spec, w);
+  if (!spec.plain_llama() || w.rope_freqs != nullptr)
+    throw BackendUnsupported("the CUDA backend runs the plain Llama layer only so far (no biases, QK-norm, "
+                             "post-norms, GELU, NeoX or per-layer RoPE, sliding windows or RoPE frequency factors)");
+  auto check_type = [](const WeightView& m, const std::string& name) {
+    switch (m.type) {
+      case GgmlType::F32: case GgmlType::F16: case GgmlType::BF16:
+      case GgmlType::Q4_0: case GgmlType::Q4_1: case GgmlType::Q8_0: return;
+      default:
+        throw BackendUnsupported(std::string("the CUDA backend does not run ") + type_name(m.type) +
+                                 " tensors yet (" + name + ")");
+    }
+  };
+  check_type(w.tok_embd, "token_embd.weight");
+  check_type(w.output, "output.weight");
+  for (int l = 0; l < spec.n_layers; ++l) {
+    const LayerWeights& L = w.layers[l];
+    for (const WeightView* m : {&L.wq, &L.wk, &L.wv, &L.wo, &L.w_gate, &L.w_up, &L.w_down})
+      check_type(*m, "blk." + std::to_string(l));
+  }
   if (cuda_device_count() <= 0) throw EngineError("no CUDA device is available");
   if (spec.head_dim % 32 != 0 || spec.head_dim > 128)
     throw EngineError("the CUDA backend needs head_dim a multiple of 32, at most 128");

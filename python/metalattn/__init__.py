@@ -9,6 +9,7 @@ work without it.
 """
 
 from .errors import (
+    BackendUnsupportedError,
     ContextOverflowError,
     DeviceError,
     GGUFError,
@@ -27,6 +28,7 @@ __all__ = [
     "MetalattnError",
     "GGUFError",
     "UnsupportedModelError",
+    "BackendUnsupportedError",
     "TokenError",
     "ContextOverflowError",
     "DeviceError",

@@ -23,3 +23,8 @@ class ContextOverflowError(MetalattnError, ValueError):
 
 class DeviceError(MetalattnError, RuntimeError):
     """The requested device is unavailable, or it failed (for example out of GPU memory)."""
+
+
+class BackendUnsupportedError(UnsupportedModelError):
+    """The model is valid, but the chosen backend cannot run one of its features or tensor types yet
+    (device="auto" then falls back to the CPU)."""

@@ -14,10 +14,15 @@
 namespace metalattn {
 
 // Values are ggml's type ids, as written in GGUF tensor infos.
-enum class GgmlType : uint32_t { F32 = 0, F16 = 1, Q4_0 = 2, Q4_1 = 3, Q8_0 = 8, BF16 = 30 };
+enum class GgmlType : uint32_t {
+  F32 = 0, F16 = 1, Q4_0 = 2, Q4_1 = 3, Q5_0 = 6, Q5_1 = 7, Q8_0 = 8,
+  Q2_K = 10, Q3_K = 11, Q4_K = 12, Q5_K = 13, Q6_K = 14, BF16 = 30
+};
 
-constexpr int kQuantBlock = 32;  // weights per block for every quantized type here
+constexpr int kQuantBlock = 32;  // weights per block of the legacy types (Q4_0 .. Q8_0)
+constexpr int kSuperBlock = 256; // weights per super-block of the K-quants (ggml's QK_K)
 
+// ---------------------------------------------------------------- legacy 32-weight blocks
 struct block_q4_0 {
   uint16_t d;      // fp16 scale
   uint8_t qs[16];  // 32 unsigned nibbles; weight = d * (q - 8)
@@ -27,30 +32,124 @@ struct block_q4_1 {
   uint16_t m;      // fp16 min
   uint8_t qs[16];  // weight = d * q + m
 };
+struct block_q5_0 {
+  uint16_t d;      // fp16 scale
+  uint8_t qh[4];   // bit j of the little-endian uint32: 5th bit of weight j
+  uint8_t qs[16];  // low nibbles as in Q4_0; weight = d * (q - 16), q = nibble | (bit << 4)
+};
+struct block_q5_1 {
+  uint16_t d;      // fp16 scale
+  uint16_t m;      // fp16 min
+  uint8_t qh[4];   // as Q5_0
+  uint8_t qs[16];  // weight = d * q + m
+};
 struct block_q8_0 {
   uint16_t d;      // fp16 scale
   int8_t qs[32];   // weight = d * q
 };
 static_assert(sizeof(block_q4_0) == 18, "GGUF Q4_0 block is 18 bytes");
 static_assert(sizeof(block_q4_1) == 20, "GGUF Q4_1 block is 20 bytes");
+static_assert(sizeof(block_q5_0) == 22, "GGUF Q5_0 block is 22 bytes");
+static_assert(sizeof(block_q5_1) == 24, "GGUF Q5_1 block is 24 bytes");
 static_assert(sizeof(block_q8_0) == 34, "GGUF Q8_0 block is 34 bytes");
 
-// Bytes of one row of `cols` weights; 0 for an unknown type. Quantized types need cols % 32 == 0.
-inline MA_HOST_DEVICE size_t row_bytes(GgmlType t, int64_t cols) {
+// ---------------------------------------------------------------- K-quants: 256-weight super-blocks
+// Q4_K / Q5_K: 8 sub-blocks of 32. Sub-block j has a 6-bit scale sc[j] and a 6-bit min m[j], packed in
+// scales[12]: for j < 4, sc = scales[j] & 63, m = scales[j + 4] & 63; for j >= 4,
+// sc = (scales[j + 4] & 0xF) | ((scales[j - 4] >> 6) << 4), m = (scales[j + 4] >> 4) | ((scales[j] >> 6) << 4).
+// weight = d * sc[j] * q - dmin * m[j]. Nibbles: qs[32 * c + l] holds weight 64c + l (low) and 64c + 32 + l (high).
+struct block_q4_K {
+  uint16_t d;           // fp16 super-scale of the scales
+  uint16_t dmin;        // fp16 super-scale of the mins
+  uint8_t scales[12];
+  uint8_t qs[128];
+};
+// Q5_K: Q4_K plus the 5th bit of weight 32 * j + l in bit j of qh[l] (q = nibble | bit << 4).
+struct block_q5_K {
+  uint16_t d;
+  uint16_t dmin;
+  uint8_t scales[12];
+  uint8_t qh[32];
+  uint8_t qs[128];
+};
+// Q6_K: 16 sub-blocks of 16, int8 scales; weight = d * scales[sub] * (q - 32), q 6 bits. For each half h (128
+// weights) and l < 32: ql[64h + l] low nibble / high nibble hold the low 4 bits of weights 128h + l / 128h + 64 + l,
+// ql[64h + 32 + l] those of 128h + 32 + l / 128h + 96 + l; qh[32h + l] bits 0-1, 2-3, 4-5, 6-7 hold the high 2 bits
+// of weights 128h + l, + 32 + l, + 64 + l, + 96 + l. Weight i uses scales[i / 16].
+struct block_q6_K {
+  uint8_t ql[128];
+  uint8_t qh[64];
+  int8_t scales[16];
+  uint16_t d;           // fp16
+};
+// Q3_K: 16 sub-blocks of 16; weight = d * (sc - 32) * q3 with q3 = (2 low bits) - (hmask bit clear ? 4 : 0).
+struct block_q3_K {
+  uint8_t hmask[32];
+  uint8_t qs[64];
+  uint8_t scales[12];   // 16 6-bit scales
+  uint16_t d;
+};
+// Q2_K: 16 sub-blocks of 16; scales[i] low nibble = scale, high nibble = min; weight = d * sc * q2 - dmin * m.
+struct block_q2_K {
+  uint8_t scales[16];
+  uint8_t qs[64];
+  uint16_t d;
+  uint16_t dmin;
+};
+static_assert(sizeof(block_q4_K) == 144, "GGUF Q4_K block is 144 bytes");
+static_assert(sizeof(block_q5_K) == 176, "GGUF Q5_K block is 176 bytes");
+static_assert(sizeof(block_q6_K) == 210, "GGUF Q6_K block is 210 bytes");
+static_assert(sizeof(block_q3_K) == 110, "GGUF Q3_K block is 110 bytes");
+static_assert(sizeof(block_q2_K) == 84, "GGUF Q2_K block is 84 bytes");
+
+// Weights per block of a type: 32 (legacy), 256 (K-quants), 1 (float types), 0 (unknown).
+inline MA_HOST_DEVICE int block_elems(GgmlType t) {
   switch (t) {
-    case GgmlType::F32: return static_cast<size_t>(cols) * 4;
+    case GgmlType::F32:
     case GgmlType::F16:
-    case GgmlType::BF16: return static_cast<size_t>(cols) * 2;
-    case GgmlType::Q4_0: return static_cast<size_t>(cols / kQuantBlock) * sizeof(block_q4_0);
-    case GgmlType::Q4_1: return static_cast<size_t>(cols / kQuantBlock) * sizeof(block_q4_1);
-    case GgmlType::Q8_0: return static_cast<size_t>(cols / kQuantBlock) * sizeof(block_q8_0);
+    case GgmlType::BF16: return 1;
+    case GgmlType::Q4_0:
+    case GgmlType::Q4_1:
+    case GgmlType::Q5_0:
+    case GgmlType::Q5_1:
+    case GgmlType::Q8_0: return kQuantBlock;
+    case GgmlType::Q2_K:
+    case GgmlType::Q3_K:
+    case GgmlType::Q4_K:
+    case GgmlType::Q5_K:
+    case GgmlType::Q6_K: return kSuperBlock;
   }
   return 0;
 }
 
-inline bool is_quantized(GgmlType t) {
-  return t == GgmlType::Q4_0 || t == GgmlType::Q4_1 || t == GgmlType::Q8_0;
+// Bytes of one block of a type (one element for the float types); 0 for an unknown type.
+inline MA_HOST_DEVICE size_t block_bytes(GgmlType t) {
+  switch (t) {
+    case GgmlType::F32: return 4;
+    case GgmlType::F16:
+    case GgmlType::BF16: return 2;
+    case GgmlType::Q4_0: return sizeof(block_q4_0);
+    case GgmlType::Q4_1: return sizeof(block_q4_1);
+    case GgmlType::Q5_0: return sizeof(block_q5_0);
+    case GgmlType::Q5_1: return sizeof(block_q5_1);
+    case GgmlType::Q8_0: return sizeof(block_q8_0);
+    case GgmlType::Q2_K: return sizeof(block_q2_K);
+    case GgmlType::Q3_K: return sizeof(block_q3_K);
+    case GgmlType::Q4_K: return sizeof(block_q4_K);
+    case GgmlType::Q5_K: return sizeof(block_q5_K);
+    case GgmlType::Q6_K: return sizeof(block_q6_K);
+  }
+  return 0;
 }
+
+// Bytes of one row of `cols` weights; 0 for an unknown type. Quantized types need cols % block_elems == 0.
+inline MA_HOST_DEVICE size_t row_bytes(GgmlType t, int64_t cols) {
+  const int be = block_elems(t);
+  return be == 0 ? 0 : static_cast<size_t>(cols / be) * block_bytes(t);
+}
+
+inline MA_HOST_DEVICE bool is_quantized(GgmlType t) { return block_elems(t) > 1; }
+inline MA_HOST_DEVICE bool is_k_quant(GgmlType t) { return block_elems(t) == kSuperBlock; }
 
 const char* type_name(GgmlType t);
 
