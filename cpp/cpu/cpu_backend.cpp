@@ -53,10 +53,22 @@ inline float fast_exp(float x) {
   return p * __builtin_bit_cast(float, bits);
 }
 
-// gate[i] = silu(gate[i]) * up[i], the SwiGLU input of the down projection.
+// gate[i] = act(gate[i]) * up[i], the input of the down projection: SiLU (Llama, Qwen) or the tanh form of GELU
+// (Gemma), tanh(u) written as 1 - 2 / (exp(2u) + 1) so the loop vectorises.
 __attribute__((target_clones("avx512f", "avx2", "default")))
 void swiglu(float* gate, const float* up, int64_t n) {
   for (int64_t i = 0; i < n; ++i) gate[i] = gate[i] / (1.f + fast_exp(-gate[i])) * up[i];
+}
+
+__attribute__((target_clones("avx512f", "avx2", "default")))
+void geglu(float* gate, const float* up, int64_t n) {
+  constexpr float kSqrt2OverPi = 0.7978845608028654f, kCubic = 0.044715f;
+  for (int64_t i = 0; i < n; ++i) {
+    const float g = gate[i];
+    const float u = kSqrt2OverPi * g * (1.f + kCubic * g * g);
+    const float t = 1.f - 2.f / (fast_exp(2.f * u) + 1.f);
+    gate[i] = 0.5f * g * (1.f + t) * up[i];
+  }
 }
 
 // x[i] = exp(x[i] - shift); returns the sum.
@@ -86,7 +98,8 @@ float exp_shifted_sum(float* x, int n, float shift) {
 // of a position's row is loaded once and added into every (token, head) output. Positions a token must not see
 // (the later tokens of its own tile, whose K/V are already in the cache) get probability 0.
 // q: token t, head h at q + t * q_stride + h * head_dim; out likewise with out_stride; scores: G*T rows of scratch
-// (stride scores_stride). head_dim must be a multiple of 16 (checked at construction).
+// (stride scores_stride). head_dim must be a multiple of 16 (checked at construction). With a sliding window
+// (window > 0) token t sees only the last `window` positions up to its own; `scale` multiplies q.k.
 typedef float v16f __attribute__((vector_size(64)));
 // The helpers below pass v16f by value; they are always inlined into the ISA clones, so GCC's note that such a
 // signature's ABI differs with and without AVX-512 does not apply.
@@ -103,14 +116,17 @@ __attribute__((always_inline)) inline void store16(float* p, v16f v) { std::memc
 template <int G, int T>
 __attribute__((target_clones("avx512f", "avx2", "default")))
 void attend_group(const float* q, int q_stride, const float* k_t, int k_t_stride, const float* v, int v_stride,
-                  int n_pos0, int head_dim, float* scores, int scores_stride, float* out, int out_stride) {
-  const float scale = 1.f / std::sqrt(static_cast<float>(head_dim));
+                  int n_pos0, int head_dim, int window, float scale, float* scores, int scores_stride, float* out,
+                  int out_stride) {
   const int n_all = n_pos0 + T - 1;  // positions the last token of the tile sees
+  // First position any token of the tile sees; scores start at the 16-aligned block holding it.
+  const int lo0 = window > 0 ? std::max(0, n_pos0 - window) : 0;
+  const int start = lo0 / 16 * 16;
   // Whole 16-position blocks, also past n_all where the cache row has room (those scores are never used): every
   // score then comes from the same vector code whatever the tile, so a prompt matches token-by-token decode exactly.
   int full = (n_all + 15) / 16 * 16;
   if (full > k_t_stride) full -= 16;
-  for (int t0 = 0; t0 < full; t0 += 16) {
+  for (int t0 = start; t0 < full; t0 += 16) {
     v16f acc[T][G] = {};
     for (int j = 0; j < head_dim; ++j) {
       const v16f kr = load16(k_t + static_cast<int64_t>(j) * k_t_stride + t0);
@@ -120,7 +136,7 @@ void attend_group(const float* q, int q_stride, const float* k_t, int k_t_stride
     for (int t = 0; t < T; ++t)
       for (int h = 0; h < G; ++h) store16(scores + (t * G + h) * scores_stride + t0, acc[t][h] * scale);
   }
-  for (int p = full; p < n_all; ++p)
+  for (int p = std::max(full, start); p < n_all; ++p)
     for (int t = 0; t < T; ++t)
       for (int h = 0; h < G; ++h) {
         float sum = 0.f;
@@ -132,15 +148,17 @@ void attend_group(const float* q, int q_stride, const float* k_t, int k_t_stride
     for (int h = 0; h < G; ++h) {
       float* sc = scores + (t * G + h) * scores_stride;
       const int n = n_pos0 + t;
+      const int lo = window > 0 ? std::max(0, n - window) : 0;  // this token's first visible position
       float mx = -INFINITY;
-      for (int p = 0; p < n; ++p) mx = std::max(mx, sc[p]);
-      const float inv = 1.f / exp_shifted_sum(sc, n, mx);
-      for (int p = 0; p < n; ++p) sc[p] *= inv;
+      for (int p = lo; p < n; ++p) mx = std::max(mx, sc[p]);
+      const float inv = 1.f / exp_shifted_sum(sc + lo, n - lo, mx);
+      for (int p = lo; p < n; ++p) sc[p] *= inv;
+      for (int p = start; p < lo; ++p) sc[p] = 0.f;
       for (int p = n; p < n_all; ++p) sc[p] = 0.f;
     }
   for (int c = 0; c < head_dim; c += 16) {
     v16f acc[T][G] = {};
-    for (int p = 0; p < n_all; ++p) {
+    for (int p = start; p < n_all; ++p) {
       const v16f vr = load16(v + static_cast<int64_t>(p) * v_stride + c);
       for (int t = 0; t < T; ++t)
         for (int h = 0; h < G; ++h) acc[t][h] += scores[(t * G + h) * scores_stride + p] * vr;
@@ -150,7 +168,8 @@ void attend_group(const float* q, int q_stride, const float* k_t, int k_t_stride
   }
 }
 
-using AttendFn = void (*)(const float*, int, const float*, int, const float*, int, int, int, float*, int, float*, int);
+using AttendFn = void (*)(const float*, int, const float*, int, const float*, int, int, int, int, float, float*, int,
+                          float*, int);
 
 // attend_group for one token (decode, prompt tails) and for a tile of kQueryTile prompt tokens.
 struct AttendFns {
@@ -177,14 +196,18 @@ AttendFns attend_fns_for(int group) {
   throw EngineError("cpu backend: 1 to 8 query heads per KV head are supported");
 }
 
-// RoPE with angles from a table: the same values ref::rope computes, without a pow/cos/sin per element.
-void rope_from_table(float* v, int n_heads, int head_dim, const float* cos_row, const float* sin_row) {
+// RoPE with angles from a table: the same values ref::rope computes, without a pow/cos/sin per element. The
+// interleaved (llama GGUF) layout turns pairs (2i, 2i+1), the NeoX layout pairs (i, i + head_dim/2).
+void rope_from_table(float* v, int n_heads, int head_dim, RopeStyle style, const float* cos_row, const float* sin_row) {
+  const int half = head_dim / 2;
+  const int step = style == RopeStyle::Neox ? 1 : 2, other = style == RopeStyle::Neox ? half : 1;
   for (int h = 0; h < n_heads; ++h) {
     float* p = v + h * head_dim;
-    for (int i = 0; i < head_dim / 2; ++i) {
-      const float a = p[2 * i], b = p[2 * i + 1];
-      p[2 * i] = a * cos_row[i] - b * sin_row[i];
-      p[2 * i + 1] = a * sin_row[i] + b * cos_row[i];
+    for (int i = 0; i < half; ++i) {
+      float* a = p + i * step;
+      const float x = a[0], y = a[other];
+      a[0] = x * cos_row[i] - y * sin_row[i];
+      a[other] = x * sin_row[i] + y * cos_row[i];
     }
   }
 }
@@ -192,7 +215,7 @@ void rope_from_table(float* v, int n_heads, int head_dim, const float* cos_row, 
 class CpuBackend final : public Backend {
  public:
   CpuBackend(const ModelSpec& spec, const ModelWeights& w, int n_threads)
-      : s_(spec), w_(w), isa_(cpu::selected_isa()), pool_(n_threads) {
+      : s_(spec), w_(w), isa_(cpu::selected_isa()), pool_(n_threads), attn_scale_(spec.attention_scale()) {
     validate_model(s_, w_);
     const size_t cache = static_cast<size_t>(s_.n_layers) * s_.n_ctx * s_.kv_dim();
     k_cache_.assign(cache, 0.f);
@@ -201,15 +224,39 @@ class CpuBackend final : public Backend {
     if (s_.head_dim % 16 != 0) throw EngineError("cpu backend: head_dim must be a multiple of 16");
     attend_ = attend_fns_for(s_.n_heads / s_.n_kv_heads);
     scores_.resize(static_cast<size_t>(pool_.size()) * kQueryTile * (s_.n_heads / s_.n_kv_heads) * s_.n_ctx);
+    // One cos/sin table per distinct (base, scale) among the layers (Gemma 3 has two), shared by the layers using it.
+    for (int l = 0; l < s_.n_layers; ++l) {
+      const LayerSpec ls = s_.layer(l);
+      int found = -1;
+      for (size_t i = 0; i < rope_tables_.size(); ++i)
+        if (rope_tables_[i].base == ls.rope_base && rope_tables_[i].scale == ls.rope_scale) found = static_cast<int>(i);
+      if (found < 0) {
+        found = static_cast<int>(rope_tables_.size());
+        rope_tables_.push_back(make_rope_table(ls.rope_base, ls.rope_scale, w_.rope_freqs));
+      }
+      layer_rope_.push_back(found);
+    }
+  }
+
+  // cos/sin of pos * scale * base^(-2i/head_dim) / factor[i] for every position and pair, the angle in double as
+  // ref::rope computes it.
+  struct RopeTable {
+    float base, scale;
+    std::vector<float> cos, sin;  // [n_ctx][head_dim/2]
+  };
+  RopeTable make_rope_table(float base, float scale, const float* factors) const {
     const int half = s_.head_dim / 2;
-    rope_cos_.resize(static_cast<size_t>(s_.n_ctx) * half);
-    rope_sin_.resize(rope_cos_.size());
+    RopeTable t{base, scale, {}, {}};
+    t.cos.resize(static_cast<size_t>(s_.n_ctx) * half);
+    t.sin.resize(t.cos.size());
     for (int pos = 0; pos < s_.n_ctx; ++pos)
       for (int i = 0; i < half; ++i) {
-        const double theta = pos * std::pow(static_cast<double>(s_.rope_base), -2.0 * i / s_.head_dim);
-        rope_cos_[static_cast<size_t>(pos) * half + i] = static_cast<float>(std::cos(theta));
-        rope_sin_[static_cast<size_t>(pos) * half + i] = static_cast<float>(std::sin(theta));
+        double theta = static_cast<double>(pos) * scale * std::pow(static_cast<double>(base), -2.0 * i / s_.head_dim);
+        if (factors != nullptr) theta /= factors[i];
+        t.cos[static_cast<size_t>(pos) * half + i] = static_cast<float>(std::cos(theta));
+        t.sin[static_cast<size_t>(pos) * half + i] = static_cast<float>(std::sin(theta));
       }
+    return t;
   }
 
   const char* name() const override { return "cpu"; }
@@ -255,8 +302,9 @@ class CpuBackend final : public Backend {
     MemoryInfo m;
     m.kv_cache = (k_cache_.size() + v_cache_.size()) * sizeof(float);
     m.scratch = (x_.size() + xn_.size() + q_.size() + k_.size() + v_.size() + att_.size() + tmp_.size() + gate_.size() +
-                 up_.size() + logits_.size() + scores_.size() + rope_cos_.size() + rope_sin_.size()) * sizeof(float) +
+                 up_.size() + logits_.size() + scores_.size()) * sizeof(float) +
                 xq_.size() * sizeof(block_q16_act);
+    for (const RopeTable& t : rope_tables_) m.scratch += (t.cos.size() + t.sin.size()) * sizeof(float);
     return m;
   }
 
@@ -345,6 +393,19 @@ class CpuBackend final : public Backend {
 
   void embed(int32_t token, float* out) const {
     ref::dequantize_row(w_.tok_embd.type, w_.tok_embd.row(token), out, s_.d_model);
+    if (s_.embed_scale != 1.f)
+      for (int i = 0; i < s_.d_model; ++i) out[i] *= s_.embed_scale;
+  }
+
+  // out[t] = rmsnorm(x[t]) for n rows of `width`, then added into residual rows (post-norm architectures) or,
+  // without a norm weight, x itself added.
+  void add_residual(float* residual, float* x, const float* post_norm, int n) {
+    const int d = s_.d_model;
+    if (post_norm != nullptr)
+      for_tokens(n, [&](int b, int e) {
+        for (int t = b; t < e; ++t) ref::rmsnorm(x + static_cast<int64_t>(t) * d, post_norm, s_.rms_eps, d, x + static_cast<int64_t>(t) * d);
+      });
+    for (int64_t i = 0; i < static_cast<int64_t>(n) * d; ++i) residual[i] += x[i];
   }
 
   void run_chunk(const int32_t* tokens, int n, int pos, float* all_logits, float* last_logits) {
@@ -364,11 +425,23 @@ class CpuBackend final : public Backend {
       project({{&L.wq, xn_.data(), xq, q_.data(), qd}, {&L.wk, xn_.data(), xq, k_.data(), kvd},
                {&L.wv, xn_.data(), xq, v_.data(), kvd}},
               n);
+      const RopeTable& rt = rope_tables_[layer_rope_[l]];
+      const LayerSpec ls = s_.layer(l);
       for (int t = 0; t < n; ++t) {
-        const float* cs = &rope_cos_[static_cast<size_t>(pos + t) * (hd / 2)];
-        const float* sn = &rope_sin_[static_cast<size_t>(pos + t) * (hd / 2)];
-        rope_from_table(&q_[t * qd], s_.n_heads, hd, cs, sn);
-        rope_from_table(&k_[t * kvd], s_.n_kv_heads, hd, cs, sn);
+        float *qt = &q_[t * qd], *kt = &k_[t * kvd], *vt = &v_[t * kvd];
+        if (s_.attn_bias) {
+          for (int i = 0; i < qd; ++i) qt[i] += L.bq[i];
+          for (int i = 0; i < kvd; ++i) kt[i] += L.bk[i];
+          for (int i = 0; i < kvd; ++i) vt[i] += L.bv[i];
+        }
+        if (s_.qk_norm) {
+          for (int h = 0; h < s_.n_heads; ++h) ref::rmsnorm(qt + h * hd, L.q_norm, s_.rms_eps, hd, qt + h * hd);
+          for (int h = 0; h < s_.n_kv_heads; ++h) ref::rmsnorm(kt + h * hd, L.k_norm, s_.rms_eps, hd, kt + h * hd);
+        }
+        const float* cs = &rt.cos[static_cast<size_t>(pos + t) * (hd / 2)];
+        const float* sn = &rt.sin[static_cast<size_t>(pos + t) * (hd / 2)];
+        rope_from_table(qt, s_.n_heads, hd, s_.rope_style, cs, sn);
+        rope_from_table(kt, s_.n_kv_heads, hd, s_.rope_style, cs, sn);
         for (int i = 0; i < kvd; ++i) kc[static_cast<size_t>(i) * s_.n_ctx + pos + t] = k_[t * kvd + i];
         std::memcpy(vc + static_cast<size_t>(pos + t) * kvd, &v_[t * kvd], kvd * sizeof(float));
       }
@@ -386,25 +459,29 @@ class CpuBackend final : public Backend {
           for (int t = t0; t < t0 + count;) {
             const bool whole = t + kQueryTile <= t0 + count;
             (whole ? attend_.tile : attend_.one)(&q_[t * qd + kvh * group * hd], qd, kt, s_.n_ctx, vc + kvh * hd, kvd,
-                                                 pos + t + 1, hd, scores, s_.n_ctx, &att_[t * qd + kvh * group * hd], qd);
+                                                 pos + t + 1, hd, ls.window, attn_scale_, scores, s_.n_ctx,
+                                                 &att_[t * qd + kvh * group * hd], qd);
             t += whole ? kQueryTile : 1;
           }
         }
       });
       const block_q16_act* aq = quantize_if_needed(att_.data(), n, qd, {&L.wo});
       project({{&L.wo, att_.data(), aq, tmp_.data(), d}}, n);
-      for (int64_t i = 0; i < static_cast<int64_t>(n) * d; ++i) x_[i] += tmp_[i];
+      add_residual(x_.data(), tmp_.data(), L.post_attn_norm, n);
 
-      // Feed-forward block: down(silu(gate x) * up x).
+      // Feed-forward block: down(act(gate x) * up x), then the post-FFN norm where the architecture has one.
       rmsnorm_rows(x_.data(), L.ffn_norm, xn_.data(), n);
       const block_q16_act* fq = quantize_if_needed(xn_.data(), n, d, {&L.w_gate, &L.w_up});
       project({{&L.w_gate, xn_.data(), fq, gate_.data(), ff}, {&L.w_up, xn_.data(), fq, up_.data(), ff}}, n);
       for_tokens(n, [&](int b, int e) {
-        swiglu(&gate_[static_cast<int64_t>(b) * ff], &up_[static_cast<int64_t>(b) * ff], static_cast<int64_t>(e - b) * ff);
+        float* g = &gate_[static_cast<int64_t>(b) * ff];
+        const float* u = &up_[static_cast<int64_t>(b) * ff];
+        const int64_t count = static_cast<int64_t>(e - b) * ff;
+        s_.activation == Activation::GeluTanh ? geglu(g, u, count) : swiglu(g, u, count);
       });
       const block_q16_act* hq = quantize_if_needed(gate_.data(), n, ff, {&L.w_down});
       project({{&L.w_down, gate_.data(), hq, tmp_.data(), d}}, n);
-      for (int64_t i = 0; i < static_cast<int64_t>(n) * d; ++i) x_[i] += tmp_[i];
+      add_residual(x_.data(), tmp_.data(), L.post_ffn_norm, n);
       if (hidden_out_) std::memcpy(hidden_out_ + static_cast<size_t>(l + 1) * d, x_.data(), d * sizeof(float));
     }
 
@@ -427,10 +504,12 @@ class CpuBackend final : public Backend {
   std::vector<float> k_cache_, v_cache_;
   int scratch_tokens_ = 0;
   std::vector<float> x_, xn_, q_, k_, v_, att_, tmp_, gate_, up_, logits_, scores_;
-  std::vector<float> rope_cos_, rope_sin_;  // [n_ctx][head_dim/2]
+  std::vector<RopeTable> rope_tables_;
+  std::vector<int> layer_rope_;  // index into rope_tables_ per layer
   std::vector<block_q16_act> xq_;
   float* hidden_out_ = nullptr;
   AttendFns attend_;
+  float attn_scale_;
 };
 
 }  // namespace

@@ -22,6 +22,31 @@ NORM_TYPES = (quants.F32, quants.F16, quants.BF16)  # 1-D tensors are read into 
 
 
 @dataclass(frozen=True)
+class Architecture:
+    """What one `general.architecture` adds to the plain Llama layer. Both backends read the resulting ModelConfig
+    (as the C++ ModelSpec), so a new architecture is one entry here, not branches in the kernels."""
+    rope_style: str = "interleaved"   # "interleaved": pairs (2i, 2i+1), llama's GGUF layout; "neox": (i, i + d/2)
+    activation: str = "silu"          # gated FFN activation: "silu" or "gelu_tanh"
+    attn_bias: bool = False           # attn_q/k/v.bias tensors
+    qk_norm: bool = False             # attn_q_norm / attn_k_norm: RMSNorm over each head before RoPE
+    post_norms: bool = False          # post_attention_norm / post_ffw_norm before each residual add
+    embed_scale_sqrt_d: bool = False  # token embeddings multiplied by sqrt(d_model)
+    swa_pattern: int = 0              # with a sliding window: every swa_pattern-th layer is global, the rest windowed
+    swa_rope_base: float = 10000.0    # RoPE base of the windowed layers unless the file states one
+
+
+ARCHITECTURES: Dict[str, Architecture] = {
+    "llama": Architecture(),
+    "qwen2": Architecture(rope_style="neox", attn_bias=True),
+    "qwen3": Architecture(rope_style="neox", qk_norm=True),
+    "gemma3": Architecture(rope_style="neox", activation="gelu_tanh", qk_norm=True, post_norms=True,
+                           embed_scale_sqrt_d=True, swa_pattern=6),
+}
+ROPE_STYLES = {"interleaved": 0, "neox": 1}     # metalattn::RopeStyle
+ACTIVATIONS = {"silu": 0, "gelu_tanh": 1}       # metalattn::Activation
+
+
+@dataclass(frozen=True)
 class ModelConfig:
     n_layers: int
     d_model: int
@@ -33,6 +58,16 @@ class ModelConfig:
     n_ctx_train: int
     rope_base: float
     rms_eps: float
+    arch: str = "llama"
+    rope_style: str = "interleaved"
+    activation: str = "silu"
+    attn_bias: bool = False
+    qk_norm: bool = False
+    post_norms: bool = False
+    embed_scale: float = 1.0
+    attn_scale: float = 0.0   # 0: 1/sqrt(head_dim)
+    # Per layer (rope_base, rope_scale, window); window 0 = full attention.
+    layers: Tuple[Tuple[float, float, int], ...] = ()
 
     @property
     def q_dim(self) -> int:
@@ -41,6 +76,23 @@ class ModelConfig:
     @property
     def kv_dim(self) -> int:
         return self.n_kv_heads * self.head_dim
+
+    @property
+    def attention_scale(self) -> float:
+        return self.attn_scale if self.attn_scale > 0 else 1.0 / float(np.sqrt(self.head_dim))
+
+    def layer(self, index: int) -> Tuple[float, float, int]:
+        """(rope_base, rope_scale, window) of one layer."""
+        return self.layers[index] if self.layers else (self.rope_base, 1.0, 0)
+
+    def engine_spec(self) -> Dict[str, Any]:
+        """The keys the C++ Engine reads (metalattn::ModelSpec), less n_ctx."""
+        return dict(n_layers=self.n_layers, d_model=self.d_model, d_ff=self.d_ff, n_heads=self.n_heads,
+                    n_kv_heads=self.n_kv_heads, head_dim=self.head_dim, vocab_size=self.vocab_size,
+                    rope_base=self.rope_base, rms_eps=self.rms_eps, rope_style=ROPE_STYLES[self.rope_style],
+                    activation=ACTIVATIONS[self.activation], embed_scale=self.embed_scale,
+                    attn_scale=self.attn_scale, attn_bias=self.attn_bias, qk_norm=self.qk_norm,
+                    post_norms=self.post_norms, layers=[tuple(x) for x in self.layers] or None)
 
 
 @dataclass
@@ -143,72 +195,140 @@ def _read_config(metadata: Dict[str, Any], path: str, embd_rows: Optional[int]) 
     arch = metadata.get("general.architecture")
     if arch is None:
         raise GGUFError(f"{path}: missing metadata key 'general.architecture'")
-    if arch != "llama":
+    if arch not in ARCHITECTURES:
         raise UnsupportedModelError(
-            f"{path}: architecture {arch!r} is not supported (general.architecture must be 'llama')")
+            f"{path}: architecture {arch!r} is not supported (metalattn runs: {', '.join(sorted(ARCHITECTURES))})")
+    spec = ARCHITECTURES[arch]
 
-    n_layers = _require(metadata, "llama.block_count", path, int, "number of layers")
-    d_model = _require(metadata, "llama.embedding_length", path, int, "model width")
-    d_ff = _require(metadata, "llama.feed_forward_length", path, int, "FFN width")
-    n_heads = _require(metadata, "llama.attention.head_count", path, int, "attention heads")
+    def key(name: str) -> str:
+        return f"{arch}.{name}"
+
+    n_layers = _require(metadata, key("block_count"), path, int, "number of layers")
+    d_model = _require(metadata, key("embedding_length"), path, int, "model width")
+    d_ff = _require(metadata, key("feed_forward_length"), path, int, "FFN width")
+    n_heads = _require(metadata, key("attention.head_count"), path, int, "attention heads")
     n_kv_heads = n_heads
-    if "llama.attention.head_count_kv" in metadata:
-        n_kv_heads = _require(metadata, "llama.attention.head_count_kv", path, int, "KV heads")
-    n_ctx = _require(metadata, "llama.context_length", path, int, "training context length")
+    if key("attention.head_count_kv") in metadata:
+        n_kv_heads = _require(metadata, key("attention.head_count_kv"), path, int, "KV heads")
+    n_ctx = _require(metadata, key("context_length"), path, int, "training context length")
     rope_base = 10000.0
-    if "llama.rope.freq_base" in metadata:
-        rope_base = _require(metadata, "llama.rope.freq_base", path, float, "RoPE base")
-    rms_eps = _require(metadata, "llama.attention.layer_norm_rms_epsilon", path, float, "RMSNorm epsilon")
+    if key("rope.freq_base") in metadata:
+        rope_base = _require(metadata, key("rope.freq_base"), path, float, "RoPE base")
+    rms_eps = _require(metadata, key("attention.layer_norm_rms_epsilon"), path, float, "RMSNorm epsilon")
 
-    for key, value in (("llama.block_count", n_layers), ("llama.embedding_length", d_model),
-                       ("llama.feed_forward_length", d_ff), ("llama.attention.head_count", n_heads),
-                       ("llama.attention.head_count_kv", n_kv_heads), ("llama.context_length", n_ctx)):
+    for k, value in ((key("block_count"), n_layers), (key("embedding_length"), d_model),
+                     (key("feed_forward_length"), d_ff), (key("attention.head_count"), n_heads),
+                     (key("attention.head_count_kv"), n_kv_heads), (key("context_length"), n_ctx)):
         if value <= 0:
-            raise GGUFError(f"{path}: metadata key {key!r} must be positive, got {value}")
-    if d_model % n_heads:
-        raise UnsupportedModelError(
-            f"{path}: llama.embedding_length {d_model} is not a multiple of llama.attention.head_count {n_heads}")
+            raise GGUFError(f"{path}: metadata key {k!r} must be positive, got {value}")
     if n_heads % n_kv_heads:
-        raise GGUFError(f"{path}: llama.attention.head_count {n_heads} is not a multiple of "
-                        f"llama.attention.head_count_kv {n_kv_heads}")
-    head_dim = d_model // n_heads
-    for key in ("llama.attention.key_length", "llama.attention.value_length"):
-        if key in metadata and _require(metadata, key, path, int, "head size") != head_dim:
-            raise UnsupportedModelError(f"{path}: {key} = {metadata[key]} differs from "
-                                        f"embedding_length / head_count = {head_dim}; only that head size is supported")
-    if "llama.rope.dimension_count" in metadata:
-        rope_dims = _require(metadata, "llama.rope.dimension_count", path, int, "rotary dimensions")
+        raise GGUFError(f"{path}: {key('attention.head_count')} {n_heads} is not a multiple of "
+                        f"{key('attention.head_count_kv')} {n_kv_heads}")
+    # The head size is stated (Gemma 3, Qwen 3: not d_model / heads) or implied.
+    if key("attention.key_length") in metadata:
+        head_dim = _require(metadata, key("attention.key_length"), path, int, "head size")
+        if head_dim <= 0 or head_dim % 2:
+            raise GGUFError(f"{path}: {key('attention.key_length')} must be positive and even, got {head_dim}")
+    else:
+        if d_model % n_heads:
+            raise UnsupportedModelError(f"{path}: {key('embedding_length')} {d_model} is not a multiple of "
+                                        f"{key('attention.head_count')} {n_heads} and no key_length is given")
+        head_dim = d_model // n_heads
+    if key("attention.value_length") in metadata and \
+            _require(metadata, key("attention.value_length"), path, int, "value head size") != head_dim:
+        raise UnsupportedModelError(f"{path}: {key('attention.value_length')} = "
+                                    f"{metadata[key('attention.value_length')]} differs from the key head size "
+                                    f"{head_dim}; only equal sizes are supported")
+    if key("rope.dimension_count") in metadata:
+        rope_dims = _require(metadata, key("rope.dimension_count"), path, int, "rotary dimensions")
         if rope_dims != head_dim:
-            raise UnsupportedModelError(f"{path}: llama.rope.dimension_count = {rope_dims} but head_dim = {head_dim}; "
-                                        "partial RoPE is not supported")
-    scaling = metadata.get("llama.rope.scaling.type")
-    if scaling not in (None, "none") and not (scaling == "linear" and
-                                              float(metadata.get("llama.rope.scaling.factor", 1.0)) == 1.0):
-        raise UnsupportedModelError(f"{path}: llama.rope.scaling.type = {scaling!r} is not supported")
+            raise UnsupportedModelError(f"{path}: {key('rope.dimension_count')} = {rope_dims} but head_dim = "
+                                        f"{head_dim}; partial RoPE is not supported")
+    rope_scale = 1.0
+    scaling = metadata.get(key("rope.scaling.type"))
+    if scaling == "linear":
+        factor = _require(metadata, key("rope.scaling.factor"), path, float, "linear RoPE scaling factor")
+        if factor <= 0:
+            raise GGUFError(f"{path}: {key('rope.scaling.factor')} must be positive, got {factor}")
+        rope_scale = 1.0 / factor
+    elif scaling not in (None, "none"):
+        raise UnsupportedModelError(f"{path}: {key('rope.scaling.type')} = {scaling!r} is not supported "
+                                    "(none and linear are; Llama 3 scaling comes as the rope_freqs tensor)")
+    softcap = metadata.get(key("final_logit_softcapping"))
+    if softcap not in (None, 0, 0.0):
+        raise UnsupportedModelError(f"{path}: {key('final_logit_softcapping')} = {softcap} is not supported")
 
-    if "llama.vocab_size" in metadata:
-        vocab = _require(metadata, "llama.vocab_size", path, int, "vocabulary size")
+    # Per-layer RoPE and attention window (Gemma 3: windowed layers with their own RoPE base beside global ones).
+    window = 0
+    if spec.swa_pattern and key("attention.sliding_window") in metadata:
+        window = _require(metadata, key("attention.sliding_window"), path, int, "sliding window")
+        if window < 0:
+            raise GGUFError(f"{path}: {key('attention.sliding_window')} must be >= 0, got {window}")
+    layers: Tuple[Tuple[float, float, int], ...] = ()
+    if window > 0:
+        pattern = metadata.get(key("attention.sliding_window_pattern"), spec.swa_pattern)
+        if isinstance(pattern, list):
+            if len(pattern) != n_layers:
+                raise GGUFError(f"{path}: {key('attention.sliding_window_pattern')} has {len(pattern)} entries "
+                                f"for {n_layers} layers")
+            windowed = [bool(x) for x in pattern]
+        else:
+            n_pattern = _require(metadata, key("attention.sliding_window_pattern"), path, int,
+                                 "sliding window pattern") if key("attention.sliding_window_pattern") in metadata \
+                else int(pattern)
+            windowed = [n_pattern == 0 or (i % n_pattern) < n_pattern - 1 for i in range(n_layers)]
+        swa_base = spec.swa_rope_base
+        if key("rope.freq_base_swa") in metadata:
+            swa_base = _require(metadata, key("rope.freq_base_swa"), path, float, "RoPE base of windowed layers")
+        layers = tuple((swa_base, 1.0, window) if w else (rope_base, rope_scale, 0) for w in windowed)
+    elif rope_scale != 1.0:
+        layers = tuple((rope_base, rope_scale, 0) for _ in range(n_layers))
+
+    attn_scale = 0.0
+    if arch == "gemma3" and n_layers == 62:  # Gemma 3 27B scales by its d_model / heads, not the head size
+        attn_scale = 1.0 / float(np.sqrt(d_model / n_heads))
+
+    if key("vocab_size") in metadata:
+        vocab = _require(metadata, key("vocab_size"), path, int, "vocabulary size")
     elif isinstance(metadata.get("tokenizer.ggml.tokens"), list):
         vocab = len(metadata["tokenizer.ggml.tokens"])
     elif embd_rows is not None:
         vocab = embd_rows
     else:
-        raise GGUFError(f"{path}: cannot tell the vocabulary size: no 'llama.vocab_size', no "
+        raise GGUFError(f"{path}: cannot tell the vocabulary size: no {key('vocab_size')!r}, no "
                         "'tokenizer.ggml.tokens' and no 'token_embd.weight'")
     return ModelConfig(n_layers=n_layers, d_model=d_model, d_ff=d_ff, n_heads=n_heads, n_kv_heads=n_kv_heads,
-                       head_dim=head_dim, vocab_size=vocab, n_ctx_train=n_ctx, rope_base=rope_base, rms_eps=rms_eps)
+                       head_dim=head_dim, vocab_size=vocab, n_ctx_train=n_ctx, rope_base=rope_base, rms_eps=rms_eps,
+                       arch=arch, rope_style=spec.rope_style, activation=spec.activation, attn_bias=spec.attn_bias,
+                       qk_norm=spec.qk_norm, post_norms=spec.post_norms,
+                       embed_scale=float(np.sqrt(np.float32(d_model))) if spec.embed_scale_sqrt_d else 1.0,
+                       attn_scale=attn_scale, layers=layers)
 
 
 def _expected_shapes(cfg: ModelConfig) -> Dict[str, Tuple[int, ...]]:
-    """name -> (rows, cols) for matrices, (n,) for norm vectors."""
-    d, q, kv, ff = cfg.d_model, cfg.q_dim, cfg.kv_dim, cfg.d_ff
+    """name -> (rows, cols) for matrices, (n,) for vectors (norm weights, biases)."""
+    d, q, kv, ff, hd = cfg.d_model, cfg.q_dim, cfg.kv_dim, cfg.d_ff, cfg.head_dim
     shapes: Dict[str, Tuple[int, ...]] = {"token_embd.weight": (cfg.vocab_size, d), "output_norm.weight": (d,)}
     per_layer = {"attn_norm": (d,), "attn_q": (q, d), "attn_k": (kv, d), "attn_v": (kv, d), "attn_output": (d, q),
                  "ffn_norm": (d,), "ffn_gate": (ff, d), "ffn_up": (ff, d), "ffn_down": (d, ff)}
+    if cfg.qk_norm:
+        per_layer.update({"attn_q_norm": (hd,), "attn_k_norm": (hd,)})
+    if cfg.post_norms:
+        per_layer.update({"post_attention_norm": (d,), "post_ffw_norm": (d,)})
     for layer in range(cfg.n_layers):
         for part, shape in per_layer.items():
             shapes[f"blk.{layer}.{part}.weight"] = shape
+        if cfg.attn_bias:
+            for part, n in (("attn_q", q), ("attn_k", kv), ("attn_v", kv)):
+                shapes[f"blk.{layer}.{part}.bias"] = (n,)
     return shapes
+
+
+def _block_elems(ggml_type: int) -> int:
+    """Weights per block of a ggml type (gguf's own table)."""
+    import gguf
+
+    return int(gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType(ggml_type)][0])
 
 
 def _fmt_shape(shape) -> str:
@@ -315,11 +435,9 @@ def load_gguf(path) -> GGUFModel:
     embd = infos.get("token_embd.weight")
     embd_rows = _row_major_shape(embd.shape)[0] if embd is not None and len(embd.shape) == 2 else None
     config = _read_config(metadata, path, embd_rows)
-    if "rope_freqs.weight" in infos:
-        raise UnsupportedModelError(f"{path}: tensor 'rope_freqs.weight' (per-frequency RoPE scaling, Llama 3.1 "
-                                    "style) is not supported")
-
     expected = _expected_shapes(config)
+    if "rope_freqs.weight" in infos:  # Llama 3.1+ RoPE scaling: pair i turns by theta_i / rope_freqs[i]
+        expected["rope_freqs.weight"] = (config.head_dim // 2,)
     tied = "output.weight" not in infos
     if not tied:
         expected["output.weight"] = (config.vocab_size, config.d_model)
@@ -339,6 +457,9 @@ def load_gguf(path) -> GGUFModel:
             if ggml_type not in NORM_TYPES:
                 raise UnsupportedModelError(
                     f"{path}: tensor {name!r} has type {info.tensor_type.name}; 1-D weights must be F32, F16 or BF16")
+        elif shape[1] % _block_elems(ggml_type):
+            raise UnsupportedModelError(f"{path}: tensor {name!r} is {info.tensor_type.name} with {shape[1]} columns, "
+                                        f"not a multiple of its {_block_elems(ggml_type)}-weight blocks")
         elif ggml_type not in quants.SUPPORTED_TYPES:
             raise UnsupportedModelError(f"{path}: tensor {name!r} has type {info.tensor_type.name}, which metalattn "
                                         f"does not run; supported types: {supported}")

