@@ -76,10 +76,15 @@ def cmd_info(args) -> int:
     g = load_gguf(path)
     c = g.config
     print(f"file: {path}")
-    print(f"architecture: llama, file type: {g.file_type_name}")
+    print(f"architecture: {c.arch}, file type: {g.file_type_name}")
     for k in ("n_layers", "d_model", "d_ff", "n_heads", "n_kv_heads", "head_dim", "vocab_size", "n_ctx_train",
-              "rope_base", "rms_eps"):
+              "rope_base", "rms_eps", "rope_style", "activation", "attn_bias", "qk_norm", "post_norms", "embed_scale"):
         print(f"  {k:12s} {getattr(c, k)}")
+    print(f"  {'attn scale':12s} {c.attention_scale:.6g}")
+    windows = sorted({layer[2] for layer in c.layers})
+    if any(windows):
+        windowed = [i for i, layer in enumerate(c.layers) if layer[2]]
+        print(f"  {'window':12s} {max(windows)} tokens in layers {windowed}; RoPE base there {c.layers[windowed[0]][0]:g}")
     print(f"  tied lm_head {g.tied_output}")
     rows = g.tensor_table()
     total = sum(r[3] for r in rows)

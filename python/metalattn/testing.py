@@ -21,6 +21,29 @@ SMOLLM2_135M: Dict[str, object] = dict(
     n_layers=30, d_model=576, d_ff=1536, n_heads=9, n_kv_heads=3, vocab_size=49152, n_ctx=8192,
     rope_base=100000.0, rms_eps=1e-5, quant="q4_0", embd_quant="q8_0", tied=True)
 
+
+
+def _more_bits(n_layers: int):
+    """Per-layer types of a Q4_K_M file's attn_v / ffn_down: llama.cpp's quantizer gives the first and last eighth
+    of the layers and every third layer between them the larger type."""
+    return lambda big, small: [big if i < n_layers // 8 or i >= 7 * n_layers // 8 or (i - n_layers // 8) % 3 == 2
+                               else small for i in range(n_layers)]
+
+
+# The real Gemma 3 270M and Qwen2.5-Coder-0.5B Q4_K_M files' shapes, architecture keys and per-tensor types
+# (the GPU machine cannot hold the real files; these stand in for them in speed measurements).
+GEMMA3_270M: Dict[str, object] = dict(
+    arch="gemma3", n_layers=18, d_model=640, d_ff=2048, n_heads=4, n_kv_heads=1, head_dim=256, vocab_size=262144,
+    n_ctx=32768, rope_base=1e6, rms_eps=1e-6, sliding_window=512, quant="q5_0", embd_quant="q8_0", tied=True,
+    quants_by_part={"attn_output": "q4_k", "attn_v": _more_bits(18)("q8_0", "q5_0"),
+                    "ffn_down": _more_bits(18)("q6_k", "q4_k")})
+_QWEN_BIG_LAYERS = {0, 1, 3, 6, 7, 8, 9, 10, 13, 16, 19, 21}  # this file's own choice, not the formula above
+QWEN25_05B: Dict[str, object] = dict(
+    arch="qwen2", n_layers=24, d_model=896, d_ff=4864, n_heads=14, n_kv_heads=2, vocab_size=151936, n_ctx=32768,
+    rope_base=1e6, rms_eps=1e-6, quant="q5_0", embd_quant="q5_0", output_quant="q8_0", tied=False,
+    quants_by_part={"attn_v": ["q8_0" if i in _QWEN_BIG_LAYERS else "q5_0" for i in range(24)],
+                    "ffn_down": ["q6_k" if i in _QWEN_BIG_LAYERS else "q4_k" for i in range(24)]})
+
 SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
 TOKEN_TYPE_NORMAL, TOKEN_TYPE_CONTROL = 1, 3
 
@@ -141,12 +164,13 @@ def write_synthetic_gguf(path, n_layers: int = 2, d_model: int = 64, d_ff: int =
                          rope_base: float = 10000.0, rms_eps: float = 1e-5, name: str = "synthetic-llama",
                          arch: str = "llama", head_dim: Optional[int] = None, sliding_window: int = 0,
                          swa_pattern: Optional[int] = None, rope_freqs: bool = False, rope_scale: float = 1.0,
-                         quants_by_part: Optional[Dict[str, str]] = None):
+                         quants_by_part: Optional[Dict[str, object]] = None, output_quant: Optional[str] = None):
     """Write a GGUF of architecture `arch` (llama, qwen2, qwen3, gemma3) with random weights and a working
     gpt2-style tokenizer; returns `path`. Each architecture gets the tensors and keys its real files have: biases
     (qwen2), QK-norm (qwen3, gemma3), post-norms and sliding-window layers (gemma3, when sliding_window > 0),
     a stated head size (head_dim), Llama 3 rope_freqs (rope_freqs=True) and linear RoPE scaling (rope_scale).
-    quants_by_part overrides the type per layer matrix name (e.g. {"ffn_down": "q6_k"}), as mixed files do.
+    quants_by_part overrides the type per layer matrix name, for every layer (e.g. {"ffn_down": "q6_k"}) or per
+    layer (a list), as mixed files do; output_quant is the untied output's type (default: embd_quant).
 
     Scales keep activations O(1) through many layers: matrices are N(0, 1/fan_in) (unit gain), norm weights are
     uniform in [0.9, 1.1], and the embedding has std 4/sqrt(d_model) so that tied logits have std about 4
@@ -162,7 +186,9 @@ def write_synthetic_gguf(path, n_layers: int = 2, d_model: int = 64, d_ff: int =
     head_dim = head_dim or d_model // n_heads
     layer_type = quants.parse_type(quant)
     embd_type = quants.parse_type(embd_quant or quant)
-    part_types = {k: quants.parse_type(v) for k, v in (quants_by_part or {}).items()}
+    part_types = {k: [quants.parse_type(x) for x in v] if isinstance(v, (list, tuple)) else
+                  [quants.parse_type(v)] * n_layers for k, v in (quants_by_part or {}).items()}
+    output_type = quants.parse_type(output_quant) if output_quant else embd_type
     rng = np.random.default_rng(seed)
 
     tokens, token_types, merges = build_bpe_vocab(vocab_size)
@@ -229,7 +255,7 @@ def write_synthetic_gguf(path, n_layers: int = 2, d_model: int = 64, d_ff: int =
         p = f"blk.{layer}."
 
         def layer_matrix(part: str, rows: int, cols: int, std: float):
-            matrix(p + part + ".weight", rows, cols, std, part_types.get(part, layer_type))
+            matrix(p + part + ".weight", rows, cols, std, part_types[part][layer] if part in part_types else layer_type)
 
         norm(p + "attn_norm.weight")
         layer_matrix("attn_q", q_dim, d_model, d_model ** -0.5)
@@ -251,7 +277,7 @@ def write_synthetic_gguf(path, n_layers: int = 2, d_model: int = 64, d_ff: int =
             norm(p + "post_ffw_norm.weight")
     norm("output_norm.weight")
     if not tied:
-        matrix("output.weight", vocab_size, d_model, embd_std, embd_type)
+        matrix("output.weight", vocab_size, d_model, embd_std, output_type)
 
     w.write_header_to_file()
     w.write_kv_data_to_file()
