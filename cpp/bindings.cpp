@@ -12,6 +12,7 @@
 
 #include "cpu/bandwidth.h"
 #include "cpu/kernels.h"
+#include "cpu/reference.h"
 #include "cpu/thread_pool.h"
 #include "engine/engine.h"
 
@@ -168,6 +169,20 @@ NB_MODULE(_core, m) {
     return metalattn::cuda_copy_bandwidth();
   }, "Device-to-device copy bandwidth in bytes/s, counting bytes read and written (0 without CUDA).");
   m.def("physical_cores", &metalattn::cpu::ThreadPool::physical_cores);
+  m.def("dequantize",
+        [](ByteMatrix rows, uint32_t type, int64_t cols) {
+          const auto t = static_cast<metalattn::GgmlType>(type);
+          if (metalattn::row_bytes(t, cols) == 0 || cols % metalattn::block_elems(t) != 0 ||
+              rows.shape(1) != metalattn::row_bytes(t, cols))
+            throw EngineError("dequantize: the byte rows do not hold rows of " + std::to_string(cols) + " " +
+                              metalattn::type_name(t) + " weights");
+          FloatArray out = new_float_array({rows.shape(0), static_cast<size_t>(cols)});
+          for (size_t r = 0; r < rows.shape(0); ++r)
+            metalattn::ref::dequantize_row(t, rows.data() + r * rows.shape(1), out.data() + r * cols, cols);
+          return out;
+        },
+        "rows"_a, "ggml_type"_a, "cols"_a,
+        "The C++ reference dequantizer (the scalar CPU path) over uint8 rows: float32 [rows, cols].");
   m.def("cpu_read_bandwidth",
         [](int n_threads, size_t bytes, int repeats) {
           nb::gil_scoped_release release;

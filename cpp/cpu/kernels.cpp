@@ -33,8 +33,9 @@ void check_isa(Isa isa, const char* what) {
 
 void check_args(const WeightView& w, const block_q16_act* xq, Isa isa, int64_t r0, int64_t r1, const char* what) {
   if (r0 < 0 || r1 > w.rows || r0 > r1) throw EngineError(std::string(what) + ": row range out of bounds");
-  if (is_quantized(w.type) && w.cols % kQuantBlock != 0)
-    throw EngineError(std::string(what) + ": quantized weights need cols % 32 == 0");
+  if (is_quantized(w.type) && w.cols % block_elems(w.type) != 0)
+    throw EngineError(std::string(what) + ": " + type_name(w.type) + " weights need cols % " +
+                      std::to_string(block_elems(w.type)) + " == 0");
   if (uses_quantized_acts(isa, w.type) && xq == nullptr)
     throw EngineError(std::string(what) + ": quantized activations are required for this ISA and weight type");
 }
@@ -111,13 +112,23 @@ void quantize_acts(Isa isa, const float* x, int64_t n, block_q16_act* out) {
   }
 }
 
+// The weight types the SIMD tiles handle; any other quantized type runs the scalar reference on every ISA.
+bool simd_type(GgmlType t) {
+  switch (t) {
+    case GgmlType::Q4_0: case GgmlType::Q4_1: case GgmlType::Q8_0:
+    case GgmlType::F32: case GgmlType::F16: case GgmlType::BF16: return true;
+    default: return false;
+  }
+}
+
 bool uses_quantized_acts(Isa isa, GgmlType weight_type) {
-  return isa != Isa::Scalar && is_quantized(weight_type);
+  return isa != Isa::Scalar && is_quantized(weight_type) && simd_type(weight_type);
 }
 
 void matvec(Isa isa, const WeightView& w, const float* x, const block_q16_act* xq, float* y, int64_t r0, int64_t r1) {
   check_isa(isa, "matvec");
   check_args(w, xq, isa, r0, r1, "matvec");
+  if (!simd_type(w.type)) isa = Isa::Scalar;
   switch (isa) {
 #ifdef METALATTN_X86
     case Isa::Avx512: return avx512::matmul(w, x, xq, 1, y, 0, r0, r1);
@@ -132,6 +143,7 @@ void matmul(Isa isa, const WeightView& w, const float* X, const block_q16_act* X
   check_isa(isa, "matmul");
   check_args(w, Xq, isa, r0, r1, "matmul");
   if (n_tok <= 0) return;
+  if (!simd_type(w.type)) isa = Isa::Scalar;
   switch (isa) {
 #ifdef METALATTN_X86
     case Isa::Avx512: return avx512::matmul(w, X, Xq, n_tok, Y, ldy, r0, r1);

@@ -52,23 +52,117 @@ void dequantize_row(GgmlType type, const void* row, float* out, int64_t cols) {
       }
       return;
     }
+    case GgmlType::Q5_0: {
+      const block_q5_0* b = static_cast<const block_q5_0*>(row);
+      for (int64_t k = 0; k < cols / kQuantBlock; ++k) {
+        const float d = fp16_to_float(b[k].d);
+        const uint32_t qh = q5_high_bits(b[k].qh);
+        for (int j = 0; j < 16; ++j) {
+          const int lo = static_cast<int>((b[k].qs[j] & 0x0f) | ((qh >> j & 1) << 4));
+          const int hi = static_cast<int>((b[k].qs[j] >> 4) | ((qh >> (j + 16) & 1) << 4));
+          out[k * 32 + j] = d * static_cast<float>(lo - 16);
+          out[k * 32 + j + 16] = d * static_cast<float>(hi - 16);
+        }
+      }
+      return;
+    }
+    case GgmlType::Q5_1: {
+      const block_q5_1* b = static_cast<const block_q5_1*>(row);
+      for (int64_t k = 0; k < cols / kQuantBlock; ++k) {
+        const float d = fp16_to_float(b[k].d), m = fp16_to_float(b[k].m);
+        const uint32_t qh = q5_high_bits(b[k].qh);
+        for (int j = 0; j < 16; ++j) {
+          out[k * 32 + j] = d * static_cast<float>((b[k].qs[j] & 0x0f) | ((qh >> j & 1) << 4)) + m;
+          out[k * 32 + j + 16] = d * static_cast<float>((b[k].qs[j] >> 4) | ((qh >> (j + 16) & 1) << 4)) + m;
+        }
+      }
+      return;
+    }
+    case GgmlType::Q4_K:
+    case GgmlType::Q5_K: {
+      const bool five = type == GgmlType::Q5_K;
+      const size_t bs = block_bytes(type);
+      for (int64_t k = 0; k < cols / kSuperBlock; ++k) {
+        const uint8_t* blk = static_cast<const uint8_t*>(row) + k * bs;
+        // Both layouts start with d, dmin, scales[12]; Q5_K then has qh[32] before qs[128].
+        const auto* h = reinterpret_cast<const block_q4_K*>(blk);
+        const float d = fp16_to_float(h->d), dmin = fp16_to_float(h->dmin);
+        const uint8_t* qh = five ? reinterpret_cast<const block_q5_K*>(blk)->qh : nullptr;
+        const uint8_t* qs = five ? reinterpret_cast<const block_q5_K*>(blk)->qs : h->qs;
+        for (int j = 0; j < 8; ++j) {  // sub-block j: weights 32j .. 32j + 31
+          int sc, m;
+          k_scale_min(h->scales, j, &sc, &m);
+          const float dl = d * static_cast<float>(sc), ml = dmin * static_cast<float>(m);
+          const uint8_t* q = qs + 32 * (j / 2);
+          for (int l = 0; l < 32; ++l) {
+            int v = (j % 2 == 0) ? (q[l] & 0x0f) : (q[l] >> 4);
+            if (five) v |= ((qh[l] >> j) & 1) << 4;
+            out[k * kSuperBlock + 32 * j + l] = dl * static_cast<float>(v) - ml;
+          }
+        }
+      }
+      return;
+    }
+    case GgmlType::Q6_K: {
+      const block_q6_K* b = static_cast<const block_q6_K*>(row);
+      for (int64_t k = 0; k < cols / kSuperBlock; ++k) {
+        const float d = fp16_to_float(b[k].d);
+        float* y = out + k * kSuperBlock;
+        for (int i = 0; i < kSuperBlock; ++i) y[i] = d * static_cast<float>(b[k].scales[i / 16]) * static_cast<float>(q6_k_value(b[k], i));
+      }
+      return;
+    }
+    case GgmlType::Q3_K: {
+      const block_q3_K* b = static_cast<const block_q3_K*>(row);
+      for (int64_t k = 0; k < cols / kSuperBlock; ++k) {
+        const float d = fp16_to_float(b[k].d);
+        float* y = out + k * kSuperBlock;
+        for (int i = 0; i < kSuperBlock; ++i) {
+          // Weight i: half h = i / 128 of qs (32 bytes each), 2-bit field f = (i % 128) / 32, byte l = i % 32.
+          const int h = i / 128, f = (i % 128) / 32, l = i % 32;
+          const int low = (b[k].qs[32 * h + l] >> (2 * f)) & 3;
+          const int high = (b[k].hmask[l] >> (4 * h + f)) & 1;
+          const int sc = q3_k_scale(b[k].scales, i / 16) - 32;
+          y[i] = d * static_cast<float>(sc) * static_cast<float>(low - (high ? 0 : 4));
+        }
+      }
+      return;
+    }
+    case GgmlType::Q2_K: {
+      const block_q2_K* b = static_cast<const block_q2_K*>(row);
+      for (int64_t k = 0; k < cols / kSuperBlock; ++k) {
+        const float d = fp16_to_float(b[k].d), dmin = fp16_to_float(b[k].dmin);
+        float* y = out + k * kSuperBlock;
+        for (int i = 0; i < kSuperBlock; ++i) {
+          const int h = i / 128, f = (i % 128) / 32, l = i % 32;
+          const int q = (b[k].qs[32 * h + l] >> (2 * f)) & 3;
+          const uint8_t sm = b[k].scales[i / 16];
+          y[i] = d * static_cast<float>(sm & 0x0f) * static_cast<float>(q) - dmin * static_cast<float>(sm >> 4);
+        }
+      }
+      return;
+    }
   }
   throw EngineError("dequantize_row: unsupported type");
 }
 
 float dot_row(GgmlType type, const void* row, const float* x, int64_t cols) {
-  // Dequantize one block at a time so the reference stays obviously equal to dequantize-then-dot.
-  float block[kQuantBlock];
+  // Dequantize one storage block at a time (32 weights; a 256-weight super-block for the K-quants; 32 values of a
+  // float type) so the reference stays obviously equal to dequantize-then-dot; each 32 weights sum in float.
+  const int64_t chunk = is_k_quant(type) ? kSuperBlock : kQuantBlock;
+  float block[kSuperBlock];
   double acc = 0.0;
   const uint8_t* p = static_cast<const uint8_t*>(row);
-  const size_t block_bytes = row_bytes(type, kQuantBlock);
-  for (int64_t c = 0; c < cols; c += kQuantBlock) {
-    const int64_t n = cols - c < kQuantBlock ? cols - c : kQuantBlock;
+  const size_t chunk_bytes = row_bytes(type, chunk);
+  for (int64_t c = 0; c < cols; c += chunk) {
+    const int64_t n = cols - c < chunk ? cols - c : chunk;
     dequantize_row(type, p, block, n);
-    float s = 0.f;
-    for (int64_t j = 0; j < n; ++j) s += block[j] * x[c + j];
-    acc += s;
-    p += block_bytes;
+    for (int64_t j0 = 0; j0 < n; j0 += kQuantBlock) {
+      float s = 0.f;
+      for (int64_t j = j0; j < n && j < j0 + kQuantBlock; ++j) s += block[j] * x[c + j];
+      acc += s;
+    }
+    p += chunk_bytes;
   }
   return static_cast<float>(acc);
 }

@@ -160,7 +160,7 @@ def build_parser() -> argparse.ArgumentParser:
     z = sub.add_parser("quantize", help="re-quantize a GGUF model (layers to TYPE, token_embd kept at Q8_0)")
     z.add_argument("input")
     z.add_argument("output")
-    z.add_argument("--type", required=True, choices=["q4_0", "q4_1", "q8_0", "f16"])
+    z.add_argument("--type", required=True, choices=["q4_0", "q4_1", "q5_0", "q5_1", "q8_0", "f16"])
     z.add_argument("-q", "--quiet", action="store_true", help="no progress bar")
     z.set_defaults(func=cmd_quantize)
     return p

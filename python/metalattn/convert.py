@@ -1,6 +1,6 @@
 """Re-quantize a Llama GGUF file (`metalattn quantize`): every key copied, the weight matrices converted.
 
-Layout written for q4_0 / q4_1 targets: layer matrices in the target type, token_embd (and an untied output) in
+Layout written for the 4- and 5-bit targets: layer matrices in the target type, token_embd (and an untied output) in
 Q8_0, the layout our benchmarks use (the embedding/lm_head is the most quantization-sensitive matrix).
 1-D tensors (norm weights) are always F32.
 """
@@ -14,15 +14,16 @@ from . import quants
 from .errors import GGUFError
 from .gguf_model import _row_major_shape, load_gguf
 
-TARGETS = {"q4_0": quants.Q4_0, "q4_1": quants.Q4_1, "q8_0": quants.Q8_0, "f16": quants.F16}
+TARGETS = {"q4_0": quants.Q4_0, "q4_1": quants.Q4_1, "q5_0": quants.Q5_0, "q5_1": quants.Q5_1, "q8_0": quants.Q8_0,
+           "f16": quants.F16}
 # general.file_type values (gguf.LlamaFileType) of each target.
-FILE_TYPES = {"q4_0": 2, "q4_1": 3, "q8_0": 7, "f16": 1}
+FILE_TYPES = {"q4_0": 2, "q4_1": 3, "q5_0": 8, "q5_1": 9, "q8_0": 7, "f16": 1}
 EMBEDDING_TENSORS = ("token_embd.weight", "output.weight")
 
 
 def output_type(name: str, target: str) -> int:
     """The ggml type a 2-D tensor called `name` gets when converting to `target`."""
-    if name in EMBEDDING_TENSORS and target in ("q4_0", "q4_1"):
+    if name in EMBEDDING_TENSORS and target in ("q4_0", "q4_1", "q5_0", "q5_1"):
         return quants.Q8_0
     return TARGETS[target]
 

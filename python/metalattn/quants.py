@@ -1,29 +1,39 @@
 """GGUF weight formats in vectorised numpy: quantize and dequantize whole matrices.
 
-The block layouts are the ones in cpp/include/metalattn/quant.h (GGUF's own): a row of `cols` weights is cols/32
-blocks; Q4_0 = fp16 d + 16 bytes of nibbles (weight j in the low nibble of byte j, weight j+16 in the high nibble),
-Q4_1 adds an fp16 min after d, Q8_0 = fp16 d + 32 int8. All scalars little-endian.
+The block layouts are the ones in cpp/include/metalattn/quant.h (GGUF's own). Legacy types hold 32 weights a block:
+Q4_0 = fp16 d + 16 bytes of nibbles (weight j in the low nibble of byte j, weight j+16 in the high nibble), Q4_1
+adds an fp16 min after d, Q5_0 / Q5_1 add 4 bytes of fifth bits, Q8_0 = fp16 d + 32 int8. The K-quants (Q2_K ..
+Q6_K) hold 256-weight super-blocks of 16- or 32-weight sub-blocks with 4..8-bit scales. All scalars little-endian.
 
-The quantizers reproduce ggml's reference (non-SIMD) quantizers bit for bit: the arithmetic is done in float32,
-in the same order, with the same truncation/rounding, so a file quantized here equals one quantized by llama.cpp.
+Our own quantizers (Q4_0, Q4_1, Q8_0) reproduce ggml's reference (non-SIMD) quantizers bit for bit: float32
+arithmetic in the same order with the same truncation/rounding, so a file quantized here equals one quantized by
+llama.cpp. Q5_0 / Q5_1 use the gguf package's port of the same reference. The K-quant quantizers here are simple
+(per sub-block min/max fitting, no search): valid files for tests and synthetic models, not llama.cpp's output.
+The new types dequantize through the gguf package's numpy code, which the C++ reference matches bit for bit
+(tests/python/test_quants.py).
 """
 from __future__ import annotations
 
 import numpy as np
 
-F32, F16, Q4_0, Q4_1, Q8_0, BF16 = 0, 1, 2, 3, 8, 30
+F32, F16, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, BF16 = 0, 1, 2, 3, 6, 7, 8, 30
+Q2_K, Q3_K, Q4_K, Q5_K, Q6_K = 10, 11, 12, 13, 14
 
-TYPE_NAMES = {F32: "F32", F16: "F16", Q4_0: "Q4_0", Q4_1: "Q4_1", Q8_0: "Q8_0", BF16: "BF16"}
+TYPE_NAMES = {F32: "F32", F16: "F16", Q4_0: "Q4_0", Q4_1: "Q4_1", Q5_0: "Q5_0", Q5_1: "Q5_1", Q8_0: "Q8_0",
+              BF16: "BF16", Q2_K: "Q2_K", Q3_K: "Q3_K", Q4_K: "Q4_K", Q5_K: "Q5_K", Q6_K: "Q6_K"}
 TYPES_BY_NAME = {name.lower(): t for t, name in TYPE_NAMES.items()}
 SUPPORTED_TYPES = tuple(TYPE_NAMES)
 
-BLOCK = 32  # weights per block of every quantized type here
-_BLOCK_BYTES = {Q4_0: 18, Q4_1: 20, Q8_0: 34}
+BLOCK = 32    # weights per block of the legacy types
+QK_K = 256    # weights per super-block of the K-quants
+_BLOCK_BYTES = {Q4_0: 18, Q4_1: 20, Q5_0: 22, Q5_1: 24, Q8_0: 34, Q2_K: 84, Q3_K: 110, Q4_K: 144, Q5_K: 176,
+                Q6_K: 210}
 _ELEMENT_BYTES = {F32: 4, F16: 2, BF16: 2}
+K_QUANTS = (Q2_K, Q3_K, Q4_K, Q5_K, Q6_K)
 
 
 def type_name(ggml_type: int) -> str:
-    """'Q4_0' for 2, etc.; 'type 6' for an id this module does not handle."""
+    """'Q4_0' for 2, etc.; 'type 20' for an id this module does not handle."""
     return TYPE_NAMES.get(int(ggml_type), f"type {int(ggml_type)}")
 
 
@@ -44,14 +54,21 @@ def is_quantized(ggml_type: int) -> bool:
     return int(ggml_type) in _BLOCK_BYTES
 
 
+def block_elems(ggml_type: int) -> int:
+    """Weights per block: 32 (legacy), 256 (K-quants), 1 (float types)."""
+    t = parse_type(ggml_type)
+    return QK_K if t in K_QUANTS else BLOCK if t in _BLOCK_BYTES else 1
+
+
 def row_bytes(ggml_type: int, cols: int) -> int:
-    """Bytes of one row of `cols` weights (quantized types need cols % 32 == 0)."""
+    """Bytes of one row of `cols` weights (quantized types need cols % block_elems == 0)."""
     t = parse_type(ggml_type)
     if t in _ELEMENT_BYTES:
         return cols * _ELEMENT_BYTES[t]
-    if cols % BLOCK:
-        raise ValueError(f"{type_name(t)} needs a row length that is a multiple of {BLOCK}, got {cols}")
-    return cols // BLOCK * _BLOCK_BYTES[t]
+    be = block_elems(t)
+    if cols % be:
+        raise ValueError(f"{type_name(t)} needs a row length that is a multiple of {be}, got {cols}")
+    return cols // be * _BLOCK_BYTES[t]
 
 
 def _fp16_bytes(values: np.ndarray) -> np.ndarray:
@@ -138,6 +155,70 @@ def _float_to_bf16_bits(x: np.ndarray) -> np.ndarray:
     return np.where(is_nan, quiet_nan, rounded).astype(np.uint16)
 
 
+def _k_scale_bytes(sc: np.ndarray, mn: np.ndarray) -> np.ndarray:
+    """6-bit scales and mins [n, 8] -> the 12 packed bytes of Q4_K / Q5_K (see quant.h)."""
+    sc, mn = sc.astype(np.uint8), mn.astype(np.uint8)
+    out = np.empty((sc.shape[0], 12), np.uint8)
+    out[:, 0:4] = sc[:, 0:4] | ((sc[:, 4:8] >> 4) << 6)
+    out[:, 4:8] = mn[:, 0:4] | ((mn[:, 4:8] >> 4) << 6)
+    out[:, 8:12] = (sc[:, 4:8] & 0x0F) | ((mn[:, 4:8] & 0x0F) << 4)
+    return out
+
+
+def _quantize_q45_k(blocks: np.ndarray, bits: int) -> np.ndarray:
+    """[n, 256] -> Q4_K (bits 4) or Q5_K (bits 5): weight = d*sc*q - dmin*m per 32-weight sub-block."""
+    n = blocks.shape[0]
+    levels = (1 << bits) - 1
+    sub = blocks.reshape(n, 8, 32)
+    lo = np.minimum(sub.min(axis=2), 0.0)                         # the min term can only subtract
+    scale = (sub.max(axis=2) - lo) / np.float32(levels)
+    d = (scale.max(axis=1) / np.float32(63.0)).astype(np.float16).astype(np.float32)
+    dmin = ((-lo).max(axis=1) / np.float32(63.0)).astype(np.float16).astype(np.float32)
+    sc = np.clip(np.ceil(scale * _safe_reciprocal(d)[:, None]), 0, 63)  # round up: the range stays covered
+    mn = np.clip(np.round(-lo * _safe_reciprocal(dmin)[:, None]), 0, 63)
+    step = d[:, None] * sc                                        # [n, 8]
+    offset = dmin[:, None] * mn
+    q = np.clip(np.round((sub + offset[:, :, None]) * _safe_reciprocal(step)[:, :, None]), 0, levels).astype(np.uint8)
+    q = q.reshape(n, 4, 2, 32)                                    # sub-block 2c + h: nibble h of byte 32c + l
+    qs = (q[:, :, 0, :] & 0x0F) | ((q[:, :, 1, :] & 0x0F) << 4)
+    head = np.empty((n, 16), np.uint8)
+    head[:, 0:2] = _fp16_bytes(d)
+    head[:, 2:4] = _fp16_bytes(dmin)
+    head[:, 4:16] = _k_scale_bytes(sc, mn)
+    if bits == 4:
+        return np.concatenate([head, qs.reshape(n, 128)], axis=1)
+    high = (q.reshape(n, 8, 32) >> 4) & 1                         # bit j of qh[l]: sub-block j, weight l
+    qh = (high << np.arange(8, dtype=np.uint8)[None, :, None]).sum(axis=1).astype(np.uint8)
+    return np.concatenate([head, qh, qs.reshape(n, 128)], axis=1)
+
+
+def _quantize_q6_k(blocks: np.ndarray) -> np.ndarray:
+    """[n, 256] -> Q6_K: weight = d * sc * (q - 32), int8 sc per 16-weight sub-block."""
+    n = blocks.shape[0]
+    sub = blocks.reshape(n, 16, 16)
+    scale = np.abs(sub).max(axis=2) / np.float32(31.0)
+    d = (scale.max(axis=1) / np.float32(127.0)).astype(np.float16).astype(np.float32)
+    sc = np.clip(np.ceil(scale * _safe_reciprocal(d)[:, None]), 0, 127).astype(np.int8)
+    step = d[:, None] * sc.astype(np.float32)
+    q = (np.clip(np.round(sub * _safe_reciprocal(step)[:, :, None]), -32, 31) + 32).astype(np.uint8).reshape(n, 2, 4, 32)
+    ql = np.empty((n, 2, 64), np.uint8)                           # per half h: [g0 | g2 << 4 , g1 | g3 << 4]
+    ql[:, :, :32] = (q[:, :, 0] & 0x0F) | ((q[:, :, 2] & 0x0F) << 4)
+    ql[:, :, 32:] = (q[:, :, 1] & 0x0F) | ((q[:, :, 3] & 0x0F) << 4)
+    qh = ((q[:, :, 0] >> 4) | ((q[:, :, 1] >> 4) << 2) | ((q[:, :, 2] >> 4) << 4) | ((q[:, :, 3] >> 4) << 6))
+    out = np.empty((n, 210), np.uint8)
+    out[:, :128] = ql.reshape(n, 128)
+    out[:, 128:192] = qh.reshape(n, 64).astype(np.uint8)
+    out[:, 192:208] = sc.view(np.uint8)
+    out[:, 208:210] = _fp16_bytes(d)
+    return out
+
+
+def _gguf_quantize(t: int):
+    import gguf.quants
+
+    return lambda blocks: gguf.quants.quantize(blocks, gguf.GGMLQuantizationType(t)).reshape(blocks.shape[0], -1)
+
+
 def quantize(x: np.ndarray, ggml_type) -> np.ndarray:
     """float32 [rows, cols] -> uint8 [rows, row_bytes] in the GGUF layout of `ggml_type`."""
     t = parse_type(ggml_type)
@@ -155,13 +236,17 @@ def quantize(x: np.ndarray, ggml_type) -> np.ndarray:
         return x.astype("<f2").view(np.uint8).reshape(rows, rb)
     if t == BF16:
         return _float_to_bf16_bits(x).astype("<u2").view(np.uint8).reshape(rows, rb)
-    blocks = x.reshape(-1, BLOCK)
-    quantizer = {Q4_0: _quantize_q4_0, Q4_1: _quantize_q4_1, Q8_0: _quantize_q8_0}[t]
+    quantizers = {Q4_0: _quantize_q4_0, Q4_1: _quantize_q4_1, Q8_0: _quantize_q8_0, Q5_0: _gguf_quantize(Q5_0),
+                  Q5_1: _gguf_quantize(Q5_1), Q4_K: lambda b: _quantize_q45_k(b, 4),
+                  Q5_K: lambda b: _quantize_q45_k(b, 5), Q6_K: _quantize_q6_k}
+    if t not in quantizers:
+        raise ValueError(f"quantizing to {type_name(t)} is not supported (dequantizing is)")
+    blocks = x.reshape(-1, block_elems(t))
     # Work in slabs so the float temporaries stay small for big matrices (token_embd is 28M weights).
-    slab = 1 << 16
+    slab = 1 << 16 if block_elems(t) == BLOCK else 1 << 13
     out = np.empty((blocks.shape[0], _BLOCK_BYTES[t]), np.uint8)
     for start in range(0, blocks.shape[0], slab):
-        out[start:start + slab] = quantizer(blocks[start:start + slab])
+        out[start:start + slab] = quantizers[t](blocks[start:start + slab])
     return out.reshape(rows, rb)
 
 
@@ -181,6 +266,12 @@ def dequantize(data: np.ndarray, ggml_type, rows: int, cols: int) -> np.ndarray:
         return raw.view("<f2").astype(np.float32).reshape(rows, cols)
     if t == BF16:
         return (raw.view("<u2").astype(np.uint32) << np.uint32(16)).view(np.float32).reshape(rows, cols)
+    if t not in (Q4_0, Q4_1, Q8_0):
+        import gguf.quants
+
+        with np.errstate(invalid="ignore", over="ignore"):
+            w = gguf.quants.dequantize(raw.reshape(rows, rb), gguf.GGMLQuantizationType(t))
+        return np.asarray(w, dtype=np.float32).reshape(rows, cols)
     blocks = raw.reshape(-1, _BLOCK_BYTES[t])
     d = _fp16_from_bytes(blocks[:, :2])
     if t == Q4_0:

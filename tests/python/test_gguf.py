@@ -235,9 +235,9 @@ def test_wrong_architecture(synthetic, tmp_path):
         load_gguf(path)
 
 
-@pytest.mark.parametrize("qtype", ["Q5_0", "Q2_K"])
+@pytest.mark.parametrize("qtype", ["IQ4_NL", "IQ2_XXS"])
 def test_unsupported_tensor_type(tmp_path, qtype):
-    # d_model 256 so that attn_q rows fit Q2_K's 256-wide blocks too: the type is the file's only defect.
+    # d_model 256 so that attn_q rows fit IQ2_XXS's 256-wide blocks too: the type is the file's only defect.
     src = write_synthetic_gguf(tmp_path / "wide.gguf", d_model=256, d_ff=256, n_heads=4, n_kv_heads=2, seed=2)
     t = gguf.GGMLQuantizationType[qtype]
     block, type_size = gguf.GGML_QUANT_SIZES[t]
@@ -344,8 +344,8 @@ def test_quantize_file_errors(synthetic, tmp_path):
     os.symlink(synthetic, link)
     with pytest.raises(GGUFError, match="overwrite"):
         quantize_file(synthetic, link, "q8_0", progress=False)
-    with pytest.raises(ValueError, match="q5_0"):
-        quantize_file(synthetic, tmp_path / "x.gguf", "q5_0", progress=False)
+    with pytest.raises(ValueError, match="q4_k"):  # K-quant targets are not offered (our K quantizers are simple)
+        quantize_file(synthetic, tmp_path / "x.gguf", "q4_k", progress=False)
     bad = tmp_path / "bad.gguf"
     bad.write_bytes(b"not a model at all" * 10)
     with pytest.raises(GGUFError, match=r"bad\.gguf.*not a GGUF"):
@@ -361,8 +361,8 @@ def test_quantize_file_progress_bar(synthetic, tmp_path, capsys):
 
 
 def test_quantize_file_keeps_unused_tensors_of_other_types(synthetic, tmp_path):
-    # Tensors the model does not use (here a Q5_0 matrix and an I32 vector) are copied as they are, shape and all.
-    q5 = gguf.GGMLQuantizationType.Q5_0
+    # Tensors of types metalattn does not read (here an IQ4_NL matrix and an I32 vector) are copied as they are.
+    q5 = gguf.GGMLQuantizationType.IQ4_NL
     block, type_size = gguf.GGML_QUANT_SIZES[q5]
     raw = np.random.default_rng(1).integers(0, 256, (8, 64 // block * type_size), dtype=np.uint8)
     ints = np.arange(7, dtype=np.int32)

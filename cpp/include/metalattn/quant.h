@@ -153,6 +153,41 @@ inline MA_HOST_DEVICE bool is_k_quant(GgmlType t) { return block_elems(t) == kSu
 
 const char* type_name(GgmlType t);
 
+// ---------------------------------------------------------------- bit-field helpers of the block layouts
+
+// The 32 fifth bits of a Q5_0 / Q5_1 block (bit j belongs to weight j).
+inline MA_HOST_DEVICE uint32_t q5_high_bits(const uint8_t qh[4]) {
+  return static_cast<uint32_t>(qh[0]) | static_cast<uint32_t>(qh[1]) << 8 | static_cast<uint32_t>(qh[2]) << 16 |
+         static_cast<uint32_t>(qh[3]) << 24;
+}
+
+// Scale and min (6 bits each) of sub-block j (0..7) of a Q4_K / Q5_K super-block.
+inline MA_HOST_DEVICE void k_scale_min(const uint8_t scales[12], int j, int* sc, int* m) {
+  if (j < 4) {
+    *sc = scales[j] & 63;
+    *m = scales[j + 4] & 63;
+  } else {
+    *sc = (scales[j + 4] & 0x0f) | ((scales[j - 4] >> 6) << 4);
+    *m = (scales[j + 4] >> 4) | ((scales[j] >> 6) << 4);
+  }
+}
+
+// Signed 6-bit value (-32..31) of weight i (0..255) of a Q6_K super-block.
+inline MA_HOST_DEVICE int q6_k_value(const block_q6_K& b, int i) {
+  const int h = i / 128, g = (i % 128) / 32, l = i % 32;
+  const uint8_t low_byte = b.ql[64 * h + 32 * (g & 1) + l];
+  const int low = g < 2 ? (low_byte & 0x0f) : (low_byte >> 4);
+  const int high = (b.qh[32 * h + l] >> (2 * g)) & 3;
+  return (low | (high << 4)) - 32;
+}
+
+// Scale (6 bits, 0..63; the weight uses it minus 32) of sub-block s (0..15) of a Q3_K super-block.
+inline MA_HOST_DEVICE int q3_k_scale(const uint8_t scales[12], int s) {
+  const int low = s < 8 ? (scales[s] & 0x0f) : (scales[s - 8] >> 4);
+  const int high = (scales[8 + s % 4] >> (2 * (s / 4))) & 3;
+  return low | (high << 4);
+}
+
 // IEEE half -> float by bit manipulation (host reference; CUDA code uses __half2float).
 inline MA_HOST_DEVICE float fp16_to_float(uint16_t h) {
   const uint32_t sign = static_cast<uint32_t>(h & 0x8000u) << 16;
