@@ -112,14 +112,17 @@ void quantize_acts(Isa isa, const float* x, int64_t n, block_q16_act* out) {
   }
 }
 
-// The weight types the SIMD tiles handle; any other quantized type runs the scalar reference on every ISA.
-bool simd_type(GgmlType t) {
-  switch (t) {
-    case GgmlType::Q4_0: case GgmlType::Q4_1: case GgmlType::Q8_0:
-    case GgmlType::F32: case GgmlType::F16: case GgmlType::BF16: return true;
-    default: return false;
-  }
+namespace {
+// The weight types the SIMD tiles handle; Q2_K and Q3_K run the scalar reference on every ISA.
+bool simd_type(GgmlType t) { return t != GgmlType::Q2_K && t != GgmlType::Q3_K; }
+// The AVX-512 tiles cover the legacy and float types; the other quantized types take the AVX2 tiles there (the
+// int16 activations are the same bytes on every ISA).
+Isa tile_isa(Isa isa, GgmlType t) {
+  if (!simd_type(t)) return Isa::Scalar;
+  const bool legacy = t == GgmlType::Q4_0 || t == GgmlType::Q4_1 || t == GgmlType::Q8_0 || !is_quantized(t);
+  return isa == Isa::Avx512 && !legacy ? Isa::Avx2 : isa;
 }
+}  // namespace
 
 bool uses_quantized_acts(Isa isa, GgmlType weight_type) {
   return isa != Isa::Scalar && is_quantized(weight_type) && simd_type(weight_type);
@@ -128,7 +131,7 @@ bool uses_quantized_acts(Isa isa, GgmlType weight_type) {
 void matvec(Isa isa, const WeightView& w, const float* x, const block_q16_act* xq, float* y, int64_t r0, int64_t r1) {
   check_isa(isa, "matvec");
   check_args(w, xq, isa, r0, r1, "matvec");
-  if (!simd_type(w.type)) isa = Isa::Scalar;
+  isa = tile_isa(isa, w.type);
   switch (isa) {
 #ifdef METALATTN_X86
     case Isa::Avx512: return avx512::matmul(w, x, xq, 1, y, 0, r0, r1);
@@ -143,7 +146,7 @@ void matmul(Isa isa, const WeightView& w, const float* X, const block_q16_act* X
   check_isa(isa, "matmul");
   check_args(w, Xq, isa, r0, r1, "matmul");
   if (n_tok <= 0) return;
-  if (!simd_type(w.type)) isa = Isa::Scalar;
+  isa = tile_isa(isa, w.type);
   switch (isa) {
 #ifdef METALATTN_X86
     case Isa::Avx512: return avx512::matmul(w, X, Xq, n_tok, Y, ldy, r0, r1);

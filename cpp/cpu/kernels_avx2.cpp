@@ -28,9 +28,7 @@ struct alignas(32) ActPair {
 
 alignas(64) const uint8_t kZeroBlock[64] = {};  // stands in for the missing second block of an odd tail pair
 
-constexpr size_t block_size(GgmlType t) {
-  return t == GgmlType::Q4_0 ? sizeof(block_q4_0) : t == GgmlType::Q4_1 ? sizeof(block_q4_1) : sizeof(block_q8_0);
-}
+constexpr size_t block_size(GgmlType t) { return block_bytes(t); }
 
 void pack_acts(const block_q16_act* xq, int nb, int n_tok, ActPair* out) {
   const int npairs = (nb + 1) / 2;
@@ -70,34 +68,134 @@ inline __m256i load_lanes(const uint8_t* const b[2], int off) {
                                  _mm_loadu_si128((const __m128i*)(b[1] + off)), 1);
 }
 
-// Decoded weights of one pair of blocks of one row, in ActPair's layout.
+// Decoded weights of one pair of 32-weight blocks of one row, in ActPair's layout: what every weight type reduces
+// to. A block's value is d * q + m with q an exact integer (int16 lanes), d and m per block.
 struct WeightPair {
-  __m256i q[4];  // int16 (Q4: nibble 0..15; Q8_0: as stored)
+  __m256i q[4];  // int16 (Q4: nibble 0..15; Q5: 0..31; Q8_0: as stored; Q6_K: (q - 32) * its int8 sub-scale)
   __m256 d;      // lanes 4X..4X+3: scale of block X
-  __m256 m;      // Q4_1: min of block X (unused otherwise)
+  __m256 m;      // types with a min (Q4_1, Q5_1, Q4_K, Q5_K): the min of block X (unused otherwise)
 };
 
+// Types whose blocks carry an additive min (d * q + m), applied through the activation block sums.
+constexpr bool has_min(GgmlType t) {
+  return t == GgmlType::Q4_1 || t == GgmlType::Q5_1 || t == GgmlType::Q4_K || t == GgmlType::Q5_K;
+}
+// Q4_0 / Q5_0 store q + 8 / q + 16: the offset is removed exactly by seeding the integer sum with
+// -offset * sum(a) (ActPair::bias holds -8 * sum(a)).
+constexpr int bias_times(GgmlType t) { return t == GgmlType::Q4_0 ? 1 : t == GgmlType::Q5_0 ? 2 : 0; }
+
+inline __m256 spread2(float a, float b) { return _mm256_setr_ps(a, a, a, a, b, b, b, b); }
+
+// The four int16 operands from 32 bytes `first` (block X = 0) and 32 bytes `second` (block X = 1), each holding
+// one block's 32 weights as unsigned bytes: lane X of operand k gets weights 8k..8k+7 of block X.
+inline void widen_pair(__m256i first, __m256i second, __m256i q[4]) {
+  const __m256i zero = _mm256_setzero_si256();
+  const __m256i a = _mm256_permute2x128_si256(first, second, 0x20);  // weights 0..15 of each block
+  const __m256i b = _mm256_permute2x128_si256(first, second, 0x31);  // weights 16..31
+  q[0] = _mm256_unpacklo_epi8(a, zero);
+  q[1] = _mm256_unpackhi_epi8(a, zero);
+  q[2] = _mm256_unpacklo_epi8(b, zero);
+  q[3] = _mm256_unpackhi_epi8(b, zero);
+}
+
+// Bit `s` (and with width 2, bit s + 1) of every byte of v, moved to bits 4 (and 5): the high bits of Q5 / Q6_K.
+inline __m256i bits_to_high(__m256i v, int s, int mask) {
+  return _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(v, s), _mm256_set1_epi8(static_cast<char>(mask))), 4);
+}
+
+// Q5_0 / Q5_1: the 32 fifth bits of each block (in 128-bit lane X) spread to 0x10 in bytes 0..15 (weights j) and
+// bytes 0..15 of the second result (weights j + 16).
+inline void q5_high(const uint8_t* const b[2], int qh_off, __m256i* lo_bits, __m256i* hi_bits) {
+  uint32_t h0, h1;
+  std::memcpy(&h0, b[0] + qh_off, 4);
+  std::memcpy(&h1, b[1] + qh_off, 4);
+  const __m256i qh = _mm256_setr_epi32(static_cast<int>(h0), 0, 0, 0, static_cast<int>(h1), 0, 0, 0);
+  const __m256i bit = _mm256_set1_epi64x(static_cast<long long>(0x8040201008040201ull));
+  const __m256i ten = _mm256_set1_epi8(0x10);
+  const __m256i sel_lo = _mm256_setr_epi8(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1,
+                                          0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1);
+  const __m256i sel_hi = _mm256_add_epi8(sel_lo, _mm256_set1_epi8(2));
+  const __m256i lo = _mm256_and_si256(_mm256_shuffle_epi8(qh, sel_lo), bit);
+  const __m256i hi = _mm256_and_si256(_mm256_shuffle_epi8(qh, sel_hi), bit);
+  *lo_bits = _mm256_and_si256(_mm256_cmpeq_epi8(lo, bit), ten);
+  *hi_bits = _mm256_and_si256(_mm256_cmpeq_epi8(hi, bit), ten);
+}
+
+// Pair p of a row: its blocks 2p and 2p + 1 (32 weights each; for the K-quants, sub-blocks of a super-block).
+// Legacy rows with an odd block count end in a lone block, paired with zeros.
 template <GgmlType WT>
-inline WeightPair load_pair(const uint8_t* const b[2]) {
+inline WeightPair load_pair(const uint8_t* row, int p, int nb) {
   WeightPair w;
-  w.d = spread_halves(b, 0);
-  if constexpr (WT == GgmlType::Q8_0) {
-    // unpack(v, v) puts each byte in both halves of a word; the arithmetic shift sign-extends it, in lane.
-    const __m256i v0 = load_lanes(b, 2), v1 = load_lanes(b, 18);  // weights 0..15, 16..31
-    w.q[0] = _mm256_srai_epi16(_mm256_unpacklo_epi8(v0, v0), 8);
-    w.q[1] = _mm256_srai_epi16(_mm256_unpackhi_epi8(v0, v0), 8);
-    w.q[2] = _mm256_srai_epi16(_mm256_unpacklo_epi8(v1, v1), 8);
-    w.q[3] = _mm256_srai_epi16(_mm256_unpackhi_epi8(v1, v1), 8);
+  if constexpr (WT == GgmlType::Q4_K || WT == GgmlType::Q5_K) {
+    // Pair c of a super-block = sub-blocks 2c (low nibbles) and 2c + 1 (high nibbles) of the same 32 bytes.
+    const uint8_t* sb = row + static_cast<size_t>(p / 4) * block_size(WT);
+    const int c = p % 4;
+    const auto* h = reinterpret_cast<const block_q4_K*>(sb);  // d, dmin, scales: the same place in Q5_K
+    const uint8_t* qs = WT == GgmlType::Q5_K ? reinterpret_cast<const block_q5_K*>(sb)->qs : h->qs;
+    const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qs + 32 * c));
+    const __m256i nibble = _mm256_set1_epi8(0x0F);
+    __m256i lo = _mm256_and_si256(v, nibble), hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), nibble);
+    if constexpr (WT == GgmlType::Q5_K) {
+      const __m256i qh = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(reinterpret_cast<const block_q5_K*>(sb)->qh));
+      lo = _mm256_or_si256(lo, bits_to_high(qh, 2 * c, 1));
+      hi = _mm256_or_si256(hi, bits_to_high(qh, 2 * c + 1, 1));
+    }
+    widen_pair(lo, hi, w.q);
+    int sc0, m0, sc1, m1;
+    k_scale_min(h->scales, 2 * c, &sc0, &m0);
+    k_scale_min(h->scales, 2 * c + 1, &sc1, &m1);
+    const float d = fp16_to_float(h->d), dmin = fp16_to_float(h->dmin);
+    w.d = spread2(d * static_cast<float>(sc0), d * static_cast<float>(sc1));
+    w.m = spread2(-(dmin * static_cast<float>(m0)), -(dmin * static_cast<float>(m1)));
+  } else if constexpr (WT == GgmlType::Q6_K) {
+    // Pair c of a super-block: weights 64c .. 64c + 63 = groups g0 = 2 (c % 2) and g0 + 1 of half c / 2.
+    const auto* b6 = reinterpret_cast<const block_q6_K*>(row) + p / 4;
+    const int c = p % 4, h = c / 2, g0 = 2 * (c % 2), shift = 4 * (c % 2);
+    const __m256i nibble = _mm256_set1_epi8(0x0F);
+    const __m256i v0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b6->ql + 64 * h));
+    const __m256i v1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b6->ql + 64 * h + 32));
+    const __m256i qh = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b6->qh + 32 * h));
+    const __m256i q0 = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(v0, shift), nibble), bits_to_high(qh, 2 * g0, 3));
+    const __m256i q1 = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(v1, shift), nibble),
+                                       bits_to_high(qh, 2 * g0 + 2, 3));
+    widen_pair(q0, q1, w.q);
+    // Weights 0..15 of a block use its first 16-weight sub-scale, 16..31 the second; the scale folds into the
+    // int16 weight: |(q - 32) * sc| <= 32 * 128 = 4096, so 8 products with |a| <= 32767 stay below 2^31.
+    const int8_t* sc = b6->scales + 8 * h + 2 * g0;  // sub-scales g0: sc[0], sc[1]; g0 + 1: sc[2], sc[3]
+    const __m256i s_first = _mm256_set_m128i(_mm_set1_epi16(sc[2]), _mm_set1_epi16(sc[0]));
+    const __m256i s_second = _mm256_set_m128i(_mm_set1_epi16(sc[3]), _mm_set1_epi16(sc[1]));
+    const __m256i off = _mm256_set1_epi16(32);
+    for (int k = 0; k < 4; ++k) w.q[k] = _mm256_mullo_epi16(_mm256_sub_epi16(w.q[k], off), k < 2 ? s_first : s_second);
+    w.d = _mm256_set1_ps(fp16_to_float(b6->d));
   } else {
-    // Byte j holds weight j (low nibble) and weight j + 16 (high nibble).
-    const __m256i v = load_lanes(b, WT == GgmlType::Q4_1 ? 4 : 2);
-    const __m256i nibble = _mm256_set1_epi8(0x0F), zero = _mm256_setzero_si256();
-    const __m256i lo = _mm256_and_si256(v, nibble), hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), nibble);
-    w.q[0] = _mm256_unpacklo_epi8(lo, zero);
-    w.q[1] = _mm256_unpackhi_epi8(lo, zero);
-    w.q[2] = _mm256_unpacklo_epi8(hi, zero);
-    w.q[3] = _mm256_unpackhi_epi8(hi, zero);
-    if constexpr (WT == GgmlType::Q4_1) w.m = spread_halves(b, 2);
+    constexpr size_t bs = block_size(WT);
+    const uint8_t* b[2] = {row + 2 * p * bs, 2 * p + 1 < nb ? row + (2 * p + 1) * bs : kZeroBlock};
+    w.d = spread_halves(b, 0);
+    if constexpr (WT == GgmlType::Q8_0) {
+      // unpack(v, v) puts each byte in both halves of a word; the arithmetic shift sign-extends it, in lane.
+      const __m256i v0 = load_lanes(b, 2), v1 = load_lanes(b, 18);  // weights 0..15, 16..31
+      w.q[0] = _mm256_srai_epi16(_mm256_unpacklo_epi8(v0, v0), 8);
+      w.q[1] = _mm256_srai_epi16(_mm256_unpackhi_epi8(v0, v0), 8);
+      w.q[2] = _mm256_srai_epi16(_mm256_unpacklo_epi8(v1, v1), 8);
+      w.q[3] = _mm256_srai_epi16(_mm256_unpackhi_epi8(v1, v1), 8);
+    } else {
+      // Byte j holds weight j (low nibble) and weight j + 16 (high nibble); Q5 adds the fifth bits.
+      constexpr int qs_off = WT == GgmlType::Q4_0 ? 2 : WT == GgmlType::Q4_1 ? 4 : WT == GgmlType::Q5_0 ? 6 : 8;
+      const __m256i v = load_lanes(b, qs_off);
+      const __m256i nibble = _mm256_set1_epi8(0x0F), zero = _mm256_setzero_si256();
+      __m256i lo = _mm256_and_si256(v, nibble), hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), nibble);
+      if constexpr (WT == GgmlType::Q5_0 || WT == GgmlType::Q5_1) {
+        __m256i lo_bits, hi_bits;
+        q5_high(b, WT == GgmlType::Q5_0 ? 2 : 4, &lo_bits, &hi_bits);
+        lo = _mm256_or_si256(lo, lo_bits);
+        hi = _mm256_or_si256(hi, hi_bits);
+      }
+      w.q[0] = _mm256_unpacklo_epi8(lo, zero);
+      w.q[1] = _mm256_unpackhi_epi8(lo, zero);
+      w.q[2] = _mm256_unpacklo_epi8(hi, zero);
+      w.q[3] = _mm256_unpackhi_epi8(hi, zero);
+      if constexpr (has_min(WT)) w.m = spread_halves(b, 2);
+    }
   }
   return w;
 }
@@ -110,28 +208,26 @@ inline float reduce(__m256 v) {
 
 template <GgmlType WT, int R, int T>
 void q_tile(const uint8_t* row0, size_t stride, int nb, const ActPair* acts, int npairs, float* y, int64_t ldy) {
-  constexpr size_t bs = block_size(WT);
   __m256 acc[R][T];
   for (int i = 0; i < R; ++i)
     for (int t = 0; t < T; ++t) acc[i][t] = _mm256_setzero_ps();
   for (int p = 0; p < npairs; ++p) {
     WeightPair wp[R];
-    for (int i = 0; i < R; ++i) {
-      const uint8_t* b[2] = {row0 + i * stride + 2 * p * bs,
-                             2 * p + 1 < nb ? row0 + i * stride + (2 * p + 1) * bs : kZeroBlock};
-      wp[i] = load_pair<WT>(b);
-    }
+    for (int i = 0; i < R; ++i) wp[i] = load_pair<WT>(row0 + i * stride, p, nb);
     for (int t = 0; t < T; ++t) {
       const ActPair& a = acts[t * npairs + p];
       const __m256 ad = _mm256_load_ps(a.d);
       for (int i = 0; i < R; ++i) {
         // Exact: see the top of the file. vpmaddwd cannot saturate: no activation is -32768.
         __m256i dot = _mm256_madd_epi16(wp[i].q[0], _mm256_load_si256((const __m256i*)a.qs[0]));
-        if constexpr (WT == GgmlType::Q4_0) dot = _mm256_add_epi32(dot, _mm256_load_si256((const __m256i*)a.bias));
+        if constexpr (bias_times(WT) > 0) {
+          const __m256i bias = _mm256_load_si256((const __m256i*)a.bias);
+          dot = _mm256_add_epi32(dot, bias_times(WT) == 2 ? _mm256_slli_epi32(bias, 1) : bias);
+        }
         for (int k = 1; k < 4; ++k)
           dot = _mm256_add_epi32(dot, _mm256_madd_epi16(wp[i].q[k], _mm256_load_si256((const __m256i*)a.qs[k])));
         acc[i][t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), _mm256_mul_ps(wp[i].d, ad), acc[i][t]);
-        if constexpr (WT == GgmlType::Q4_1) acc[i][t] = _mm256_fmadd_ps(wp[i].m, _mm256_load_ps(a.s), acc[i][t]);
+        if constexpr (has_min(WT)) acc[i][t] = _mm256_fmadd_ps(wp[i].m, _mm256_load_ps(a.s), acc[i][t]);
       }
     }
   }
@@ -203,6 +299,7 @@ inline int hsum_epi32(__m256i v) {
 
 // What TiledMatmul (tiled_matmul.h) needs from this ISA.
 struct Isa {
+  static constexpr bool kAllQuantTypes = true;
   using Act = ActPair;
   static constexpr int kActGroup = 2;
   static constexpr int kTokenTile = 4;

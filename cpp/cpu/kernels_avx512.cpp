@@ -240,6 +240,7 @@ void f_tile(const uint8_t* row0, size_t stride, int64_t cols, const float* X, fl
 
 // What TiledMatmul (tiled_matmul.h) needs from this ISA.
 struct Isa {
+  static constexpr bool kAllQuantTypes = false;
   using Act = ActQuad;
   static constexpr int kActGroup = 4;
   static constexpr int kTokenTile = 8;

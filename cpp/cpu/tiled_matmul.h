@@ -7,6 +7,8 @@
 // that file's -m flags only (an inline function shared by two ISA files could be linked into the wrong one).
 //
 // Isa provides:
+//   kAllQuantTypes                       whether q_tile handles Q5_0/Q5_1/Q4_K/Q5_K/Q6_K too (else the
+//                                        dispatcher sends those to another ISA)
 //   Act                                  one token's activations for kActGroup consecutive blocks, packed
 //   kActGroup                            blocks per Act
 //   kTokenTile                           tokens per packed tile; a power of two: quantized tiles of kTokenTile,
@@ -136,6 +138,22 @@ struct TiledMatmul {
       case GgmlType::Q4_0: return q_matmul<GgmlType::Q4_0>(w, Xq, n_tok, Y, ldy, r0, r1);
       case GgmlType::Q4_1: return q_matmul<GgmlType::Q4_1>(w, Xq, n_tok, Y, ldy, r0, r1);
       case GgmlType::Q8_0: return q_matmul<GgmlType::Q8_0>(w, Xq, n_tok, Y, ldy, r0, r1);
+      case GgmlType::Q5_0:
+      case GgmlType::Q5_1:
+      case GgmlType::Q4_K:
+      case GgmlType::Q5_K:
+      case GgmlType::Q6_K:
+        if constexpr (Isa::kAllQuantTypes) {
+          switch (w.type) {
+            case GgmlType::Q5_0: return q_matmul<GgmlType::Q5_0>(w, Xq, n_tok, Y, ldy, r0, r1);
+            case GgmlType::Q5_1: return q_matmul<GgmlType::Q5_1>(w, Xq, n_tok, Y, ldy, r0, r1);
+            case GgmlType::Q4_K: return q_matmul<GgmlType::Q4_K>(w, Xq, n_tok, Y, ldy, r0, r1);
+            case GgmlType::Q5_K: return q_matmul<GgmlType::Q5_K>(w, Xq, n_tok, Y, ldy, r0, r1);
+            default: return q_matmul<GgmlType::Q6_K>(w, Xq, n_tok, Y, ldy, r0, r1);
+          }
+        }
+        break;
+      default: break;
       case GgmlType::F32: return f_matmul<GgmlType::F32>(w, X, n_tok, Y, ldy, r0, r1);
       case GgmlType::F16: return f_matmul<GgmlType::F16>(w, X, n_tok, Y, ldy, r0, r1);
       case GgmlType::BF16: return f_matmul<GgmlType::BF16>(w, X, n_tok, Y, ldy, r0, r1);

@@ -1,7 +1,9 @@
 // CPU SIMD kernels and thread pool against the scalar reference (cpp/cpu/reference.h), on fresh random data.
 #include <gtest/gtest.h>
 
+#include <array>
 #include <atomic>
+#include <cstddef>
 #include <chrono>
 #include <cmath>
 #include <cstdlib>
@@ -125,6 +127,41 @@ struct Matrix {
   WeightView view;
 };
 
+// The types without a quantizer here (Q5_0 .. Q6_K): random bytes are valid blocks of each; only the fp16 scale
+// fields are set, to random magnitudes that differ from row to row and block to block.
+bool random_block_type(GgmlType t) {
+  return t == GgmlType::Q5_0 || t == GgmlType::Q5_1 || t == GgmlType::Q2_K || t == GgmlType::Q3_K ||
+         t == GgmlType::Q4_K || t == GgmlType::Q5_K || t == GgmlType::Q6_K;
+}
+
+// Byte offsets of the fp16 fields of a block: scales (d, dmin / m) get magnitudes ~s.
+std::vector<size_t> half_fields(GgmlType t) {
+  switch (t) {
+    case GgmlType::Q5_0: return {0};
+    case GgmlType::Q5_1: return {0, 2};
+    case GgmlType::Q4_K: case GgmlType::Q5_K: return {0, 2};
+    case GgmlType::Q6_K: return {offsetof(block_q6_K, d)};
+    case GgmlType::Q3_K: return {offsetof(block_q3_K, d)};
+    case GgmlType::Q2_K: return {offsetof(block_q2_K, d), offsetof(block_q2_K, dmin)};
+    default: return {};
+  }
+}
+
+void random_blocks(GgmlType type, int64_t rows, int64_t cols, std::mt19937& rng, uint8_t* out) {
+  std::uniform_int_distribution<int> byte(0, 255);
+  std::uniform_real_distribution<float> scale(0.0005f, 0.05f);
+  const size_t bb = block_bytes(type), n = static_cast<size_t>(rows) * (cols / block_elems(type));
+  for (size_t i = 0; i < n * bb; ++i) out[i] = static_cast<uint8_t>(byte(rng));
+  const bool k = is_k_quant(type);
+  for (size_t b = 0; b < n; ++b)
+    for (size_t off : half_fields(type)) {
+      // Legacy blocks get d ~ 0.01-1 (weights d * q); K-quant super-scales are smaller (times 6-bit scales).
+      const float v = (k ? 1.f : 20.f) * scale(rng) * (off == 2 && type == GgmlType::Q5_1 ? -4.f : 1.f);
+      const uint16_t h = float_to_half(v);
+      std::memcpy(out + b * bb + off, &h, 2);
+    }
+}
+
 Matrix random_matrix(GgmlType type, int64_t rows, int64_t cols, uint32_t seed) {
   std::mt19937 rng(seed);
   std::normal_distribution<float> normal(0.f, 1.f);
@@ -132,6 +169,14 @@ Matrix random_matrix(GgmlType type, int64_t rows, int64_t cols, uint32_t seed) {
   Matrix m;
   const size_t stride = row_bytes(type, cols);
   m.bytes.resize(stride * rows);
+  m.view.type = type;
+  m.view.data = m.bytes.data();
+  m.view.rows = rows;
+  m.view.cols = cols;
+  if (random_block_type(type)) {
+    random_blocks(type, rows, cols, rng, m.bytes.data());
+    return m;
+  }
   std::vector<float> row(cols);
   for (int64_t r = 0; r < rows; ++r) {
     const float row_scale = scale(rng);
@@ -148,10 +193,6 @@ Matrix random_matrix(GgmlType type, int64_t rows, int64_t cols, uint32_t seed) {
     auto* blocks = reinterpret_cast<block_q8_0*>(m.bytes.data());
     for (int i = 0; i < 64; ++i) blocks[pick(rng)].qs[i % 32] = -128;
   }
-  m.view.type = type;
-  m.view.data = m.bytes.data();
-  m.view.rows = rows;
-  m.view.cols = cols;
   return m;
 }
 
@@ -192,6 +233,26 @@ struct RowBudget {
   std::vector<double> mag;   // magnitude scale for float rounding
 };
 
+// |m| of the block holding weight c, for types whose weights are d*q + m (both parts count: they may cancel).
+double min_magnitude(GgmlType type, const uint8_t* row, int64_t c) {
+  switch (type) {
+    case GgmlType::Q4_1: return std::fabs(fp16_to_float((reinterpret_cast<const block_q4_1*>(row) + c / 32)->m));
+    case GgmlType::Q5_1: return std::fabs(fp16_to_float((reinterpret_cast<const block_q5_1*>(row) + c / 32)->m));
+    case GgmlType::Q4_K:
+    case GgmlType::Q5_K: {
+      const auto* h = reinterpret_cast<const block_q4_K*>(row + (c / kSuperBlock) * block_bytes(type));
+      int sc, m;
+      k_scale_min(h->scales, static_cast<int>(c % kSuperBlock) / 32, &sc, &m);
+      return std::fabs(fp16_to_float(h->dmin) * m);
+    }
+    case GgmlType::Q2_K: {
+      const auto* h = reinterpret_cast<const block_q2_K*>(row) + c / kSuperBlock;
+      return std::fabs(fp16_to_float(h->dmin) * (h->scales[(c % kSuperBlock) / 16] >> 4));
+    }
+    default: return 0.0;
+  }
+}
+
 RowBudget row_budget(const WeightView& w, const float* x, const std::vector<block_q16_act>* xq, int64_t r0,
                      int64_t r1) {
   RowBudget b;
@@ -202,11 +263,7 @@ RowBudget row_budget(const WeightView& w, const float* x, const std::vector<bloc
     ref::dequantize_row(w.type, w.row(r), row.data(), w.cols);
     double e = 0, m = 0;
     for (int64_t c = 0; c < w.cols; ++c) {
-      double min_term = 0;  // Q4_1 rows are d*q + m: count both parts, they may cancel
-      if (w.type == GgmlType::Q4_1) {
-        const auto* blk = reinterpret_cast<const block_q4_1*>(w.row(r)) + c / 32;
-        min_term = std::fabs(fp16_to_float(blk->m));
-      }
+      const double min_term = min_magnitude(w.type, w.row(r), c);
       const double step = xq ? (*xq)[c / 32].d : 0.0;
       e += step / 2 * std::fabs(row[c]);
       m += (std::fabs(row[c]) + 2 * min_term) * (std::fabs(x[c]) + step);
@@ -284,18 +341,29 @@ void check_matvec(GgmlType type, int64_t rows, int64_t cols, uint32_t seed) {
   }
 }
 
+// Rows x cols of the matrices the supported models use in this type: SmolLM2-135M (576 / 1536), Gemma 3 270M
+// (640, 1024, 2048; head_dim 256), Qwen2.5-0.5B (896, 4864); the K-quants only where rows hold whole super-blocks.
+std::vector<std::array<int64_t, 2>> model_shapes(GgmlType type) {
+  if (is_k_quant(type)) return {{640, 1024}, {640, 2048}, {896, 4864}, {576, 1536}, {4864, 256}};
+  return {{576, 576}, {192, 576}, {1536, 576}, {576, 1536}, {49152, 576}, {1024, 640}, {256, 640}, {2048, 640},
+          {640, 2048}, {896, 896}, {128, 896}, {4864, 896}, {16384, 896}};
+}
+
 TEST_P(QuantTypes, MatvecModelShapes) {
   const GgmlType type = GetParam();
-  const int64_t shapes[][2] = {{576, 576}, {192, 576}, {1536, 576}, {576, 1536}, {49152, 576}};
   uint32_t seed = 100 + static_cast<uint32_t>(type) * 1000;
-  for (const auto& s : shapes) check_matvec(type, s[0], s[1], seed += 17);
+  for (const auto& s : model_shapes(type)) check_matvec(type, s[0], s[1], seed += 17);
 }
 
 TEST_P(QuantTypes, MatvecOddShapes) {
   // Odd block counts (a lone tail block in the paired AVX-512 loop), float rows with a partial vector tail,
   // row counts that leave tile remainders.
   const GgmlType type = GetParam();
-  if (is_quantized(type)) {
+  if (is_k_quant(type)) {
+    check_matvec(type, 7, 256, 11);
+    check_matvec(type, 13, 768, 12);
+    check_matvec(type, 37, 1280, 13);
+  } else if (is_quantized(type)) {
     check_matvec(type, 7, 32, 11);
     check_matvec(type, 13, 96, 12);
     check_matvec(type, 37, 224, 13);
@@ -308,7 +376,9 @@ TEST_P(QuantTypes, MatvecOddShapes) {
 
 TEST_P(QuantTypes, MatmulEqualsPerTokenMatvec) {
   const GgmlType type = GetParam();
-  const int64_t shapes[][2] = {{576, 576}, {1536, 576}, {576, 1536}};
+  const std::vector<std::array<int64_t, 2>> shapes =
+      is_k_quant(type) ? std::vector<std::array<int64_t, 2>>{{640, 1024}, {896, 4864}}
+                       : std::vector<std::array<int64_t, 2>>{{576, 576}, {1536, 576}, {576, 1536}};
   uint32_t seed = 7 + static_cast<uint32_t>(type) * 1000;
   for (const auto& s : shapes) {
     const int64_t rows = s[0], cols = s[1];
@@ -354,7 +424,9 @@ TEST_P(QuantTypes, MatmulEqualsPerTokenMatvec) {
 
 INSTANTIATE_TEST_SUITE_P(AllTypes, QuantTypes,
                          ::testing::Values(GgmlType::Q4_0, GgmlType::Q4_1, GgmlType::Q8_0, GgmlType::F32,
-                                           GgmlType::F16, GgmlType::BF16),
+                                           GgmlType::F16, GgmlType::BF16, GgmlType::Q5_0, GgmlType::Q5_1,
+                                           GgmlType::Q4_K, GgmlType::Q5_K, GgmlType::Q6_K, GgmlType::Q2_K,
+                                           GgmlType::Q3_K),
                          type_param_name);
 
 TEST(QuantizeActs, RoundTripAndIdenticalAcrossIsas) {

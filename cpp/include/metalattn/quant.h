@@ -103,7 +103,7 @@ static_assert(sizeof(block_q3_K) == 110, "GGUF Q3_K block is 110 bytes");
 static_assert(sizeof(block_q2_K) == 84, "GGUF Q2_K block is 84 bytes");
 
 // Weights per block of a type: 32 (legacy), 256 (K-quants), 1 (float types), 0 (unknown).
-inline MA_HOST_DEVICE int block_elems(GgmlType t) {
+constexpr MA_HOST_DEVICE int block_elems(GgmlType t) {
   switch (t) {
     case GgmlType::F32:
     case GgmlType::F16:
@@ -123,7 +123,7 @@ inline MA_HOST_DEVICE int block_elems(GgmlType t) {
 }
 
 // Bytes of one block of a type (one element for the float types); 0 for an unknown type.
-inline MA_HOST_DEVICE size_t block_bytes(GgmlType t) {
+constexpr MA_HOST_DEVICE size_t block_bytes(GgmlType t) {
   switch (t) {
     case GgmlType::F32: return 4;
     case GgmlType::F16:
