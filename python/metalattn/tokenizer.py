@@ -1,12 +1,18 @@
-"""Byte-level BPE tokenizer read from GGUF metadata (tokenizer model "gpt2", as llama.cpp's converters write it).
+"""Tokenizers read from GGUF metadata: byte-level BPE (tokenizer model "gpt2": GPT-2, SmolLM, Llama 3, Qwen 2) and
+SentencePiece-style (tokenizer model "llama": Llama 2, Gemma), as llama.cpp's converters write them.
 
 Pure Python: needs only `regex` (and `gguf` for `Tokenizer.from_gguf_path`), never the C++ extension.
 
-The pipeline matches Hugging Face `tokenizers` for the same vocab and merges:
+The BPE pipeline matches Hugging Face `tokenizers` for the same vocab and merges:
   1. control and user-defined tokens written literally in the text are cut out first and become their ids;
   2. each stretch between them is split into pre-tokens by the regexes that `tokenizer.ggml.pre` names;
   3. each pre-token's UTF-8 bytes become GPT-2 byte-level symbols, which are merged by merge rank (lowest first,
      leftmost first among equal ranks, one merge at a time, exactly as `tokenizers`' BPE model does).
+The SentencePiece pipeline is llama.cpp's: specials are cut out the same way; each stretch between them (with a
+space in front when the file asks for a space prefix and the stretch follows a special or starts the text) has its
+spaces written as U+2581, is split into characters, and adjacent symbols are merged while their concatenation is a
+vocabulary entry, highest score first (leftmost among equal scores); a symbol that is no entry falls back to its
+UTF-8 bytes as <0xXX> tokens.
 """
 
 from __future__ import annotations
@@ -49,6 +55,9 @@ KEY_PAD = "tokenizer.ggml.padding_token_id"
 KEY_UNK = "tokenizer.ggml.unknown_token_id"
 KEY_ADD_BOS = "tokenizer.ggml.add_bos_token"
 KEY_ADD_EOS = "tokenizer.ggml.add_eos_token"
+KEY_SCORES = "tokenizer.ggml.scores"
+KEY_ADD_SPACE_PREFIX = "tokenizer.ggml.add_space_prefix"
+SPM_SPACE = "\u2581"  # SentencePiece's visible space
 
 # Texts of special tokens that end a turn in the chat formats of the models we run or may run.
 _END_OF_TURN_TEXTS = ("<|im_end|>", "<|endoftext|>", "<|eot_id|>", "<|eom_id|>", "<|end_of_text|>", "<|end|>", "</s>")
@@ -98,6 +107,11 @@ class _PreTokenizerSpec:
     ignore_merges: bool = False
 
 
+# Qwen 2 / 2.5: Llama 3's split with single digits, and merges always applied.
+_QWEN2_SPLIT = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+
 _SMOLLM = _PreTokenizerSpec((r"\p{N}", _GPT2_SPLIT))  # Digits(individual_digits=True), then ByteLevel
 _LLAMA3 = _PreTokenizerSpec((_LLAMA3_SPLIT,), ignore_merges=True)
 
@@ -105,6 +119,7 @@ _PRE_TOKENIZERS: Dict[str, _PreTokenizerSpec] = {
     "gpt2": _PreTokenizerSpec((_GPT2_SPLIT,)),
     "smollm": _SMOLLM,
     "starcoder": _SMOLLM,  # SmolLM inherits StarCoder's tokenizer pipeline
+    "qwen2": _PreTokenizerSpec((_QWEN2_SPLIT,)),
     "llama-bpe": _LLAMA3,
     "llama3": _LLAMA3,
     "llama-v3": _LLAMA3,
@@ -233,13 +248,20 @@ class Tokenizer:
         add_bos: bool = False,
         add_eos: bool = False,
         cache_size: int = 1 << 16,
+        model: str = "gpt2",
+        scores: Optional[List[float]] = None,
+        add_space_prefix: bool = False,
     ):
         """Prefer `from_gguf_fields`: it validates the GGUF values before they get here."""
-        if pre not in _PRE_TOKENIZERS:
+        self.model = model
+        self.spm = model == "llama"
+        if not self.spm and pre not in _PRE_TOKENIZERS:
             raise UnsupportedModelError(
                 f"unknown pre-tokenizer '{pre}' ({KEY_PRE}); supported: {', '.join(sorted(_PRE_TOKENIZERS))}"
             )
         self.pre = pre
+        self.add_space_prefix = add_space_prefix
+        self._scores = scores
         self._tokens = tokens
         self._token_types = token_types
         self.bos_id = bos_id
@@ -253,21 +275,26 @@ class Tokenizer:
         for token_id, text in enumerate(tokens):
             self._token_to_id.setdefault(text, token_id)
 
-        spec = _PRE_TOKENIZERS[pre]
-        self._pre_tokenizer = _PreTokenizer(spec)
-        self._ignore_merges = spec.ignore_merges
-        self._byte_ids = self._find_byte_ids()
-        self._has_missing_bytes = None in self._byte_ids
-        self._merge_ranks, self._merge_results = self._build_merges(merges)
+        if self.spm:
+            # <0xXX> tokens, for the bytes of a symbol that is no vocabulary entry.
+            self._byte_ids = [self._token_to_id.get(f"<0x{byte:02X}>") for byte in range(256)]
+        else:
+            spec = _PRE_TOKENIZERS[pre]
+            self._pre_tokenizer = _PreTokenizer(spec)
+            self._ignore_merges = spec.ignore_merges
+            self._byte_ids = self._find_byte_ids()
+            self._has_missing_bytes = None in self._byte_ids
+            self._merge_ranks, self._merge_results = self._build_merges(merges)
         self._token_bytes = [self._bytes_of(token_id) for token_id in range(len(tokens))]
 
-        # Tokens written literally in text: control ones only when special parsing is on, user-defined ones always.
+        # Tokens written literally in text: control (and unknown-type) ones only when special parsing is on,
+        # user-defined ones always, as llama.cpp partitions them.
         control = {}
         user_defined = {}
         for token_id, (text, token_type) in enumerate(zip(tokens, token_types)):
             if not text:
                 continue
-            if token_type == TokenType.CONTROL:
+            if token_type == TokenType.CONTROL or (self.spm and token_type == TokenType.UNKNOWN):
                 control.setdefault(text, token_id)
             elif token_type == TokenType.USER_DEFINED:
                 user_defined.setdefault(text, token_id)
@@ -295,9 +322,10 @@ class Tokenizer:
         model = _require(fields, KEY_MODEL)
         if not isinstance(model, str):
             raise GGUFError(f"GGUF key '{KEY_MODEL}' should be a string, got {model!r}")
-        if model != "gpt2":
+        if model not in ("gpt2", "llama"):
             raise UnsupportedModelError(
-                f"tokenizer model '{model}' ({KEY_MODEL}) is not supported: only 'gpt2' (byte-level BPE) is"
+                f"tokenizer model '{model}' ({KEY_MODEL}) is not supported: 'gpt2' (byte-level BPE) and 'llama' "
+                "(SentencePiece) are"
             )
         # llama.cpp reads a missing pre-tokenizer as "default"; files from old converters lack the key.
         pre = fields.get(KEY_PRE)
@@ -305,7 +333,7 @@ class Tokenizer:
             pre = "default"
         if not isinstance(pre, str):
             raise GGUFError(f"GGUF key '{KEY_PRE}' should be a string, got {pre!r}")
-        if pre not in _PRE_TOKENIZERS:
+        if model == "gpt2" and pre not in _PRE_TOKENIZERS:
             raise UnsupportedModelError(
                 f"unknown pre-tokenizer '{pre}' ({KEY_PRE}); supported: {', '.join(sorted(_PRE_TOKENIZERS))}"
             )
@@ -313,7 +341,22 @@ class Tokenizer:
         tokens = _as_str_list(_require(fields, KEY_TOKENS), KEY_TOKENS)
         if not tokens:
             raise GGUFError(f"GGUF key '{KEY_TOKENS}' is empty")
-        merges = _as_str_list(_require(fields, KEY_MERGES), KEY_MERGES)
+        scores = None
+        add_space_prefix = False
+        if model == "gpt2":
+            merges = _as_str_list(_require(fields, KEY_MERGES), KEY_MERGES)
+        else:  # SentencePiece: merge order comes from the scores
+            merges = []
+            raw_scores = _require(fields, KEY_SCORES)
+            if isinstance(raw_scores, (str, bytes)) or not isinstance(raw_scores, Sequence) or \
+                    len(raw_scores) != len(tokens):
+                raise GGUFError(f"GGUF key '{KEY_SCORES}' should be an array of {len(tokens)} numbers")
+            try:
+                scores = [float(x) for x in raw_scores]
+            except (TypeError, ValueError):
+                raise GGUFError(f"GGUF key '{KEY_SCORES}' should hold numbers") from None
+            prefix = fields.get(KEY_ADD_SPACE_PREFIX)
+            add_space_prefix = True if prefix is None else _as_bool(prefix, KEY_ADD_SPACE_PREFIX)
 
         raw_types = fields.get(KEY_TOKEN_TYPE)
         if raw_types is None:
@@ -345,8 +388,11 @@ class Tokenizer:
             eot_ids=extra_ends,
             pad_id=_optional_token_id(fields, KEY_PAD, vocab_size),
             unk_id=_optional_token_id(fields, KEY_UNK, vocab_size),
-            add_bos=False if add_bos is None else _as_bool(add_bos, KEY_ADD_BOS),
+            add_bos=(model == "llama") if add_bos is None else _as_bool(add_bos, KEY_ADD_BOS),
             add_eos=False if add_eos is None else _as_bool(add_eos, KEY_ADD_EOS),
+            model=model,
+            scores=scores,
+            add_space_prefix=add_space_prefix,
         )
 
     @classmethod
@@ -402,6 +448,13 @@ class Tokenizer:
 
     def _bytes_of(self, token_id: int) -> bytes:
         text = self._tokens[token_id]
+        if self.spm:
+            token_type = self._token_types[token_id]
+            if token_type == TokenType.BYTE and len(text) == 6 and text.startswith("<0x") and text.endswith(">"):
+                return bytes([int(text[3:5], 16)])
+            if token_type in (TokenType.NORMAL, TokenType.UNUSED, TokenType.USER_DEFINED):
+                return text.replace(SPM_SPACE, " ").encode("utf-8")
+            return text.encode("utf-8")
         if self._token_types[token_id] in (TokenType.NORMAL, TokenType.UNUSED):
             try:
                 return text.translate(_CHAR_TO_LATIN1).encode("latin-1")
@@ -448,7 +501,8 @@ class Tokenizer:
         return self._token_types[self._check_id(token_id)] == TokenType.CONTROL
 
     def __repr__(self) -> str:
-        return f"Tokenizer(vocab_size={self.vocab_size}, pre={self.pre!r}, bos_id={self.bos_id}, eos_id={self.eos_id})"
+        return (f"Tokenizer(model={self.model!r}, vocab_size={self.vocab_size}, pre={self.pre!r}, bos_id={self.bos_id}, "
+                f"eos_id={self.eos_id})")
 
     # -- encoding -----------------------------------------------------------------------------------------------
 
@@ -473,15 +527,16 @@ class Tokenizer:
             ids.append(self.bos_id)
 
         literal_pattern = self._literal_pattern if parse_special else self._user_defined_pattern
+        encode_stretch = self._encode_spm if self.spm else self._encode_ordinary
         if literal_pattern is None:
-            self._encode_ordinary(text, ids)
+            encode_stretch(text, ids, True)
         else:
             end_of_previous = 0
             for match in literal_pattern.finditer(text):
-                self._encode_ordinary(text[end_of_previous : match.start()], ids)
+                encode_stretch(text[end_of_previous : match.start()], ids, True)
                 ids.append(self._literal_ids[match.group()])
                 end_of_previous = match.end()
-            self._encode_ordinary(text[end_of_previous:], ids)
+            encode_stretch(text[end_of_previous:], ids, True)
 
         if self.add_eos if add_eos is None else add_eos:
             if self.eos_id is None:
@@ -489,7 +544,60 @@ class Tokenizer:
             ids.append(self.eos_id)
         return ids
 
-    def _encode_ordinary(self, text: str, ids: List[int]) -> None:
+    def _encode_spm(self, text: str, ids: List[int], after_special: bool) -> None:
+        """SentencePiece merging of one stretch of text between specials (llama.cpp's SPM tokenizer)."""
+        if not text:
+            return
+        if self.add_space_prefix and after_special:
+            text = " " + text
+        text = text.replace(" ", SPM_SPACE)
+        token_to_id, scores = self._token_to_id, self._scores
+        n = len(text)
+        # Symbols are character spans [start[i], start[i] + size[i]) linked in a list; size 0 marks a merged-away one.
+        start = list(range(n))
+        size = [1] * n
+        prev_of = list(range(-1, n - 1))
+        next_of = list(range(1, n + 1))
+        next_of[-1] = -1
+        heap: List[Tuple[float, int, int, int]] = []  # (-score, left, right, length) of a candidate merge
+
+        def add_bigram(left: int, right: int) -> None:
+            if left < 0 or right < 0:
+                return
+            token_id = token_to_id.get(text[start[left] : start[left] + size[left] + size[right]])
+            if token_id is not None:
+                heapq.heappush(heap, (-scores[token_id], left, right, size[left] + size[right]))
+
+        for i in range(1, n):
+            add_bigram(i - 1, i)
+        while heap:
+            _, left, right, length = heapq.heappop(heap)
+            if size[left] == 0 or size[right] == 0 or size[left] + size[right] != length:
+                continue  # one side was merged since this candidate was queued
+            size[left] += size[right]
+            size[right] = 0
+            next_of[left] = next_of[right]
+            if next_of[right] >= 0:
+                prev_of[next_of[right]] = left
+            add_bigram(prev_of[left], left)
+            add_bigram(left, next_of[left])
+
+        # Every merged symbol is a vocabulary entry; a character that never merged and is no entry falls back to its
+        # UTF-8 bytes as <0xXX> tokens (the unknown token where the vocabulary lacks one).
+        i = 0
+        while i != -1:
+            span = text[start[i] : start[i] + size[i]]
+            token_id = token_to_id.get(span)
+            if token_id is not None:
+                ids.append(token_id)
+            else:
+                for byte in span.encode("utf-8"):
+                    byte_id = self._byte_ids[byte] if self._byte_ids[byte] is not None else self.unk_id
+                    if byte_id is not None:
+                        ids.append(byte_id)
+            i = next_of[i]
+
+    def _encode_ordinary(self, text: str, ids: List[int], after_special: bool = True) -> None:
         if not text:
             return
         cache = self._cache

@@ -420,7 +420,9 @@ def test_missing_or_malformed_keys_raise_gguf_error(tiny_fields):
 def test_unsupported_model_or_pre(tiny_fields):
     with pytest.raises(UnsupportedModelError, match="klingon"):
         Tokenizer.from_gguf_fields(_with(tiny_fields, pre="klingon"))
-    with pytest.raises(UnsupportedModelError, match="'llama'"):
+    with pytest.raises(UnsupportedModelError, match="'bert'"):
+        Tokenizer.from_gguf_fields(_with(tiny_fields, model="bert"))
+    with pytest.raises(GGUFError, match="tokenizer.ggml.scores"):  # SentencePiece needs its scores
         Tokenizer.from_gguf_fields(_with(tiny_fields, model="llama"))
 
 
