@@ -171,12 +171,22 @@ class Model:
     def detokenize(self, ids: Sequence[int]) -> str:
         return self.tokenizer.decode(list(ids))
 
-    def apply_chat_template(self, messages: Sequence[dict], add_generation_prompt: bool = True) -> str:
-        """ChatML (`<|im_start|>role\\n...<|im_end|>`), the format SmolLM2-Instruct's template produces."""
-        parts = [f"<|im_start|>{m['role']}\n{m['content']}<|im_end|>\n" for m in messages]
-        if add_generation_prompt:
-            parts.append("<|im_start|>assistant\n")
-        return "".join(parts)
+    def apply_chat_template(self, messages: Sequence[dict], add_generation_prompt: bool = True, **extra) -> str:
+        """The prompt text for a chat, rendered from the GGUF's own `tokenizer.chat_template` in a Jinja2 sandbox
+        (a built-in Gemma or ChatML template when the file has none; see metalattn.chat). A leading BOS the template
+        writes is dropped when tokenizing adds one anyway."""
+        from . import chat
+
+        tok = self.tokenizer
+        template = self.gguf.metadata.get("tokenizer.chat_template")
+        if not isinstance(template, str) or not template.strip():
+            template = chat.builtin_template(tok.token_to_id)
+        bos = tok.token_text(tok.bos_id) if tok.bos_id is not None else ""
+        eos = tok.token_text(tok.eos_id) if tok.eos_id is not None else ""
+        text = chat.render(template, messages, add_generation_prompt, bos_token=bos, eos_token=eos, **extra)
+        if tok.add_bos and bos and text.startswith(bos):
+            text = text[len(bos):]
+        return text
 
     # ------------------------------------------------------------------ low level
     def _check_token(self, token) -> int:

@@ -60,7 +60,8 @@ KEY_ADD_SPACE_PREFIX = "tokenizer.ggml.add_space_prefix"
 SPM_SPACE = "\u2581"  # SentencePiece's visible space
 
 # Texts of special tokens that end a turn in the chat formats of the models we run or may run.
-_END_OF_TURN_TEXTS = ("<|im_end|>", "<|endoftext|>", "<|eot_id|>", "<|eom_id|>", "<|end_of_text|>", "<|end|>", "</s>")
+_END_OF_TURN_TEXTS = ("<|im_end|>", "<|endoftext|>", "<|eot_id|>", "<|eom_id|>", "<|end_of_text|>", "<|end|>", "</s>",
+                      "<end_of_turn>", "<eos>")
 
 
 def _bytes_to_unicode() -> List[str]:

@@ -462,3 +462,82 @@ def test_from_gguf_path_errors(tmp_path):
     junk.write_bytes(os.urandom(64))
     with pytest.raises(GGUFError):
         Tokenizer.from_gguf_path(junk)
+
+
+# ---------------------------------------------------------------- SentencePiece vocabularies (tokenizer model "llama")
+
+def _spm_fields(add_space_prefix=True):
+    pieces = [("<unk>", 0.0, TokenType.UNKNOWN), ("<s>", 0.0, TokenType.CONTROL), ("</s>", 0.0, TokenType.CONTROL),
+              ("<turn>", 0.0, TokenType.CONTROL)]
+    pieces += [(f"<0x{b:02X}>", 0.0, TokenType.BYTE) for b in range(256)]
+    # Scores decide the merge order: "ab" (-1) beats "bc" (-2), so "abc" comes from "ab" + "c".
+    for text, score in [("\u2581", -5.0), ("a", -6.0), ("b", -6.0), ("c", -6.0), ("ab", -1.0), ("bc", -2.0),
+                        ("abc", -3.0), ("\u2581ab", -4.0), ("\u2581abc", -0.5), ("x", -6.0), ("\u2581x", -4.5)]:
+        pieces.append((text, score, TokenType.NORMAL))
+    return {"tokenizer.ggml.model": "llama", "tokenizer.ggml.tokens": [p[0] for p in pieces],
+            "tokenizer.ggml.scores": [p[1] for p in pieces], "tokenizer.ggml.token_type": [p[2] for p in pieces],
+            "tokenizer.ggml.bos_token_id": 1, "tokenizer.ggml.eos_token_id": 2, "tokenizer.ggml.unknown_token_id": 0,
+            "tokenizer.ggml.add_space_prefix": add_space_prefix}
+
+
+def test_spm_merges_by_score_and_space_prefix():
+    tok = Tokenizer.from_gguf_fields(_spm_fields())
+    ids = tok.encode("abc x", add_bos=False)
+    assert [tok.token_text(i) for i in ids] == ["\u2581abc", "\u2581x"]
+    assert tok.encode("abc", add_bos=True)[0] == 1  # SentencePiece files add BOS unless they say otherwise
+    # Without the prefix the first word has no space marker; "bc" loses to "ab" (higher score first).
+    tok = Tokenizer.from_gguf_fields(_spm_fields(add_space_prefix=False))
+    assert [tok.token_text(i) for i in tok.encode("abc", add_bos=False)] == ["abc"]
+    assert [tok.token_text(i) for i in tok.encode("cab", add_bos=False)] == ["c", "ab"]
+
+
+def test_spm_byte_fallback_and_round_trip():
+    tok = Tokenizer.from_gguf_fields(_spm_fields(add_space_prefix=False))
+    ids = tok.encode("xé😀", add_bos=False)
+    assert [tok.token_text(i) for i in ids] == ["x", "<0xC3>", "<0xA9>", "<0xF0>", "<0x9F>", "<0x98>", "<0x80>"]
+    assert tok.decode(ids) == "xé😀"
+    text = "ab abc  x\tcab"
+    assert tok.decode(tok.encode(text, add_bos=False)) == text
+    decoder = tok.stream_decoder()
+    assert "".join(decoder.push(i) for i in ids) + decoder.flush() == "xé😀"
+
+
+def test_spm_specials_split_first_and_restart_the_space_prefix():
+    tok = Tokenizer.from_gguf_fields(_spm_fields())
+    ids = tok.encode("abc<turn>abc", add_bos=False)
+    # The stretch after a special gets the space prefix again, as llama.cpp does.
+    assert [tok.token_text(i) for i in ids] == ["\u2581abc", "<turn>", "\u2581abc"]
+    plain = tok.encode("abc<turn>", add_bos=False, parse_special=False)
+    assert 3 not in plain and tok.decode(plain) == " abc<turn>"
+
+
+def test_spm_needs_its_scores():
+    fields = _spm_fields()
+    fields["tokenizer.ggml.scores"] = fields["tokenizer.ggml.scores"][:-1]
+    with pytest.raises(GGUFError, match="scores"):
+        Tokenizer.from_gguf_fields(fields)
+
+
+# ---------------------------------------------------------------- the real models against llama.cpp
+
+def _llamacpp_fixture():
+    import json
+
+    return json.loads((Path(__file__).resolve().parents[1] / "data" / "tokenizer_llamacpp.json").read_text())
+
+
+@pytest.mark.parametrize("name", ["smollm2-135m", "gemma3-270m", "qwen2.5-coder-0.5b"])
+def test_real_model_ids_identical_to_llama_cpp(name):
+    # The fixture holds llama.cpp's ids (llama-tokenize) for unicode, CJK, emoji, digits, code, whitespace runs and
+    # special tokens written in text, with each file's add_bos; runs wherever the model is installed.
+    from metalattn import registry
+    from metalattn.errors import MetalattnError
+
+    try:
+        path = registry.resolve(name, progress=False)
+    except MetalattnError as e:
+        pytest.skip(str(e))
+    fixture = _llamacpp_fixture()
+    tok = Tokenizer.from_gguf_path(path)
+    for text, ids in zip(fixture["corpus"], fixture["ids"][name]):
+        assert tok.encode(text) == ids, text[:80]
