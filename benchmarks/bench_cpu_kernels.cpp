@@ -4,6 +4,7 @@
 #include <algorithm>
 #include <chrono>
 #include <cstdio>
+#include <cstddef>
 #include <cstdlib>
 #include <cstring>
 #include <random>
@@ -38,13 +39,17 @@ std::vector<uint8_t> random_weights(GgmlType type, int64_t rows, int64_t cols, u
   std::vector<uint8_t> bytes(row_bytes(type, cols) * rows);
   std::mt19937 rng(seed);
   for (auto& b : bytes) b = static_cast<uint8_t>(rng());
-  const size_t bs = row_bytes(type, 32);
+  // The fp16 scale fields of each block (d, and the min / dmin where the type has one) set to 0.5 .. 1.
+  size_t fields[2] = {0, 2};
+  int n_fields = type == GgmlType::Q4_1 || type == GgmlType::Q5_1 || type == GgmlType::Q4_K || type == GgmlType::Q5_K ? 2 : 1;
+  if (type == GgmlType::Q6_K) fields[0] = offsetof(block_q6_K, d);
   if (is_quantized(type)) {
-    for (size_t off = 0; off < bytes.size(); off += bs) {
-      const uint16_t half = 0x3800 | (rng() & 0x3ff);  // 0.5 .. 1
-      std::memcpy(&bytes[off], &half, 2);
-      if (type == GgmlType::Q4_1) std::memcpy(&bytes[off + 2], &half, 2);
-    }
+    const size_t bs = block_bytes(type);
+    for (size_t off = 0; off < bytes.size(); off += bs)
+      for (int f = 0; f < n_fields; ++f) {
+        const uint16_t half = 0x3800 | (rng() & 0x3ff);  // 0.5 .. 1
+        std::memcpy(&bytes[off + fields[f]], &half, 2);
+      }
   }
   return bytes;
 }
@@ -139,10 +144,16 @@ int main(int argc, char** argv) {
 
   // ---- matvec: GB/s of weights. "hot": one matrix, cache-resident after the first call. "stream": enough
   // distinct copies (>= 256 MiB) that every call reads its weights from DRAM, as a decode step does.
-  const Shape mv_shapes[] = {{"1536x576", 1536, 576}, {"49152x576", 49152, 576}};
+  // SmolLM2-135M's gate/up and lm_head; Gemma 3 270M's gate/up (Q5_0), attn_output (Q4_K), ffn_down (Q6_K) and
+  // lm_head (Q8_0); Qwen2.5-0.5B's gate/up (Q5_0) and ffn_down (Q4_K / Q6_K).
+  const Shape mv_shapes[] = {{"1536x576", 1536, 576}, {"49152x576", 49152, 576}, {"2048x640", 2048, 640},
+                             {"640x1024", 640, 1024}, {"640x2048", 640, 2048}, {"4864x896", 4864, 896},
+                             {"896x4864", 896, 4864}, {"65536x640", 65536, 640}};
   std::printf("%-6s %-10s %10s %10s\n", "type", "matvec", "hot GB/s", "stream GB/s");
-  for (GgmlType type : {GgmlType::Q4_0, GgmlType::Q4_1, GgmlType::Q8_0, GgmlType::F16}) {
+  for (GgmlType type : {GgmlType::Q4_0, GgmlType::Q4_1, GgmlType::Q8_0, GgmlType::F16, GgmlType::Q5_0,
+                        GgmlType::Q4_K, GgmlType::Q6_K}) {
     for (const Shape& s : mv_shapes) {
+      if (s.cols % block_elems(type) != 0) continue;
       const size_t bytes = row_bytes(type, s.cols) * s.rows;
       const int copies = static_cast<int>(std::max<size_t>(1, (size_t(256) << 20) / bytes + 1));
       std::vector<std::vector<uint8_t>> store;

@@ -84,8 +84,6 @@ constexpr bool has_min(GgmlType t) {
 // -offset * sum(a) (ActPair::bias holds -8 * sum(a)).
 constexpr int bias_times(GgmlType t) { return t == GgmlType::Q4_0 ? 1 : t == GgmlType::Q5_0 ? 2 : 0; }
 
-inline __m256 spread2(float a, float b) { return _mm256_setr_ps(a, a, a, a, b, b, b, b); }
-
 // The four int16 operands from 32 bytes `first` (block X = 0) and 32 bytes `second` (block X = 1), each holding
 // one block's 32 weights as unsigned bytes: lane X of operand k gets weights 8k..8k+7 of block X.
 inline void widen_pair(__m256i first, __m256i second, __m256i q[4]) {
@@ -121,16 +119,39 @@ inline void q5_high(const uint8_t* const b[2], int qh_off, __m256i* lo_bits, __m
   *hi_bits = _mm256_and_si256(_mm256_cmpeq_epi8(hi, bit), ten);
 }
 
+constexpr bool is_q45_k(GgmlType t) { return t == GgmlType::Q4_K || t == GgmlType::Q5_K; }
+
+// A Q4_K / Q5_K super-block's eight sub-block scales d * sc[j] and mins -dmin * m[j] (lane j), decoded once for its
+// four pairs: the 6-bit fields unpacked four at a time with 32-bit masks (the layout in quant.h).
+struct KScales {
+  __m256 d, m;
+};
+
+inline KScales k_scales(const uint8_t* super_block) {
+  const auto* h = reinterpret_cast<const block_q4_K*>(super_block);  // d, dmin, scales: the same place in Q5_K
+  uint32_t u[3];
+  std::memcpy(u, h->scales, 12);
+  const uint32_t sc_lo = u[0] & 0x3f3f3f3fu, m_lo = u[1] & 0x3f3f3f3fu;
+  const uint32_t sc_hi = (u[2] & 0x0f0f0f0fu) | (((u[0] >> 6) & 0x03030303u) << 4);
+  const uint32_t m_hi = ((u[2] >> 4) & 0x0f0f0f0fu) | (((u[1] >> 6) & 0x03030303u) << 4);
+  const __m256 sc = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_set_epi32(0, 0, static_cast<int>(sc_hi), static_cast<int>(sc_lo))));
+  const __m256 m = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_set_epi32(0, 0, static_cast<int>(m_hi), static_cast<int>(m_lo))));
+  // The products round as the reference's d * sc and dmin * m do; the min enters negated.
+  return {_mm256_mul_ps(_mm256_set1_ps(fp16_to_float(h->d)), sc),
+          _mm256_xor_ps(_mm256_mul_ps(_mm256_set1_ps(fp16_to_float(h->dmin)), m), _mm256_set1_ps(-0.f))};
+}
+
 // Pair p of a row: its blocks 2p and 2p + 1 (32 weights each; for the K-quants, sub-blocks of a super-block).
-// Legacy rows with an odd block count end in a lone block, paired with zeros.
+// Legacy rows with an odd block count end in a lone block, paired with zeros. ks: the super-block's scales
+// (Q4_K / Q5_K only).
 template <GgmlType WT>
-inline WeightPair load_pair(const uint8_t* row, int p, int nb) {
+inline WeightPair load_pair(const uint8_t* row, int p, int nb, const KScales* ks = nullptr) {
   WeightPair w;
-  if constexpr (WT == GgmlType::Q4_K || WT == GgmlType::Q5_K) {
+  if constexpr (is_q45_k(WT)) {
     // Pair c of a super-block = sub-blocks 2c (low nibbles) and 2c + 1 (high nibbles) of the same 32 bytes.
     const uint8_t* sb = row + static_cast<size_t>(p / 4) * block_size(WT);
     const int c = p % 4;
-    const auto* h = reinterpret_cast<const block_q4_K*>(sb);  // d, dmin, scales: the same place in Q5_K
+    const auto* h = reinterpret_cast<const block_q4_K*>(sb);
     const uint8_t* qs = WT == GgmlType::Q5_K ? reinterpret_cast<const block_q5_K*>(sb)->qs : h->qs;
     const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qs + 32 * c));
     const __m256i nibble = _mm256_set1_epi8(0x0F);
@@ -141,12 +162,9 @@ inline WeightPair load_pair(const uint8_t* row, int p, int nb) {
       hi = _mm256_or_si256(hi, bits_to_high(qh, 2 * c + 1, 1));
     }
     widen_pair(lo, hi, w.q);
-    int sc0, m0, sc1, m1;
-    k_scale_min(h->scales, 2 * c, &sc0, &m0);
-    k_scale_min(h->scales, 2 * c + 1, &sc1, &m1);
-    const float d = fp16_to_float(h->d), dmin = fp16_to_float(h->dmin);
-    w.d = spread2(d * static_cast<float>(sc0), d * static_cast<float>(sc1));
-    w.m = spread2(-(dmin * static_cast<float>(m0)), -(dmin * static_cast<float>(m1)));
+    const __m256i pick = _mm256_setr_epi32(2 * c, 2 * c, 2 * c, 2 * c, 2 * c + 1, 2 * c + 1, 2 * c + 1, 2 * c + 1);
+    w.d = _mm256_permutevar8x32_ps(ks->d, pick);
+    w.m = _mm256_permutevar8x32_ps(ks->m, pick);
   } else if constexpr (WT == GgmlType::Q6_K) {
     // Pair c of a super-block: weights 64c .. 64c + 63 = groups g0 = 2 (c % 2) and g0 + 1 of half c / 2.
     const auto* b6 = reinterpret_cast<const block_q6_K*>(row) + p / 4;
@@ -211,9 +229,13 @@ void q_tile(const uint8_t* row0, size_t stride, int nb, const ActPair* acts, int
   __m256 acc[R][T];
   for (int i = 0; i < R; ++i)
     for (int t = 0; t < T; ++t) acc[i][t] = _mm256_setzero_ps();
+  KScales ks[is_q45_k(WT) ? R : 1] = {};  // set at each super-block's first pair
   for (int p = 0; p < npairs; ++p) {
+    if constexpr (is_q45_k(WT))
+      if (p % 4 == 0)
+        for (int i = 0; i < R; ++i) ks[i] = k_scales(row0 + i * stride + static_cast<size_t>(p / 4) * block_size(WT));
     WeightPair wp[R];
-    for (int i = 0; i < R; ++i) wp[i] = load_pair<WT>(row0 + i * stride, p, nb);
+    for (int i = 0; i < R; ++i) wp[i] = load_pair<WT>(row0 + i * stride, p, nb, &ks[is_q45_k(WT) ? i : 0]);
     for (int t = 0; t < T; ++t) {
       const ActPair& a = acts[t * npairs + p];
       const __m256 ad = _mm256_load_ps(a.d);
