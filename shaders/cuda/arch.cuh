@@ -1,0 +1,99 @@
+// The CUDA kernels of the general decode/prefill path: every architecture ModelSpec describes (Qwen 2 biases,
+// Qwen 3 / Gemma 3 QK-norm, Gemma 3 post-norms, GELU, embedding scale, sliding windows with per-layer RoPE, NeoX
+// RoPE, Llama 3 RoPE factors, head_dim up to kArchMaxHeadDim and any attention scale). The projections reuse the
+// matvec launchers of kernels.cuh (and the cuBLAS GEMMs of the prefill), so every weight type they read works here;
+// these kernels do what lies between the projections.
+//
+// Decode, per layer (cuda_backend.cu, enqueue_decode_general):
+//   norm+QKV matvec (plain rows) -> qkv_finish (bias, QK-norm, RoPE, K/V append) -> arch_attention
+//   -> O matvec + residual            (post-norms: O matvec, then add_normed)
+//   -> norm+gate/up matvec + SiLU*up  (GELU: plain gate/up rows, then glu)
+//   -> down matvec + residual         (post-norms: down matvec, then add_normed)
+// plus one embedding kernel before the first layer and the final norm + lm_head + argmax after the last.
+// Every kernel here launches programmatically while programmatic_launch() is on, triggers its dependents at once and
+// calls grid_dependency_wait() in every block before it reads or writes anything a predecessor touches.
+#pragma once
+#include <cuda_fp16.h>
+#include <cuda_runtime.h>
+
+#include <cstdint>
+#include <vector>
+
+#include "kernels.cuh"
+#include "metalattn/model.h"
+
+namespace metalattn::cuda {
+
+constexpr int kArchMaxHeadDim = 256;  // head_dim: a multiple of 32, at most this
+
+// The RoPE table of one (base, scale) pair and the optional per-pair factors (Llama 3 rope_freqs), [n_ctx][head_dim/2]
+// (cos, sin) of pos * scale * base^(-2i/head_dim) / factors[i], the angle in double exactly as the CPU backend
+// computes it.
+std::vector<float2> rope_table_host(int n_ctx, int head_dim, float base, float scale, const float* factors);
+
+// x[t][0..emb.cols) = row tokens[t] of emb times scale, t < n; with tokens null, n = 1 and the row is io->token.
+void launch_embed_scaled(const DevMatrix& emb, const DecodeIO* io, const int32_t* tokens, int n, float scale, float* x,
+                         cudaStream_t s);
+
+// From the raw projections of n tokens (rows of q_dim + 2 kv_dim floats: q heads, k heads, v heads) at positions
+// *pos0 + t: adds the biases, RMS-normalizes each q and k head with q_norm / k_norm (eps), turns q and k by the RoPE
+// table in the given style, writes q to q_out[t] and k, v to row *pos0 + t of the layer's caches.
+struct QkvFinishArgs {
+  const float* qkv = nullptr;         // [n][q_dim + 2 kv_dim]
+  int n = 1;
+  const int32_t* pos0 = nullptr;      // device memory
+  const float* bias = nullptr;        // [q_dim + 2 kv_dim] (bq | bk | bv) or null
+  const float* q_norm = nullptr;      // [head_dim] each, or both null (no QK-norm)
+  const float* k_norm = nullptr;
+  float eps = 0.f;
+  const float2* rope_table = nullptr; // [n_ctx][head_dim/2]
+  RopeStyle style = RopeStyle::Interleaved;
+  int n_heads = 0, n_kv_heads = 0, head_dim = 0;
+  float* q_out = nullptr;             // [n][q_dim]
+  float* k_cache = nullptr;           // this layer: [n_ctx][kv_dim]
+  float* v_cache = nullptr;
+};
+void launch_qkv_finish(const QkvFinishArgs& a, cudaStream_t s);
+
+// Attention of n queries at positions *pos0 + t (t < n) over the layer's cache: query t sees positions
+// [max(0, p - window + 1), p] (all of [0, p] with window 0), scores q.k * scale, any grouping of query heads over KV
+// heads. One block per (query head, tile of queries); a decode step (n == 1) with max_splits > 1 also splits the
+// visible positions over up to max_splits blocks per head (at least kArchAttnMinChunk positions each, chosen from the
+// position at run time), and the last block of a head combines their partials.
+constexpr int kArchAttnMinChunk = 64;
+constexpr int kArchAttnMaxSplits = 64;
+// Split capacity for a context of n_ctx positions.
+inline int arch_attn_max_splits(int n_ctx) {
+  const int s = (n_ctx + kArchAttnMinChunk - 1) / kArchAttnMinChunk;
+  return s < 1 ? 1 : s > kArchAttnMaxSplits ? kArchAttnMaxSplits : s;
+}
+struct ArchAttnArgs {
+  const float* q = nullptr;        // [n][q_dim], roped
+  const float* k_cache = nullptr;  // this layer: [n_ctx][kv_dim]
+  const float* v_cache = nullptr;
+  const int32_t* pos0 = nullptr;   // device memory
+  int n = 1;
+  int n_heads = 0, n_kv_heads = 0, head_dim = 0;
+  int window = 0;
+  float scale = 0.f;
+  // Decode split (n == 1 only; 1 = no split):
+  int max_splits = 1;
+  float* part_o = nullptr;          // [n_heads][max_splits][head_dim]
+  float* part_ml = nullptr;         // [n_heads][max_splits][2]
+  unsigned int* counters = nullptr; // [n_heads], zero between launches (the combining block re-arms it)
+  // Output, one of: fp32 rows [n][q_dim], or fp16 GEMM operand rows (store_operand, split_operand slices).
+  float* out = nullptr;
+  __half* out_half = nullptr;
+  bool split_operand = false;
+};
+void launch_arch_attention(const ArchAttnArgs& a, cudaStream_t s);
+
+// x[t] += rmsnorm(y[t]) * w for n rows of d floats (post-norm + residual); w null: x[t] += y[t].
+void launch_add_normed(const float* y, const float* w, float eps, int n, int d, float* x, cudaStream_t s);
+
+// The gated FFN's activation: gate_up rows of 2 d_ff floats [gate | up] -> act(gate) * up, act SiLU or the tanh
+// form of GELU; out rows of d_ff floats, or (out null) fp16 GEMM operand rows in out_half.
+void launch_glu(const float* gate_up, int n, int d_ff, Activation act, float* out, bool split_operand,
+                __half* out_half, cudaStream_t s);
+
+}  // namespace metalattn::cuda
