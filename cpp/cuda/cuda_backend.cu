@@ -16,6 +16,7 @@
 #include <string>
 #include <vector>
 
+#include "arch.cuh"
 #include "cuda/cuda_check.h"
 #include "kernels.cuh"
 #include "metalattn/backend.h"
@@ -122,6 +123,12 @@ struct DevLayer {
   const float* ffn_norm = nullptr;
   // Prefill GEMM weights: rows of [W_hi | W_hi | W_lo] fp16 (plain fp16 rows with the split off).
   __half *qkv16 = nullptr, *o16 = nullptr, *gate_up16 = nullptr, *down16 = nullptr;
+  // General path only (arch.cuh): the architecture's extra tensors (null where it has none), RoPE table and window.
+  const float* qkv_bias = nullptr;  // [q_dim + 2 kv_dim]: bq | bk | bv
+  const float *q_norm = nullptr, *k_norm = nullptr;
+  const float *post_attn_norm = nullptr, *post_ffn_norm = nullptr;
+  const float2* rope = nullptr;
+  int window = 0;
 };
 
 class CudaBackend final : public Backend {
@@ -136,6 +143,7 @@ class CudaBackend final : public Backend {
   // 5 per layer, plus the final norm + lm_head + argmax; 2 per layer on the experimental fused-layer path, which
   // serves the first kLayerFusedMaxPositions positions (beyond, 5 again).
   int kernels_per_token() const override {
+    if (general_) return general_kernels_per_token();
     if (spec_.n_layers == 0) return 2;
     return (layer_fused_max_npos_ > 0 ? 2 : 5) * spec_.n_layers + 1;
   }
@@ -178,6 +186,7 @@ class CudaBackend final : public Backend {
   // layers, which expose the residual stream after each layer.
   enum DecodeVariant { kDecodeShort = 0, kDecodeLong = 1, kDecodeLayerFused = 2 };
   DecodeVariant decode_variant_at(int pos, bool need_hidden = false) const {
+    if (general_) return kDecodeShort;  // one graph: its attention picks the context split at run time
     if (!need_hidden && pos + 1 <= layer_fused_max_npos_) return kDecodeLayerFused;
     return pos + 1 <= kAttnSinglePassMax ? kDecodeShort : kDecodeLong;
   }
@@ -196,6 +205,25 @@ class CudaBackend final : public Backend {
   }
   void enqueue_prefill_chunk(int m, const int32_t* io, PrefillVariant variant);
   void run_prefill_chunk(int m, const int32_t* io, PrefillVariant variant);
+
+  // The general path (every ModelSpec; see arch.cuh): taken for specs that are not the plain Llama layer, for
+  // head_dim > 128 or more than 8 query heads per KV head, or when METALATTN_CUDA_GENERAL=1 forces it.
+  void setup_general(const ModelWeights& w);
+  void enqueue_decode_general(bool capture_hidden);
+  void enqueue_prefill_chunk_general(int m, const int32_t* io);
+  int general_kernels_per_token() const;
+  QkvFinishArgs finish_args(const DevLayer& L, const float* qkv, int n, const int32_t* pos0, float* q_out,
+                            float* kc, float* vc) const;
+  ArchAttnArgs attention_args(const DevLayer& L, const float* q, int n, const int32_t* pos0, const float* kc,
+                              const float* vc) const;
+  bool general_ = false;
+  float* g_qkv_ = nullptr;     // decode: raw QKV projections [q_dim + 2 kv_dim]
+  float* g_tmp_ = nullptr;     // decode: O / down projection before its post-norm [d_model]
+  float* g_gu_ = nullptr;      // decode: gate/up rows before GELU [2 d_ff]
+  float* g_ptmp_ = nullptr;    // prefill: O / down GEMM output before its post-norm [chunk][d_model]
+  int g_max_splits_ = 1;
+  float *g_part_o_ = nullptr, *g_part_ml_ = nullptr;
+  unsigned int* g_counters_ = nullptr;
 
   ModelSpec spec_;
   bool debug_;
@@ -289,9 +317,13 @@ CudaBackend::CudaBackend(const ModelSpec& spec, const ModelWeights& w, bool debu
       // decode (bound 1e-3). =0 runs plain fp16 GEMMs (1 K-slice instead of 3, a third of the weight copies).
       split_(env_flag("METALATTN_CUDA_PREFILL_SPLIT", true)) {
   validate_model(spec, w);
-  if (!spec.plain_llama() || w.rope_freqs != nullptr)
-    throw BackendUnsupported("the CUDA backend runs the plain Llama layer only so far (no biases, QK-norm, "
-                             "post-norms, GELU, NeoX or per-layer RoPE, sliding windows or RoPE frequency factors)");
+  // The plain Llama layer (RoPE factors included: they only change the RoPE table) runs the fused decode kernels
+  // of kernels.cuh; every other architecture the general path of arch.cuh.
+  general_ = !spec.plain_llama() || spec.head_dim > 128 || spec.n_heads / spec.n_kv_heads > 8 ||
+             env_flag("METALATTN_CUDA_GENERAL", false);
+  if (spec.head_dim % 32 != 0 || spec.head_dim > kArchMaxHeadDim)
+    throw BackendUnsupported("the CUDA backend needs head_dim a multiple of 32, at most " +
+                             std::to_string(kArchMaxHeadDim) + " (this model: " + std::to_string(spec.head_dim) + ")");
   auto check_type = [](const WeightView& m, const std::string& name) {
     switch (m.type) {
       case GgmlType::F32: case GgmlType::F16: case GgmlType::BF16:
@@ -309,9 +341,6 @@ CudaBackend::CudaBackend(const ModelSpec& spec, const ModelWeights& w, bool debu
       check_type(*m, "blk." + std::to_string(l));
   }
   if (cuda_device_count() <= 0) throw EngineError("no CUDA device is available");
-  if (spec.head_dim % 32 != 0 || spec.head_dim > 128)
-    throw EngineError("the CUDA backend needs head_dim a multiple of 32, at most 128");
-  if (spec.n_heads / spec.n_kv_heads > 8) throw EngineError("the CUDA backend supports at most 8 query heads per KV head");
   CUDA_CHECK(cudaSetDevice(0));
   CUDA_CHECK(cudaStreamCreateWithFlags(&res_.stream, cudaStreamNonBlocking));
   CUBLAS_CHECK(cublasCreate(&res_.cublas));
@@ -343,24 +372,15 @@ CudaBackend::CudaBackend(const ModelSpec& spec, const ModelWeights& w, bool debu
     dl.down16 = half_copy(dl.down);
   }
 
-  // RoPE table, computed exactly as the reference does (double angle, float cos/sin).
+  // RoPE table, computed exactly as the reference does (double angle, float cos/sin; Llama 3 factors included).
   {
-    const int half = spec.head_dim / 2;
-    std::vector<float2> table(static_cast<size_t>(spec.n_ctx) * half);
-    for (int i = 0; i < half; ++i) {
-      const double inv_freq = std::pow(static_cast<double>(spec.rope_base), -2.0 * i / spec.head_dim);
-      for (int p = 0; p < spec.n_ctx; ++p) {
-        const double theta = p * inv_freq;
-        table[static_cast<size_t>(p) * half + i] = make_float2(static_cast<float>(std::cos(theta)),
-                                                               static_cast<float>(std::sin(theta)));
-      }
-    }
+    const std::vector<float2> table = rope_table_host(spec.n_ctx, spec.head_dim, spec.rope_base, 1.f, w.rope_freqs);
     rope_ = device_alloc<float2>(table.size(), mem_.scratch);
     CUDA_CHECK(cudaMemcpyAsync(rope_, table.data(), table.size() * sizeof(float2), cudaMemcpyHostToDevice, res_.stream));
     CUDA_CHECK(cudaStreamSynchronize(res_.stream));  // `table` dies here
   }
 
-  prompt_mma_ = env_flag("METALATTN_CUDA_PROMPT_MMA", true) && spec.head_dim == 64;
+  prompt_mma_ = !general_ && env_flag("METALATTN_CUDA_PROMPT_MMA", true) && spec.head_dim == 64;
   for (const DevLayer& dl : layers_)
     prompt_mma_ = prompt_mma_ && prompt_mma_supported(dl.qkv.type, dl.qkv.cols, 0) &&
                   prompt_mma_supported(dl.o.type, dl.o.cols, 0) &&
@@ -380,7 +400,7 @@ CudaBackend::CudaBackend(const ModelSpec& spec, const ModelWeights& w, bool debu
   {
     // OFF by default: on H100 it measured slower than the five-kernel layers (benchmarks/NOTES.md, "fused-layer
     // decode"); METALATTN_CUDA_LAYER_FUSED=1 turns it on.
-    bool ok = env_flag("METALATTN_CUDA_LAYER_FUSED", false) && L > 0;
+    bool ok = !general_ && env_flag("METALATTN_CUDA_LAYER_FUSED", false) && L > 0;
     for (const DevLayer& dl : layers_)
       ok = ok && layer_fused_supported(spec.head_dim, d, spec.d_ff, dl.qkv.type, dl.o.type, dl.gate_up.type,
                                        dl.down.type);
@@ -441,6 +461,7 @@ CudaBackend::CudaBackend(const ModelSpec& spec, const ModelWeights& w, bool debu
   pq_ = device_alloc<float>(static_cast<size_t>(chunk_) * q_dim, mem_.scratch);
   pc_ = device_alloc<float>(static_cast<size_t>(chunk_) * widest_out, mem_.scratch);
   pa_ = device_alloc<__half>(static_cast<size_t>(half_slices(split_)) * chunk_ * widest_in, mem_.scratch);
+  if (general_) setup_general(w);
 
   CUDA_CHECK(cudaStreamSynchronize(res_.stream));
 }
@@ -467,6 +488,7 @@ void CudaBackend::after_launch() {
 }
 
 void CudaBackend::enqueue_decode(bool capture_hidden, DecodeVariant variant) {
+  if (general_) return enqueue_decode_general(capture_hidden);
   const ModelSpec& s = spec_;
   const size_t layer_cache = static_cast<size_t>(s.n_ctx) * s.kv_dim();
   cudaStream_t st = res_.stream;
@@ -660,6 +682,7 @@ void CudaBackend::ensure_all_logits_buffer() {
 // the exact quantized weights. Our kernels launch with PDL (unless METALATTN_CUDA_PDL=0). Chunks of at most
 // kPromptMmaMaxTokens tokens run 5 launches per layer instead, none of them cuBLAS (prompt_mma.cu).
 void CudaBackend::enqueue_prefill_chunk(int m, const int32_t* io, PrefillVariant variant) {
+  if (general_) return enqueue_prefill_chunk_general(m, io);
   struct ProgrammaticLaunchScope {
     bool previous = programmatic_launch();
     explicit ProgrammaticLaunchScope(bool on) { set_programmatic_launch(on); }
@@ -840,6 +863,223 @@ ArgmaxResult CudaBackend::forward_prompt(const int32_t* tokens, int n, int pos, 
     CUDA_CHECK(cudaMemcpy(last_logits, logits_, s.vocab * sizeof(float), cudaMemcpyDefault));
   if (r.token == kNoIndex) throw EngineError("argmax: every logit is NaN");
   return r;
+}
+
+// ------------------------------------------------------------------ general path (arch.cuh)
+
+// The architecture's extra per-layer tensors, one RoPE table per distinct (base, scale) among the layers (the plain
+// table serves the model's own base at scale 1), and the general path's scratch.
+void CudaBackend::setup_general(const ModelWeights& w) {
+  const ModelSpec& s = spec_;
+  const int d = s.d_model, q_dim = s.q_dim(), kv_dim = s.kv_dim();
+  cudaStream_t st = res_.stream;
+  struct Table {
+    float base, scale;
+    const float2* dev;
+  };
+  std::vector<Table> tables{{s.rope_base, 1.f, rope_}};
+  for (int l = 0; l < s.n_layers; ++l) {
+    const LayerWeights& src = w.layers[l];
+    DevLayer& dl = layers_[l];
+    if (s.attn_bias) {
+      float* b = device_alloc<float>(static_cast<size_t>(q_dim) + 2 * kv_dim, mem_.weights);
+      CUDA_CHECK(cudaMemcpyAsync(b, src.bq, q_dim * sizeof(float), cudaMemcpyHostToDevice, st));
+      CUDA_CHECK(cudaMemcpyAsync(b + q_dim, src.bk, kv_dim * sizeof(float), cudaMemcpyHostToDevice, st));
+      CUDA_CHECK(cudaMemcpyAsync(b + q_dim + kv_dim, src.bv, kv_dim * sizeof(float), cudaMemcpyHostToDevice, st));
+      dl.qkv_bias = b;
+    }
+    if (s.qk_norm) {
+      dl.q_norm = upload_floats(src.q_norm, s.head_dim);
+      dl.k_norm = upload_floats(src.k_norm, s.head_dim);
+    }
+    if (s.post_norms) {
+      dl.post_attn_norm = upload_floats(src.post_attn_norm, d);
+      dl.post_ffn_norm = upload_floats(src.post_ffn_norm, d);
+    }
+    const LayerSpec ls = s.layer(l);
+    dl.window = ls.window;
+    auto it = std::find_if(tables.begin(), tables.end(), [&](const Table& t) {
+      return t.base == ls.rope_base && t.scale == ls.rope_scale;
+    });
+    if (it == tables.end()) {
+      const std::vector<float2> t = rope_table_host(s.n_ctx, s.head_dim, ls.rope_base, ls.rope_scale, w.rope_freqs);
+      float2* dev = device_alloc<float2>(t.size(), mem_.scratch);
+      CUDA_CHECK(cudaMemcpyAsync(dev, t.data(), t.size() * sizeof(float2), cudaMemcpyHostToDevice, st));
+      CUDA_CHECK(cudaStreamSynchronize(st));  // `t` dies here
+      tables.push_back({ls.rope_base, ls.rope_scale, dev});
+      it = tables.end() - 1;
+    }
+    dl.rope = it->dev;
+  }
+  g_qkv_ = activation_alloc<float>(static_cast<size_t>(q_dim) + 2 * kv_dim);
+  g_tmp_ = activation_alloc<float>(d);
+  g_gu_ = activation_alloc<float>(2 * static_cast<size_t>(s.d_ff));
+  if (s.post_norms) g_ptmp_ = device_alloc<float>(static_cast<size_t>(chunk_) * d, mem_.scratch);
+  g_max_splits_ = arch_attn_max_splits(s.n_ctx);
+  g_part_o_ = device_alloc<float>(static_cast<size_t>(s.n_heads) * g_max_splits_ * s.head_dim, mem_.scratch);
+  g_part_ml_ = device_alloc<float>(static_cast<size_t>(s.n_heads) * g_max_splits_ * 2, mem_.scratch);
+  g_counters_ = device_alloc<unsigned int>(s.n_heads, mem_.scratch);
+  CUDA_CHECK(cudaMemsetAsync(g_counters_, 0, s.n_heads * sizeof(unsigned int), st));
+}
+
+// Embedding, then per layer 6 launches (Qwen 2 / Qwen 3 style: SiLU, no post-norms) up to 9 (Gemma 3: GELU and
+// post-norms), then the final norm + lm_head + argmax.
+int CudaBackend::general_kernels_per_token() const {
+  const ModelSpec& s = spec_;
+  const int per_layer = 3 + (s.post_norms ? 2 : 1) + (s.activation == Activation::Silu ? 1 : 2) + (s.post_norms ? 2 : 1);
+  return 2 + per_layer * s.n_layers;
+}
+
+QkvFinishArgs CudaBackend::finish_args(const DevLayer& L, const float* qkv, int n, const int32_t* pos0, float* q_out,
+                                       float* kc, float* vc) const {
+  QkvFinishArgs a;
+  a.qkv = qkv;
+  a.n = n;
+  a.pos0 = pos0;
+  a.bias = L.qkv_bias;
+  a.q_norm = L.q_norm;
+  a.k_norm = L.k_norm;
+  a.eps = spec_.rms_eps;
+  a.rope_table = L.rope;
+  a.style = spec_.rope_style;
+  a.n_heads = spec_.n_heads;
+  a.n_kv_heads = spec_.n_kv_heads;
+  a.head_dim = spec_.head_dim;
+  a.q_out = q_out;
+  a.k_cache = kc;
+  a.v_cache = vc;
+  return a;
+}
+
+// One query (decode, or a one-token prompt) splits the visible positions over up to g_max_splits_ blocks per head.
+ArchAttnArgs CudaBackend::attention_args(const DevLayer& L, const float* q, int n, const int32_t* pos0,
+                                         const float* kc, const float* vc) const {
+  ArchAttnArgs a;
+  a.q = q;
+  a.k_cache = kc;
+  a.v_cache = vc;
+  a.pos0 = pos0;
+  a.n = n;
+  a.n_heads = spec_.n_heads;
+  a.n_kv_heads = spec_.n_kv_heads;
+  a.head_dim = spec_.head_dim;
+  a.window = L.window;
+  a.scale = spec_.attention_scale();
+  if (n == 1) {
+    a.max_splits = g_max_splits_;
+    a.part_o = g_part_o_;
+    a.part_ml = g_part_ml_;
+    a.counters = g_counters_;
+  }
+  return a;
+}
+
+void CudaBackend::enqueue_decode_general(bool capture_hidden) {
+  const ModelSpec& s = spec_;
+  const size_t layer_cache = static_cast<size_t>(s.n_ctx) * s.kv_dim();
+  const int d = s.d_model;
+  cudaStream_t st = res_.stream;
+  const int32_t* pos = &io_dev_->pos;
+  launch_embed_scaled(embd_, io_dev_, nullptr, 1, s.embed_scale, x_, st);
+  after_launch();
+  if (capture_hidden) CUDA_CHECK(cudaMemcpyAsync(hidden_, x_, d * sizeof(float), cudaMemcpyDefault, st));
+  for (int l = 0; l < s.n_layers; ++l) {
+    const DevLayer& L = layers_[l];
+    float* kc = k_cache_ + l * layer_cache;
+    float* vc = v_cache_ + l * layer_cache;
+    launch_norm_matvec(L.qkv, x_, L.attn_norm, s.rms_eps, g_qkv_, st);
+    after_launch();
+    launch_qkv_finish(finish_args(L, g_qkv_, 1, pos, q_, kc, vc), st);
+    after_launch();
+    ArchAttnArgs att = attention_args(L, q_, 1, pos, kc, vc);
+    att.out = attn_out_;
+    launch_arch_attention(att, st);
+    after_launch();
+    if (s.post_norms) {
+      launch_norm_matvec(L.o, attn_out_, nullptr, 0.f, g_tmp_, st);
+      after_launch();
+      launch_add_normed(g_tmp_, L.post_attn_norm, s.rms_eps, 1, d, x_, st);
+    } else {
+      launch_matvec_residual(L.o, attn_out_, x_, st);
+    }
+    after_launch();
+    if (s.activation == Activation::Silu) {
+      launch_norm_matvec_silu_glu(L.gate_up, x_, L.ffn_norm, s.rms_eps, ffn_act_, st);
+    } else {
+      launch_norm_matvec(L.gate_up, x_, L.ffn_norm, s.rms_eps, g_gu_, st);
+      after_launch();
+      launch_glu(g_gu_, 1, s.d_ff, s.activation, ffn_act_, false, nullptr, st);
+    }
+    after_launch();
+    if (s.post_norms) {
+      launch_norm_matvec(L.down, ffn_act_, nullptr, 0.f, g_tmp_, st);
+      after_launch();
+      launch_add_normed(g_tmp_, L.post_ffn_norm, s.rms_eps, 1, d, x_, st);
+    } else {
+      launch_matvec_residual(L.down, ffn_act_, x_, st);
+    }
+    after_launch();
+    if (capture_hidden)
+      CUDA_CHECK(cudaMemcpyAsync(hidden_ + static_cast<size_t>(l + 1) * d, x_, d * sizeof(float), cudaMemcpyDefault,
+                                 st));
+  }
+  launch_norm_matvec_argmax(lm_head_, x_, out_norm_, s.rms_eps, logits_, argmax_, result_dev_, io_dev_, st);
+  after_launch();
+}
+
+// A prompt chunk on the general path: the cuBLAS GEMM projections of the plain path (fp16 hi/lo operands) with the
+// kernels of arch.cuh between them, per layer: norm->fp16, QKV GEMM, QKV finish, attention->fp16, O GEMM (+residual
+// via beta 1, or into g_ptmp_ and add_normed), norm->fp16, gate/up GEMM, GLU->fp16, down GEMM (likewise); then the
+// last token's norm + lm_head + argmax.
+void CudaBackend::enqueue_prefill_chunk_general(int m, const int32_t* io) {
+  struct ProgrammaticLaunchScope {
+    bool previous = programmatic_launch();
+    explicit ProgrammaticLaunchScope(bool on) { set_programmatic_launch(on); }
+    ~ProgrammaticLaunchScope() { set_programmatic_launch(previous); }
+  } pdl_scope(use_pdl_);
+  const ModelSpec& s = spec_;
+  cudaStream_t st = res_.stream;
+  const int d = s.d_model, q_dim = s.q_dim(), kv_dim = s.kv_dim(), qkv_rows = q_dim + 2 * kv_dim;
+  const size_t layer_cache = static_cast<size_t>(s.n_ctx) * kv_dim;
+  launch_embed_scaled(embd_, nullptr, io + 1, m, s.embed_scale, px_, st);
+  after_launch();
+  for (int l = 0; l < s.n_layers; ++l) {
+    const DevLayer& L = layers_[l];
+    float* kc = k_cache_ + l * layer_cache;
+    float* vc = v_cache_ + l * layer_cache;
+    launch_rmsnorm_to_half(px_, m, d, L.attn_norm, s.rms_eps, split_, pa_, st);
+    after_launch();
+    gemm(L.qkv16, qkv_rows, d, m, pa_, pc_, 0.f);
+    launch_qkv_finish(finish_args(L, pc_, m, io, pq_, kc, vc), st);
+    after_launch();
+    ArchAttnArgs att = attention_args(L, pq_, m, io, kc, vc);
+    att.out_half = pa_;
+    att.split_operand = split_;
+    launch_arch_attention(att, st);
+    after_launch();
+    if (s.post_norms) {
+      gemm(L.o16, d, q_dim, m, pa_, g_ptmp_, 0.f);
+      launch_add_normed(g_ptmp_, L.post_attn_norm, s.rms_eps, m, d, px_, st);
+      after_launch();
+    } else {
+      gemm(L.o16, d, q_dim, m, pa_, px_, 1.f);  // beta = 1: the GEMM adds into the residual stream
+    }
+    launch_rmsnorm_to_half(px_, m, d, L.ffn_norm, s.rms_eps, split_, pa_, st);
+    after_launch();
+    gemm(L.gate_up16, 2 * s.d_ff, d, m, pa_, pc_, 0.f);
+    launch_glu(pc_, m, s.d_ff, s.activation, nullptr, split_, pa_, st);
+    after_launch();
+    if (s.post_norms) {
+      gemm(L.down16, d, s.d_ff, m, pa_, g_ptmp_, 0.f);
+      launch_add_normed(g_ptmp_, L.post_ffn_norm, s.rms_eps, m, d, px_, st);
+      after_launch();
+    } else {
+      gemm(L.down16, d, s.d_ff, m, pa_, px_, 1.f);
+    }
+  }
+  launch_norm_matvec_argmax(lm_head_, px_ + static_cast<size_t>(m - 1) * d, out_norm_, s.rms_eps, logits_, argmax_,
+                            result_dev_, nullptr, st);
+  after_launch();
 }
 
 }  // namespace
