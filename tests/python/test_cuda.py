@@ -107,3 +107,134 @@ def test_errors(pair):
         gpu.forward_prompt([1] * 2049)
     with pytest.raises(metalattn.DeviceError, match="memory"):
         metalattn.load(gpu.path, device="cuda", n_ctx=2_000_000)  # ~92 GB of float KV cache: more than the GPU
+
+
+# ---------------------------------------------------------------- every architecture on the CUDA general path
+# Synthetic models of each architecture ModelSpec describes, the CUDA backend against the scalar CPU backend (and the
+# float64 reference) on identical weights: decode and prompt logits at every position (well past the sliding
+# windows), the residual stream, and 64 greedy tokens. Then the real models' layer shapes (fewer layers, a smaller
+# vocabulary) across Gemma 3's 512-position window.
+
+ARCH_CASES = {
+    "qwen2": dict(arch="qwen2", d_model=128, d_ff=256, n_heads=4, n_kv_heads=2, tied=False, rope_base=1e6),
+    "qwen2-hd64-group7": dict(arch="qwen2", d_model=448, d_ff=512, n_heads=7, n_kv_heads=1, rope_base=1e6),
+    "qwen3": dict(arch="qwen3", d_model=128, head_dim=128, n_heads=4, n_kv_heads=2, tied=False),
+    # 3 layers, pattern 3: two windowed layers (window 16, base 10000), one global (base 1e6); head_dim 256.
+    "gemma3": dict(arch="gemma3", d_model=128, d_ff=256, head_dim=256, n_heads=4, n_kv_heads=1, n_layers=3,
+                   sliding_window=16, swa_pattern=3, rope_base=1e6),
+    "gemma3-no-window": dict(arch="gemma3", d_model=64, head_dim=32, n_heads=2, n_kv_heads=1),
+    "llama-linear-rope": dict(arch="llama", n_heads=2, n_kv_heads=1, rope_scale=0.25, tied=False),
+    # The plain Llama layer with Llama 3 RoPE factors runs the fused path, the factors in its RoPE table.
+    "llama3-rope-freqs": dict(arch="llama", d_model=128, d_ff=256, n_heads=2, n_kv_heads=1, rope_freqs=True,
+                              tied=False),
+}
+ARCH_TOKENS = 96
+
+
+@pytest.fixture(scope="module")
+def arch_models(tmp_path_factory):
+    from metalattn.testing import write_synthetic_gguf
+
+    root = tmp_path_factory.mktemp("cuda_arch")
+    return {name: write_synthetic_gguf(root / f"{name}.gguf", quant="q8_0", n_ctx=256, seed=11, **kw)
+            for name, kw in ARCH_CASES.items()}
+
+
+def arch_pair(path, n_ctx=256):
+    mp = pytest.MonkeyPatch()
+    mp.setenv("METALATTN_CPU_ISA", "scalar")
+    cpu = metalattn.load(path, device="cpu", n_ctx=n_ctx)
+    mp.undo()
+    gpu = metalattn.load(path, device="cuda", n_ctx=n_ctx)
+    assert gpu.device == "cuda"
+    return cpu, gpu
+
+
+@pytest.mark.parametrize("case", list(ARCH_CASES))
+def test_arch_decode_and_prompt_match_cpu(arch_models, case):
+    from metalattn.testing import reference_forward
+
+    cpu, gpu = arch_pair(arch_models[case])
+    tokens = np.random.default_rng(3).integers(0, cpu.vocab_size, ARCH_TOKENS).tolist()
+    want = np.stack([cpu.forward_token(t) for t in tokens])
+    got = np.stack([gpu.forward_token(t) for t in tokens])
+    gpu.reset()
+    prompt = gpu.forward_prompt_logits(tokens, all_tokens=True)
+    ref = reference_forward(gpu.gguf, tokens)
+    for i in range(len(tokens)):
+        assert rel_l2(got[i], want[i]) <= REL_L2, f"decode, position {i}"
+        assert rel_l2(prompt[i], want[i]) <= REL_L2, f"prompt, position {i}"
+        assert rel_l2(prompt[i], ref[i]) <= REL_L2, f"prompt vs float64 reference, position {i}"
+    assert (got.argmax(1) == want.argmax(1)).mean() >= 0.97
+    assert (prompt.argmax(1) == want.argmax(1)).mean() >= 0.97
+    # The same tokens in two prompt pieces, the second continuing from the cache.
+    gpu.reset()
+    gpu.forward_prompt(tokens[:41])
+    rest = gpu.forward_prompt_logits(tokens[41:])
+    assert rel_l2(rest, want[-1]) <= REL_L2
+
+
+@pytest.mark.parametrize("case", list(ARCH_CASES))
+def test_arch_greedy_64_identical_to_cpu(arch_models, case):
+    cpu, gpu = arch_pair(arch_models[case])
+    prompt = list(np.random.default_rng(5).integers(3, cpu.vocab_size, size=16))
+    a = [c.token for c in gpu.stream(prompt, max_tokens=64)]
+    b = [c.token for c in cpu.stream(prompt, max_tokens=64)]
+    assert a == b
+
+
+@pytest.mark.parametrize("case", ["gemma3", "qwen2", "qwen3"])
+def test_arch_debug_hidden_states_match_cpu(arch_models, case):
+    cpu, _ = arch_pair(arch_models[case])
+    dbg = metalattn.load(arch_models[case], device="cuda", n_ctx=64, debug=True)
+    for t in (5, 17, 300, 42):
+        hg, lg = dbg.forward_token_debug(t)
+        hc, lc = cpu.forward_token_debug(t)
+        for layer in range(hc.shape[0]):
+            assert rel_l2(hg[layer], hc[layer]) <= 1e-4, f"hidden state after layer {layer - 1}"
+        assert rel_l2(lg, lc) <= REL_L2
+
+
+def test_arch_kernels_per_token_and_auto_device(arch_models):
+    expect = {  # embedding + per layer (QKV, finish, attention, O [+post-norm], gate/up [+GELU], down [+post-norm]) + lm_head
+        "qwen2": 2 + 6 * 2, "qwen3": 2 + 6 * 2, "gemma3": 2 + 9 * 3, "llama-linear-rope": 2 + 6 * 2,
+        "llama3-rope-freqs": 5 * 2 + 1,  # the plain Llama layer keeps its fused five kernels
+    }
+    for case, n in expect.items():
+        m = metalattn.load(arch_models[case], device="auto", n_ctx=64)
+        assert m.device == "cuda", case
+        assert m._engine.kernels_per_token == n, case
+
+
+# The real models' layer shapes (layers and vocabulary cut down; every matrix Q8_0, a type the CUDA backend reads).
+REAL_SHAPES = {
+    # Gemma 3 270M: 6 layers so that layer 5 is global (pattern 6), window 512.
+    "gemma3-270m": dict(arch="gemma3", n_layers=6, d_model=640, d_ff=2048, n_heads=4, n_kv_heads=1, head_dim=256,
+                        rope_base=1e6, rms_eps=1e-6, sliding_window=512, swa_pattern=6, tied=True),
+    "qwen2.5-0.5b": dict(arch="qwen2", n_layers=3, d_model=896, d_ff=4864, n_heads=14, n_kv_heads=2, rope_base=1e6,
+                         rms_eps=1e-6, tied=False),
+    "qwen3-0.6b": dict(arch="qwen3", n_layers=3, d_model=1024, d_ff=3072, n_heads=16, n_kv_heads=8, head_dim=128,
+                       rope_base=1e6, rms_eps=1e-6, tied=True),
+}
+
+
+@pytest.mark.parametrize("case", list(REAL_SHAPES))
+def test_arch_real_shapes_across_the_window(tmp_path_factory, case):
+    from metalattn.testing import write_synthetic_gguf
+
+    path = write_synthetic_gguf(tmp_path_factory.mktemp("real") / f"{case}.gguf", quant="q8_0", vocab_size=8192,
+                                n_ctx=1024, seed=2, **REAL_SHAPES[case])
+    cpu = metalattn.load(path, device="cpu", n_ctx=1024)  # the SIMD paths: this is the larger model
+    gpu = metalattn.load(path, device="cuda", n_ctx=1024)
+    n = 600
+    tokens = np.random.default_rng(9).integers(0, cpu.vocab_size, n).tolist()
+    want = cpu.forward_prompt_logits(tokens, all_tokens=True)
+    got = gpu.forward_prompt_logits(tokens, all_tokens=True)
+    gpu.reset()
+    dec = np.stack([gpu.forward_token(t) for t in tokens])
+    for i in (0, 1, 100, 510, 511, 512, 513, 599):
+        assert rel_l2(got[i], want[i]) <= REL_L2, f"prompt vs CPU, position {i}"
+        assert rel_l2(dec[i], want[i]) <= REL_L2, f"decode vs CPU, position {i}"
+        assert rel_l2(dec[i], got[i]) <= REL_L2, f"decode vs prompt, position {i}"
+    assert (dec.argmax(1) == want.argmax(1)).mean() >= 0.97
+    assert (got.argmax(1) == want.argmax(1)).mean() >= 0.97
