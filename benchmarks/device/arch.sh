@@ -27,7 +27,7 @@ echo "builds: $(( $(date +%s) - t0 )) s (pip rc $pip_rc, gtest build rc $build_r
 
 gtest_rc=1
 if [ $build_rc -eq 0 ]; then
-  timeout 400 /tmp/b/test_cuda_kernels --gtest_filter="$GTEST_FILTER" > "$OUT/gtest_arch.log" 2>&1
+  timeout "${GTEST_TIMEOUT:-400}" /tmp/b/test_cuda_kernels --gtest_filter="$GTEST_FILTER" > "$OUT/gtest_arch.log" 2>&1
   gtest_rc=$?
   echo "== GoogleTest ($GTEST_FILTER): rc $gtest_rc"
   grep -E "^\[  (PASSED|FAILED|SKIPPED) |^\[==========\] .* ran|rel L2 vs CPU" "$OUT/gtest_arch.log" | head -40
@@ -36,7 +36,7 @@ fi
 
 py_rc=1
 if [ $pip_rc -eq 0 ]; then
-  timeout 600 python3 -m pytest -q -p no:cacheprovider -k "$PYTEST_K" tests/python/test_cuda.py > "$OUT/pytest_arch.log" 2>&1
+  timeout "${PYTEST_TIMEOUT:-600}" python3 -m pytest -q -p no:cacheprovider -k "$PYTEST_K" tests/python/test_cuda.py > "$OUT/pytest_arch.log" 2>&1
   py_rc=$?
   echo "== pytest tests/python/test_cuda.py -k $PYTEST_K: rc $py_rc"
   grep -E "passed|failed|error|^FAILED|^ERROR" "$OUT/pytest_arch.log" | tail -25
