@@ -5,12 +5,13 @@ Q4_0 = fp16 d + 16 bytes of nibbles (weight j in the low nibble of byte j, weigh
 adds an fp16 min after d, Q5_0 / Q5_1 add 4 bytes of fifth bits, Q8_0 = fp16 d + 32 int8. The K-quants (Q2_K ..
 Q6_K) hold 256-weight super-blocks of 16- or 32-weight sub-blocks with 4..8-bit scales. All scalars little-endian.
 
-Our own quantizers (Q4_0, Q4_1, Q8_0) reproduce ggml's reference (non-SIMD) quantizers bit for bit: float32
-arithmetic in the same order with the same truncation/rounding, so a file quantized here equals one quantized by
-llama.cpp. Q5_0 / Q5_1 use the gguf package's port of the same reference. The K-quant quantizers here are simple
+Every type is decoded here in vectorised numpy, with ggml's float32 operations in ggml's order (a product, then a
+sum, each rounded once), so the values equal the gguf package's and the C++ reference's bit for bit
+(tests/python/test_quants.py checks both). Our quantizers for Q4_0, Q4_1, Q5_0, Q5_1 and Q8_0 reproduce ggml's
+reference (non-SIMD) quantizers bit for bit: same float32 arithmetic in the same order, same truncation/rounding,
+so a file quantized here equals one quantized by llama.cpp. The K-quant quantizers (Q4_K, Q5_K, Q6_K) are simple
 (per sub-block min/max fitting, no search): valid files for tests and synthetic models, not llama.cpp's output.
-The new types dequantize through the gguf package's numpy code, which the C++ reference matches bit for bit
-(tests/python/test_quants.py).
+Q2_K and Q3_K are read, not written.
 """
 from __future__ import annotations
 
@@ -146,6 +147,40 @@ def _quantize_q8_0(blocks: np.ndarray) -> np.ndarray:
     return out
 
 
+def _q5_high_bits(q: np.ndarray) -> np.ndarray:
+    """uint8 codes [n, 32] (0..31) -> [n, 4]: bit j of the little-endian uint32 is bit 4 of code j."""
+    return np.packbits((q >> np.uint8(4)) & np.uint8(1), axis=1, bitorder="little")
+
+
+def _quantize_q5_0(blocks: np.ndarray) -> np.ndarray:
+    # As Q4_0 with 32 levels: d = (signed value of largest magnitude) / -16, code = min(31, (int)(x*id + 16.5f)).
+    n = blocks.shape[0]
+    signed_max = blocks[np.arange(n), np.abs(blocks).argmax(axis=1)]
+    d = signed_max / np.float32(-16.0)
+    inv = _safe_reciprocal(d)
+    q = np.minimum(np.trunc(blocks * inv[:, None] + np.float32(16.5)), 31).astype(np.uint8)
+    out = np.empty((n, 22), np.uint8)
+    out[:, :2] = _fp16_bytes(d)
+    out[:, 2:6] = _q5_high_bits(q)
+    out[:, 6:] = _pack_nibbles(q & np.uint8(0x0F))
+    return out
+
+
+def _quantize_q5_1(blocks: np.ndarray) -> np.ndarray:
+    # As Q4_1 with 32 levels; ggml truncates (x - min)*id + 0.5f without a clamp (it cannot pass 31.5).
+    n = blocks.shape[0]
+    lo = blocks.min(axis=1)
+    d = (blocks.max(axis=1) - lo) / np.float32(31.0)
+    inv = _safe_reciprocal(d)
+    q = np.minimum(np.trunc((blocks - lo[:, None]) * inv[:, None] + np.float32(0.5)), 31).astype(np.uint8)
+    out = np.empty((n, 24), np.uint8)
+    out[:, :2] = _fp16_bytes(d)
+    out[:, 2:4] = _fp16_bytes(lo)
+    out[:, 4:8] = _q5_high_bits(q)
+    out[:, 8:] = _pack_nibbles(q & np.uint8(0x0F))
+    return out
+
+
 def _float_to_bf16_bits(x: np.ndarray) -> np.ndarray:
     """float32 -> bf16 bit patterns, round to nearest even; NaNs stay (quiet) NaNs instead of rounding to inf."""
     bits = x.view(np.uint32).astype(np.uint64)
@@ -213,12 +248,6 @@ def _quantize_q6_k(blocks: np.ndarray) -> np.ndarray:
     return out
 
 
-def _gguf_quantize(t: int):
-    import gguf.quants
-
-    return lambda blocks: gguf.quants.quantize(blocks, gguf.GGMLQuantizationType(t)).reshape(blocks.shape[0], -1)
-
-
 def quantize(x: np.ndarray, ggml_type) -> np.ndarray:
     """float32 [rows, cols] -> uint8 [rows, row_bytes] in the GGUF layout of `ggml_type`."""
     t = parse_type(ggml_type)
@@ -236,8 +265,8 @@ def quantize(x: np.ndarray, ggml_type) -> np.ndarray:
         return x.astype("<f2").view(np.uint8).reshape(rows, rb)
     if t == BF16:
         return _float_to_bf16_bits(x).astype("<u2").view(np.uint8).reshape(rows, rb)
-    quantizers = {Q4_0: _quantize_q4_0, Q4_1: _quantize_q4_1, Q8_0: _quantize_q8_0, Q5_0: _gguf_quantize(Q5_0),
-                  Q5_1: _gguf_quantize(Q5_1), Q4_K: lambda b: _quantize_q45_k(b, 4),
+    quantizers = {Q4_0: _quantize_q4_0, Q4_1: _quantize_q4_1, Q8_0: _quantize_q8_0, Q5_0: _quantize_q5_0,
+                  Q5_1: _quantize_q5_1, Q4_K: lambda b: _quantize_q45_k(b, 4),
                   Q5_K: lambda b: _quantize_q45_k(b, 5), Q6_K: _quantize_q6_k}
     if t not in quantizers:
         raise ValueError(f"quantizing to {type_name(t)} is not supported (dequantizing is)")
@@ -248,6 +277,115 @@ def quantize(x: np.ndarray, ggml_type) -> np.ndarray:
     for start in range(0, blocks.shape[0], slab):
         out[start:start + slab] = quantizers[t](blocks[start:start + slab])
     return out.reshape(rows, rb)
+
+
+# ---------------------------------------------------------------- dequantizers, one per block type
+# Each takes uint8 blocks [n, block_bytes] and returns float32 weights [n, block_elems], rounding as ggml does.
+
+
+def _half(b: np.ndarray) -> np.ndarray:
+    """uint8 [n, 2] -> float32 [n, 1]."""
+    return _fp16_from_bytes(b)
+
+
+def _q5_codes(qh: np.ndarray, qs: np.ndarray) -> np.ndarray:
+    """Q5_0 / Q5_1: qh [n, 4], qs [n, 16] -> codes [n, 32] (0..31): the nibble plus bit j of qh as bit 4."""
+    high = np.unpackbits(qh, axis=1, bitorder="little")          # [n, 32]: bit j of the uint32
+    return _unpack_nibbles(qs) | (high << np.uint8(4))
+
+
+def _dequantize_q4_0(b):
+    return _half(b[:, :2]) * (_unpack_nibbles(b[:, 2:]).astype(np.int8) - np.int8(8)).astype(np.float32)
+
+
+def _dequantize_q4_1(b):
+    # Two float32 roundings (multiply, then add), the way ggml's scalar code computes it.
+    return _half(b[:, :2]) * _unpack_nibbles(b[:, 4:]).astype(np.float32) + _half(b[:, 2:4])
+
+
+def _dequantize_q5_0(b):
+    return _half(b[:, :2]) * (_q5_codes(b[:, 2:6], b[:, 6:]).astype(np.int8) - np.int8(16)).astype(np.float32)
+
+
+def _dequantize_q5_1(b):
+    return _half(b[:, :2]) * _q5_codes(b[:, 4:8], b[:, 8:]).astype(np.float32) + _half(b[:, 2:4])
+
+
+def _dequantize_q8_0(b):
+    return _half(b[:, :2]) * b[:, 2:].view(np.int8).astype(np.float32)
+
+
+def _k_scales_mins(packed: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """The 12 packed bytes of Q4_K / Q5_K [n, 12] -> 6-bit scales and mins [n, 8] (layout in quant.h)."""
+    a, b, c = packed[:, 0:4], packed[:, 4:8], packed[:, 8:12]
+    sc = np.concatenate([a & 63, (c & 0x0F) | ((a >> 6) << 4)], axis=1)
+    mn = np.concatenate([b & 63, (c >> 4) | ((b >> 6) << 4)], axis=1)
+    return sc, mn
+
+
+def _two_bit_fields(v: np.ndarray) -> np.ndarray:
+    """[n, h, 32] bytes -> [n, h, 4, 32]: field f = bits 2f, 2f+1 (Q2_K / Q3_K / Q6_K pack 2-bit fields this way)."""
+    return (v[:, :, None, :] >> (np.arange(4, dtype=np.uint8) * 2)[None, None, :, None]) & np.uint8(3)
+
+
+def _dequantize_q45_k(b, five: bool):
+    # Sub-block j (weights 32j .. 32j+31): d*sc[j] and dmin*m[j] rounded first, then d*sc*q - dmin*m.
+    n = b.shape[0]
+    d, dmin = _half(b[:, 0:2]), _half(b[:, 2:4])
+    sc, mn = _k_scales_mins(b[:, 4:16])
+    qs = b[:, 48:176] if five else b[:, 16:144]
+    # qs[32c + l]: low nibble = weight l of sub-block 2c, high nibble = weight l of sub-block 2c + 1.
+    q = np.stack([qs.reshape(n, 4, 32) & np.uint8(0x0F), qs.reshape(n, 4, 32) >> np.uint8(4)], axis=2).reshape(n, 8, 32)
+    if five:  # bit j of qh[l] is bit 4 of weight l of sub-block j
+        q = q | (((b[:, 16:48, None] >> np.arange(8, dtype=np.uint8)) & np.uint8(1)).transpose(0, 2, 1) << np.uint8(4))
+    dl = (d * sc.astype(np.float32))[:, :, None]
+    ml = (dmin * mn.astype(np.float32))[:, :, None]
+    return (dl * q.astype(np.float32) - ml).reshape(n, QK_K)
+
+
+def _dequantize_q6_k(b):
+    # Weight 128h + 32f + l: 4 low bits in ql[64h + 32(f % 2) + l] (low nibble for f < 2, high for f >= 2), 2 high
+    # bits in field f of qh[32h + l]; value q - 32 times d * scales[i / 16], d * scale rounded first.
+    n = b.shape[0]
+    ql = b[:, 0:128].reshape(n, 2, 2, 32)                                      # [n, h, f % 2, l]
+    low = np.concatenate([ql & np.uint8(0x0F), ql >> np.uint8(4)], axis=2)     # [n, h, f, l]
+    high = _two_bit_fields(b[:, 128:192].reshape(n, 2, 32))                    # [n, h, f, l]
+    q = ((low | (high << np.uint8(4))).astype(np.int8) - np.int8(32)).astype(np.float32).reshape(n, 16, 16)
+    scale = _half(b[:, 208:210]) * b[:, 192:208].view(np.int8).astype(np.float32)  # [n, 16]
+    return (scale[:, :, None] * q).reshape(n, QK_K)
+
+
+def _dequantize_q3_k(b):
+    # 16 sub-blocks of 16; 6-bit scales (low 4 bits: nibble s % 8 of byte s % 8 (low nibble for s < 8), high 2 bits:
+    # field s / 4 of byte 8 + s % 4), stored + 32. Weight 128h + 32f + l: 2 bits = field f of qs[32h + l], minus 4
+    # unless bit 4h + f of hmask[l] is set.
+    n = b.shape[0]
+    hmask, qs, packed, d = b[:, 0:32], b[:, 32:96], b[:, 96:108], _half(b[:, 108:110])
+    low = np.concatenate([packed[:, 0:8] & np.uint8(0x0F), packed[:, 0:8] >> np.uint8(4)], axis=1)  # [n, 16]
+    high = _two_bit_fields(packed[:, None, 8:12])[:, 0].reshape(n, 16)         # field s // 4 of byte 8 + s % 4
+    sc = (low | (high << np.uint8(4))).astype(np.int8) - np.int8(32)
+    bits = _two_bit_fields(qs.reshape(n, 2, 32))                               # [n, h, f, l]
+    hbit = (hmask[:, None, :] >> np.arange(8, dtype=np.uint8)[None, :, None]) & np.uint8(1)  # [n, 4h + f, l]
+    q = (bits.reshape(n, 8, 32).astype(np.int8) - ((hbit ^ np.uint8(1)) << np.uint8(2)).astype(np.int8))
+    dl = d * sc.astype(np.float32)                                            # [n, 16]
+    return (dl[:, :, None] * q.astype(np.float32).reshape(n, 16, 16)).reshape(n, QK_K)
+
+
+def _dequantize_q2_k(b):
+    # 16 sub-blocks of 16: scales[s] low nibble = scale, high nibble = min; weight 128h + 32f + l = field f of
+    # qs[32h + l]; d*sc and dmin*m rounded first, then d*sc*q - dmin*m.
+    n = b.shape[0]
+    scales, qs, d, dmin = b[:, 0:16], b[:, 16:80], _half(b[:, 80:82]), _half(b[:, 82:84])
+    dl = (d * (scales & np.uint8(0x0F)).astype(np.float32))[:, :, None]
+    ml = (dmin * (scales >> np.uint8(4)).astype(np.float32))[:, :, None]
+    q = _two_bit_fields(qs.reshape(n, 2, 32)).reshape(n, 16, 16).astype(np.float32)
+    return (dl * q - ml).reshape(n, QK_K)
+
+
+_DEQUANTIZERS = {Q4_0: _dequantize_q4_0, Q4_1: _dequantize_q4_1, Q5_0: _dequantize_q5_0, Q5_1: _dequantize_q5_1,
+                 Q8_0: _dequantize_q8_0, Q2_K: _dequantize_q2_k, Q3_K: _dequantize_q3_k,
+                 Q4_K: lambda b: _dequantize_q45_k(b, five=False), Q5_K: lambda b: _dequantize_q45_k(b, five=True),
+                 Q6_K: _dequantize_q6_k}
 
 
 def dequantize(data: np.ndarray, ggml_type, rows: int, cols: int) -> np.ndarray:
@@ -266,21 +404,12 @@ def dequantize(data: np.ndarray, ggml_type, rows: int, cols: int) -> np.ndarray:
         return raw.view("<f2").astype(np.float32).reshape(rows, cols)
     if t == BF16:
         return (raw.view("<u2").astype(np.uint32) << np.uint32(16)).view(np.float32).reshape(rows, cols)
-    if t not in (Q4_0, Q4_1, Q8_0):
-        import gguf.quants
-
-        with np.errstate(invalid="ignore", over="ignore"):
-            w = gguf.quants.dequantize(raw.reshape(rows, rb), gguf.GGMLQuantizationType(t))
-        return np.asarray(w, dtype=np.float32).reshape(rows, cols)
     blocks = raw.reshape(-1, _BLOCK_BYTES[t])
-    d = _fp16_from_bytes(blocks[:, :2])
-    if t == Q4_0:
-        q = _unpack_nibbles(blocks[:, 2:]).astype(np.int8) - np.int8(8)
-        w = d * q.astype(np.float32)
-    elif t == Q4_1:
-        m = _fp16_from_bytes(blocks[:, 2:4])
-        # Two float32 roundings (multiply, then add), the way ggml's scalar code and the gguf package compute it.
-        w = d * _unpack_nibbles(blocks[:, 4:]).astype(np.float32) + m
-    else:
-        w = d * blocks[:, 2:].view(np.int8).astype(np.float32)
-    return w.reshape(rows, cols)
+    out = np.empty((blocks.shape[0], block_elems(t)), np.float32)
+    # Slabs keep the integer/float temporaries small for big matrices (token_embd is 28M+ weights). Non-finite
+    # scales (random bytes in tests) give inf/nan weights exactly as in ggml; numpy need not warn about them.
+    slab = 1 << 16 if block_elems(t) == BLOCK else 1 << 13
+    with np.errstate(invalid="ignore", over="ignore"):
+        for start in range(0, blocks.shape[0], slab):
+            out[start:start + slab] = _DEQUANTIZERS[t](blocks[start:start + slab])
+    return out.reshape(rows, cols)
