@@ -6,13 +6,19 @@
 // METALATTN_CUDA_PREFILL_SPLIT=0 runs the prefill GEMMs on fp16 weights and activations, one K-slice;
 // METALATTN_CUDA_LAYER_FUSED=1 the experimental two-kernel layers. `bench_cuda <n_ctx> kernels` runs only the
 // per-kernel section (for profilers); `bench_cuda <n_ctx> trace` (a -DMETALATTN_TRACE build, see
-// benchmarks/device/trace.sh) shows where a decode step's time goes inside the kernel chain.
+// benchmarks/device/trace.sh) shows where a decode step's time goes inside the kernel chain. `bench_cuda <n_ctx>
+// q4_k_m` runs the whole benchmark on the same shapes with the tensor types of the real SmolLM2-135M Q4_K_M file
+// (q, k, o, gate, up Q5_0; v Q8_0 / Q5_0 and down Q6_K / Q4_K alternating by layer; token_embd Q8_0); `bench_cuda
+// <n_ctx> types` times one matvec per weight type at Llama 3.2 1B's shapes (graph replay, effective GB/s of the GPU
+// layout's bytes).
 #include <algorithm>
 #include <chrono>
 #include <cmath>
 #include <cstdio>
 #include <cstdlib>
+#include <cstddef>
 #include <cstring>
+#include <string>
 #include <memory>
 #include <random>
 #include <vector>
@@ -46,18 +52,46 @@ WeightView random_q(Storage& st, GgmlType t, int64_t rows, int64_t cols, float s
   uint8_t* p = st.bytes.back().data();
   std::uniform_int_distribution<int> byte(0, 255);
   std::uniform_real_distribution<float> u(0.5f, 1.5f);
-  for (int64_t r = 0; r < rows; ++r)
-    for (int64_t k = 0; k < cols / 32; ++k) {
-      if (t == GgmlType::Q4_0) {
-        auto* b = reinterpret_cast<block_q4_0*>(p + r * rb) + k;
-        b->d = to_fp16(sigma / 4.6f * u(g_rng));
-        for (auto& q : b->qs) q = static_cast<uint8_t>(byte(g_rng));
-      } else {
-        auto* b = reinterpret_cast<block_q8_0*>(p + r * rb) + k;
-        b->d = to_fp16(sigma / 73.f * u(g_rng));
-        for (auto& q : b->qs) q = static_cast<int8_t>(byte(g_rng) - 128);
+  if (t != GgmlType::Q4_0 && t != GgmlType::Q8_0) {
+    // The other quantized types: random bytes, then each block's fp16 scale fields set so that the weights have a
+    // standard deviation of about sigma (the same recipe as the GoogleTests' random_matrix).
+    for (auto& b : st.bytes.back()) b = static_cast<uint8_t>(byte(g_rng));
+    const int64_t n_blocks = rows * (cols / block_elems(t));
+    for (int64_t k = 0; k < n_blocks; ++k) {
+      uint8_t* b = p + k * block_bytes(t);
+      const float v = u(g_rng);
+      auto set = [&](size_t off, float f) {
+        const uint16_t h = to_fp16(f);
+        std::memcpy(b + off, &h, 2);
+      };
+      switch (t) {
+        case GgmlType::Q5_0: set(0, sigma / 9.2f * v); break;
+        case GgmlType::Q5_1: set(0, sigma / 9.2f * v); set(2, -15.5f * sigma / 9.2f * v); break;
+        case GgmlType::Q4_K: set(0, sigma / 350.f * v); set(2, 7.5f * sigma / 350.f * v); break;
+        case GgmlType::Q5_K: set(0, sigma / 700.f * v); set(2, 15.5f * sigma / 700.f * v); break;
+        case GgmlType::Q6_K: set(offsetof(block_q6_K, d), sigma / 1400.f * v); break;
+        case GgmlType::Q3_K: set(offsetof(block_q3_K, d), sigma / 47.f * v); break;
+        case GgmlType::Q2_K:
+          set(offsetof(block_q2_K, d), sigma / 17.f * v);
+          set(offsetof(block_q2_K, dmin), 1.5f * sigma / 17.f * v);
+          break;
+        default: std::fprintf(stderr, "random_q: no generator for %s\n", type_name(t)); std::exit(1);
       }
     }
+  } else {
+    for (int64_t r = 0; r < rows; ++r)
+      for (int64_t k = 0; k < cols / 32; ++k) {
+        if (t == GgmlType::Q4_0) {
+          auto* b = reinterpret_cast<block_q4_0*>(p + r * rb) + k;
+          b->d = to_fp16(sigma / 4.6f * u(g_rng));
+          for (auto& q : b->qs) q = static_cast<uint8_t>(byte(g_rng));
+        } else {
+          auto* b = reinterpret_cast<block_q8_0*>(p + r * rb) + k;
+          b->d = to_fp16(sigma / 73.f * u(g_rng));
+          for (auto& q : b->qs) q = static_cast<int8_t>(byte(g_rng) - 128);
+        }
+      }
+  }
   WeightView w;
   w.type = t;
   w.data = p;
@@ -166,6 +200,92 @@ void print_decode_trace(Backend& be, const std::vector<int32_t>& prompt, int n_l
   }
 }
 
+
+// One DevMatrix on the device (freed by the caller through bufs).
+DevMatrix upload_matrix(const std::vector<const WeightView*>& parts, std::vector<void*>& bufs) {
+  const PackedMatrix p = pack_matrix(parts, common_exact_type(parts));
+  DevMatrix m;
+  m.type = p.type;
+  m.rows = p.rows;
+  m.cols = p.cols;
+  m.nb = p.nb;
+  auto put = [&](const void* src, size_t bytes) -> void* {
+    if (bytes == 0) return nullptr;
+    void* d = nullptr;
+    CUDA_CHECK(cudaMalloc(&d, bytes));
+    CUDA_CHECK(cudaMemcpy(d, src, bytes, cudaMemcpyHostToDevice));
+    bufs.push_back(d);
+    return d;
+  };
+  m.payload = static_cast<const uint8_t*>(put(p.payload.data(), p.payload.size()));
+  m.scales = static_cast<const uint16_t*>(put(p.scales.data(), p.scales.size() * 2));
+  m.aux = static_cast<const uint32_t*>(put(p.aux.data(), p.aux.size() * 4));
+  return m;
+}
+
+// bench_cuda <n_ctx> types: norm+matvec (QKV-like), norm+gate/up+SiLU and matvec+residual (down) per weight type at
+// Llama 3.2 1B's shapes, each replayed 200x in a graph; GB/s counts the GPU layout's bytes (kernels.cuh).
+int bench_types() {
+  cudaStream_t sm;
+  CUDA_CHECK(cudaStreamCreateWithFlags(&sm, cudaStreamNonBlocking));
+  const int d = 2048, d_ff = 8192, qkv_rows = 3072;
+  std::vector<void*> bufs;
+  auto dalloc = [&](size_t bytes) {
+    void* p = nullptr;
+    CUDA_CHECK(cudaMalloc(&p, bytes));
+    CUDA_CHECK(cudaMemset(p, 0, bytes));
+    bufs.push_back(p);
+    return static_cast<float*>(p);
+  };
+  float* x = dalloc(d_ff * 4);
+  float* y = dalloc(2 * d_ff * 4);
+  float* nw = dalloc(d * 4);
+  {
+    std::vector<float> ones(d_ff, 0.5f);
+    CUDA_CHECK(cudaMemcpy(x, ones.data(), d_ff * 4, cudaMemcpyHostToDevice));
+    CUDA_CHECK(cudaMemcpy(nw, ones.data(), d * 4, cudaMemcpyHostToDevice));
+  }
+  std::printf("%-22s %-7s %12s %12s %12s   (us per launch, GB/s of the GPU layout)\n", "type", "GPU", "qkv 3072x2048",
+              "gate/up 16384x2048", "down 2048x8192");
+  struct Row {
+    const char* name;
+    GgmlType a, b;  // b != a: a QKV / gate-up stack of a (q, k / gate) and b (v / up)
+  };
+  const Row rows[] = {{"Q4_0", GgmlType::Q4_0, GgmlType::Q4_0}, {"Q8_0", GgmlType::Q8_0, GgmlType::Q8_0},
+                      {"Q5_0", GgmlType::Q5_0, GgmlType::Q5_0}, {"Q5_1", GgmlType::Q5_1, GgmlType::Q5_1},
+                      {"Q4_K", GgmlType::Q4_K, GgmlType::Q4_K}, {"Q5_K", GgmlType::Q5_K, GgmlType::Q5_K},
+                      {"Q6_K", GgmlType::Q6_K, GgmlType::Q6_K}, {"Q4_K+Q6_K (wide)", GgmlType::Q4_K, GgmlType::Q6_K},
+                      {"Q3_K (wide)", GgmlType::Q3_K, GgmlType::Q3_K}};
+  for (const Row& r : rows) {
+    Storage st;
+    const float sd = 1.f / std::sqrt(static_cast<float>(d));
+    const WeightView qa = random_q(st, r.a, qkv_rows - 1024, d, sd), qb = random_q(st, r.b, 1024, d, sd);
+    const WeightView ga = random_q(st, r.a, d_ff, d, sd), gb = random_q(st, r.b, d_ff, d, sd);
+    const WeightView dn = random_q(st, r.a, d, d_ff, sd);
+    const DevMatrix qkv = upload_matrix({&qa, &qb}, bufs), gu = upload_matrix({&ga, &gb}, bufs),
+                    down = upload_matrix({&dn}, bufs);
+    const double t_qkv = graph_time_us(sm, [&] { launch_norm_matvec(qkv, x, nw, 1e-5f, y, sm); });
+    const double t_gu = graph_time_us(sm, [&] { launch_norm_matvec_silu_glu(gu, x, nw, 1e-5f, y, sm); });
+    const double t_dn = graph_time_us(sm, [&] { launch_matvec_residual(down, x, y, sm); });
+    auto gbs = [](const DevMatrix& m, double us) {
+      return static_cast<double>(m.rows) * m.nb * gpu_block_bytes(m.type) / (us * 1e3);
+    };
+    std::printf("%-22s %-7s %7.2f %4.0f %7.2f %4.0f %7.2f %4.0f\n", r.name, gpu_type_name(qkv.type), t_qkv,
+                gbs(qkv, t_qkv), t_gu, gbs(gu, t_gu), t_dn, gbs(down, t_dn));
+    for (void* p : bufs) cudaFree(p);
+    bufs.clear();
+    x = dalloc(d_ff * 4);
+    y = dalloc(2 * d_ff * 4);
+    nw = dalloc(d * 4);
+    std::vector<float> ones(d_ff, 0.5f);
+    CUDA_CHECK(cudaMemcpy(x, ones.data(), d_ff * 4, cudaMemcpyHostToDevice));
+    CUDA_CHECK(cudaMemcpy(nw, ones.data(), d * 4, cudaMemcpyHostToDevice));
+  }
+  for (void* p : bufs) cudaFree(p);
+  cudaStreamDestroy(sm);
+  return 0;
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -190,6 +310,12 @@ int main(int argc, char** argv) {
     Storage st;
     ModelWeights w;
     const float sd = 1.f / std::sqrt(576.f), sf = 1.f / std::sqrt(1536.f);
+    const std::string mode = argc > 2 ? argv[2] : "";
+    if (mode == "types") return bench_types();
+    // The Q4_K_M mix of the real SmolLM2-135M file (its 576-wide rows take Q5_0 / Q8_0 where Q4_K_M asks for
+    // Q4_K / Q6_K; the 1536-wide down projection is a K-quant), or Q4_0 layers.
+    const bool q4_k_m = mode == "q4_k_m";
+    const GgmlType lt = q4_k_m ? GgmlType::Q5_0 : GgmlType::Q4_0;
     w.tok_embd = random_q(st, GgmlType::Q8_0, s.vocab, s.d_model, 1.f);
     w.output = w.tok_embd;
     w.output_norm = random_norm(st, s.d_model);
@@ -197,15 +323,18 @@ int main(int argc, char** argv) {
       LayerWeights L;
       L.attn_norm = random_norm(st, s.d_model);
       L.ffn_norm = random_norm(st, s.d_model);
-      L.wq = random_q(st, GgmlType::Q4_0, s.q_dim(), s.d_model, 2 * sd);
-      L.wk = random_q(st, GgmlType::Q4_0, s.kv_dim(), s.d_model, 2 * sd);
-      L.wv = random_q(st, GgmlType::Q4_0, s.kv_dim(), s.d_model, sd);
-      L.wo = random_q(st, GgmlType::Q4_0, s.d_model, s.q_dim(), 0.5f * sd);
-      L.w_gate = random_q(st, GgmlType::Q4_0, s.d_ff, s.d_model, sd);
-      L.w_up = random_q(st, GgmlType::Q4_0, s.d_ff, s.d_model, sd);
-      L.w_down = random_q(st, GgmlType::Q4_0, s.d_model, s.d_ff, 0.5f * sf);
+      const GgmlType vt = q4_k_m ? (l % 2 == 0 ? GgmlType::Q8_0 : GgmlType::Q5_0) : lt;
+      const GgmlType dt = q4_k_m ? (l % 2 == 0 ? GgmlType::Q6_K : GgmlType::Q4_K) : lt;
+      L.wq = random_q(st, lt, s.q_dim(), s.d_model, 2 * sd);
+      L.wk = random_q(st, lt, s.kv_dim(), s.d_model, 2 * sd);
+      L.wv = random_q(st, vt, s.kv_dim(), s.d_model, sd);
+      L.wo = random_q(st, lt, s.d_model, s.q_dim(), 0.5f * sd);
+      L.w_gate = random_q(st, lt, s.d_ff, s.d_model, sd);
+      L.w_up = random_q(st, lt, s.d_ff, s.d_model, sd);
+      L.w_down = random_q(st, dt, s.d_model, s.d_ff, 0.5f * sf);
       w.layers.push_back(L);
     }
+    if (q4_k_m) std::printf("weights: SmolLM2-135M Q4_K_M mix (Q5_0, Q8_0 / Q5_0 v, Q6_K / Q4_K down)\n");
     cudaDeviceProp prop{};
     CUDA_CHECK(cudaGetDeviceProperties(&prop, 0));
     const char* pdl = std::getenv("METALATTN_CUDA_PDL");
@@ -324,6 +453,13 @@ int main(int argc, char** argv) {
         CUDA_CHECK(cudaMemcpy(b, p.scales.data(), p.scales.size() * 2, cudaMemcpyHostToDevice));
         bufs.push_back(b);
         m.scales = static_cast<uint16_t*>(b);
+        if (!p.aux.empty()) {
+          void* c = nullptr;
+          CUDA_CHECK(cudaMalloc(&c, p.aux.size() * 4));
+          CUDA_CHECK(cudaMemcpy(c, p.aux.data(), p.aux.size() * 4, cudaMemcpyHostToDevice));
+          bufs.push_back(c);
+          m.aux = static_cast<uint32_t*>(c);
+        }
         return m;
       };
       std::vector<void*> bufs;

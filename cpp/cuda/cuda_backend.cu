@@ -293,6 +293,11 @@ DevMatrix CudaBackend::upload(const std::vector<const WeightView*>& parts) {
     CUDA_CHECK(cudaMemcpyAsync(scales, p.scales.data(), p.scales.size() * 2, cudaMemcpyHostToDevice, res_.stream));
     m.scales = scales;
   }
+  if (!p.aux.empty()) {
+    uint32_t* aux = device_alloc<uint32_t>(p.aux.size(), mem_.weights);
+    CUDA_CHECK(cudaMemcpyAsync(aux, p.aux.data(), p.aux.size() * 4, cudaMemcpyHostToDevice, res_.stream));
+    m.aux = aux;
+  }
   CUDA_CHECK(cudaStreamSynchronize(res_.stream));
   return m;
 }
@@ -327,7 +332,9 @@ CudaBackend::CudaBackend(const ModelSpec& spec, const ModelWeights& w, bool debu
   auto check_type = [](const WeightView& m, const std::string& name) {
     switch (m.type) {
       case GgmlType::F32: case GgmlType::F16: case GgmlType::BF16:
-      case GgmlType::Q4_0: case GgmlType::Q4_1: case GgmlType::Q8_0: return;
+      case GgmlType::Q4_0: case GgmlType::Q4_1: case GgmlType::Q8_0:
+      case GgmlType::Q5_0: case GgmlType::Q5_1: case GgmlType::Q4_K: case GgmlType::Q5_K: case GgmlType::Q6_K:
+      case GgmlType::Q2_K: case GgmlType::Q3_K: return;  // Q2_K / Q3_K as kWide8 (kernels.cuh, DevMatrix)
       default:
         throw BackendUnsupported(std::string("the CUDA backend does not run ") + type_name(m.type) +
                                  " tensors yet (" + name + ")");

@@ -19,16 +19,153 @@ namespace metalattn::cuda {
 
 // ------------------------------------------------------------------ host packing
 
+const char* gpu_type_name(GgmlType t) { return t == kWide8 ? "WIDE8" : type_name(t); }
+
 GgmlType common_exact_type(const std::vector<const WeightView*>& parts) {
   const GgmlType first = parts.at(0)->type;
-  bool same = true, q4_0_or_q8_0 = true;
+  bool same = true, q8_family = true, all_quant = true;
   for (const WeightView* p : parts) {
     same = same && p->type == first;
-    q4_0_or_q8_0 = q4_0_or_q8_0 && (p->type == GgmlType::Q4_0 || p->type == GgmlType::Q8_0);
+    q8_family = q8_family && (p->type == GgmlType::Q4_0 || p->type == GgmlType::Q5_0 || p->type == GgmlType::Q8_0);
+    all_quant = all_quant && is_quantized(p->type);
   }
-  if (same) return first;
-  return q4_0_or_q8_0 ? GgmlType::Q8_0 : GgmlType::F32;  // Q4_0 values d*(q-8) are Q8_0 values exactly
+  if (same) return first == GgmlType::Q2_K || first == GgmlType::Q3_K ? kWide8 : first;
+  // Q4_0 values d*(q-8) and Q5_0 values d*(q-16) are Q8_0 values exactly (same d): 1.0625 B/weight for the widened
+  // parts (SmolLM2 / Qwen2.5 Q4_K_M files stack Q5_0 q, k with a Q8_0 v).
+  if (q8_family) return GgmlType::Q8_0;
+  // Any other quantized mix (e.g. Q4_K q, k with a Q6_K v): int8 with fp32 per-16 scales and mins, 1.5 B/weight.
+  return all_quant ? kWide8 : GgmlType::F32;
 }
+
+namespace {
+
+// Block k (32 weights) of a quantized GGUF row as kWide8: weight j = s[j / 16] * q[j] - m[j / 16], each value
+// exactly the reference's (ref::dequantize_row; the tests check it bit for bit).
+void wide_block(GgmlType t, const uint8_t* row, int64_t k, int8_t q[32], float s[2], float m[2]) {
+  m[0] = m[1] = 0.f;
+  switch (t) {
+    case GgmlType::Q4_0: {
+      const block_q4_0& b = reinterpret_cast<const block_q4_0*>(row)[k];
+      s[0] = s[1] = fp16_to_float(b.d);
+      for (int j = 0; j < 16; ++j) {
+        q[j] = static_cast<int8_t>((b.qs[j] & 15) - 8);
+        q[j + 16] = static_cast<int8_t>((b.qs[j] >> 4) - 8);
+      }
+      return;
+    }
+    case GgmlType::Q4_1: {
+      const block_q4_1& b = reinterpret_cast<const block_q4_1*>(row)[k];
+      s[0] = s[1] = fp16_to_float(b.d);
+      m[0] = m[1] = -fp16_to_float(b.m);
+      for (int j = 0; j < 16; ++j) {
+        q[j] = static_cast<int8_t>(b.qs[j] & 15);
+        q[j + 16] = static_cast<int8_t>(b.qs[j] >> 4);
+      }
+      return;
+    }
+    case GgmlType::Q5_0:
+    case GgmlType::Q5_1: {
+      const bool one = t == GgmlType::Q5_1;
+      const uint8_t* blk = row + k * block_bytes(t);
+      uint16_t d, mm = 0;
+      const uint8_t *qh, *qs;
+      if (one) {
+        const block_q5_1& b = *reinterpret_cast<const block_q5_1*>(blk);
+        d = b.d, mm = b.m, qh = b.qh, qs = b.qs;
+      } else {
+        const block_q5_0& b = *reinterpret_cast<const block_q5_0*>(blk);
+        d = b.d, qh = b.qh, qs = b.qs;
+      }
+      const uint32_t h = q5_high_bits(qh);
+      s[0] = s[1] = fp16_to_float(d);
+      if (one) m[0] = m[1] = -fp16_to_float(mm);
+      for (int j = 0; j < 16; ++j) {
+        const int lo = (qs[j] & 15) | static_cast<int>((h >> j) & 1) << 4;
+        const int hi = (qs[j] >> 4) | static_cast<int>((h >> (j + 16)) & 1) << 4;
+        q[j] = static_cast<int8_t>(one ? lo : lo - 16);
+        q[j + 16] = static_cast<int8_t>(one ? hi : hi - 16);
+      }
+      return;
+    }
+    case GgmlType::Q8_0: {
+      const block_q8_0& b = reinterpret_cast<const block_q8_0*>(row)[k];
+      s[0] = s[1] = fp16_to_float(b.d);
+      for (int j = 0; j < 32; ++j) q[j] = b.qs[j];
+      return;
+    }
+    case GgmlType::Q4_K:
+    case GgmlType::Q5_K: {
+      const bool five = t == GgmlType::Q5_K;
+      const int sub = static_cast<int>(k % 8);
+      const uint8_t* blk = row + (k / 8) * block_bytes(t);
+      const block_q4_K& h = *reinterpret_cast<const block_q4_K*>(blk);  // both start with d, dmin, scales[12]
+      const uint8_t* qs = five ? reinterpret_cast<const block_q5_K*>(blk)->qs : h.qs;
+      const uint8_t* qh = five ? reinterpret_cast<const block_q5_K*>(blk)->qh : nullptr;
+      int sc, mn;
+      k_scale_min(h.scales, sub, &sc, &mn);
+      s[0] = s[1] = fp16_to_float(h.d) * static_cast<float>(sc);
+      m[0] = m[1] = fp16_to_float(h.dmin) * static_cast<float>(mn);
+      for (int l = 0; l < 32; ++l) {
+        const uint8_t byte = qs[32 * (sub / 2) + l];
+        int v = sub % 2 == 0 ? (byte & 15) : (byte >> 4);
+        if (five) v |= ((qh[l] >> sub) & 1) << 4;
+        q[l] = static_cast<int8_t>(v);
+      }
+      return;
+    }
+    case GgmlType::Q6_K: {
+      const int sub = static_cast<int>(k % 8);
+      const block_q6_K& b = reinterpret_cast<const block_q6_K*>(row)[k / 8];
+      const float d = fp16_to_float(b.d);
+      s[0] = d * static_cast<float>(b.scales[2 * sub]);
+      s[1] = d * static_cast<float>(b.scales[2 * sub + 1]);
+      for (int l = 0; l < 32; ++l) q[l] = static_cast<int8_t>(q6_k_value(b, 32 * sub + l));
+      return;
+    }
+    case GgmlType::Q3_K: {
+      const int sub = static_cast<int>(k % 8);
+      const block_q3_K& b = reinterpret_cast<const block_q3_K*>(row)[k / 8];
+      const float d = fp16_to_float(b.d);
+      for (int h = 0; h < 2; ++h) s[h] = d * static_cast<float>(q3_k_scale(b.scales, 2 * sub + h) - 32);
+      for (int l = 0; l < 32; ++l) {
+        const int i = 32 * sub + l, hh = i / 128, f = (i % 128) / 32, ll = i % 32;
+        const int low = (b.qs[32 * hh + ll] >> (2 * f)) & 3;
+        const int high = (b.hmask[ll] >> (4 * hh + f)) & 1;
+        q[l] = static_cast<int8_t>(low - (high ? 0 : 4));
+      }
+      return;
+    }
+    case GgmlType::Q2_K: {
+      const int sub = static_cast<int>(k % 8);
+      const block_q2_K& b = reinterpret_cast<const block_q2_K*>(row)[k / 8];
+      const float d = fp16_to_float(b.d), dmin = fp16_to_float(b.dmin);
+      for (int h = 0; h < 2; ++h) {
+        const uint8_t sm = b.scales[2 * sub + h];
+        s[h] = d * static_cast<float>(sm & 15);
+        m[h] = dmin * static_cast<float>(sm >> 4);
+      }
+      for (int l = 0; l < 32; ++l) {
+        const int i = 32 * sub + l, hh = i / 128, f = (i % 128) / 32, ll = i % 32;
+        q[l] = static_cast<int8_t>((b.qs[32 * hh + ll] >> (2 * f)) & 3);
+      }
+      return;
+    }
+    default: throw EngineError("pack_matrix: no exact conversion to the wide type");
+  }
+}
+
+uint32_t float_bits(float f) {
+  uint32_t u;
+  std::memcpy(&u, &f, 4);
+  return u;
+}
+
+// The nibble payload of one block (weight j: low nibble of byte j, or high nibble of byte j - 16) from its 32 values.
+void put_nibbles(const int v[32], uint8_t* dst) {
+  for (int j = 0; j < 16; ++j) dst[j] = static_cast<uint8_t>((v[j] & 15) | (v[j + 16] & 15) << 4);
+}
+
+}  // namespace
 
 PackedMatrix pack_matrix(const std::vector<const WeightView*>& parts, GgmlType target) {
   PackedMatrix m;
@@ -37,19 +174,22 @@ PackedMatrix pack_matrix(const std::vector<const WeightView*>& parts, GgmlType t
   m.nb = (m.cols + 31) / 32;
   for (const WeightView* p : parts) {
     if (p->cols != m.cols) throw EngineError("pack_matrix: stacked parts differ in columns");
-    if (is_quantized(p->type) && p->cols % kQuantBlock != 0) throw EngineError("pack_matrix: ragged quant row");
+    if (is_quantized(p->type) && p->cols % block_elems(p->type) != 0) throw EngineError("pack_matrix: ragged quant row");
     m.rows += static_cast<int>(p->rows);
   }
-  const int pb = payload_bytes(target), sc = scale_count(target);
+  const int pb = payload_bytes(target), sc = scale_count(target), aw = aux_words(target);
   if (pb == 0) throw EngineError("pack_matrix: unsupported type");
+  if (has_superblock_header(target) && m.nb % 8 != 0) throw EngineError("pack_matrix: ragged K-quant row");
   m.payload.assign(static_cast<size_t>(m.rows) * m.nb * pb, 0);
   m.scales.assign(static_cast<size_t>(m.rows) * m.nb * sc, 0);
+  m.aux.assign(static_cast<size_t>(m.rows) * m.nb * aw, 0);
   std::vector<float> row_f(static_cast<size_t>(m.nb) * 32, 0.f);
   int64_t out_row = 0;
   for (const WeightView* p : parts) {
     for (int64_t r = 0; r < p->rows; ++r, ++out_row) {
       uint8_t* dst = m.payload.data() + static_cast<size_t>(out_row) * m.nb * pb;
       uint16_t* dsc = m.scales.data() + static_cast<size_t>(out_row) * m.nb * sc;
+      uint32_t* daux = m.aux.data() + static_cast<size_t>(out_row) * m.nb * aw;
       const uint8_t* src = p->row(r);
       if (p->type == target) {
         switch (target) {
@@ -72,18 +212,93 @@ PackedMatrix pack_matrix(const std::vector<const WeightView*>& parts, GgmlType t
             for (int k = 0; k < m.nb; ++k) { std::memcpy(dst + k * 32, b[k].qs, 32); dsc[k] = b[k].d; }
             break;
           }
+          case GgmlType::Q5_0: {
+            const auto* b = reinterpret_cast<const block_q5_0*>(src);
+            for (int k = 0; k < m.nb; ++k) {
+              std::memcpy(dst + k * 16, b[k].qs, 16);  // same nibble order as Q4_0
+              dsc[k] = b[k].d;
+              const uint32_t h = q5_high_bits(b[k].qh);
+              for (int j = 0; j < 32; ++j) daux[k] |= static_cast<uint32_t>(((h >> j) & 1) ^ 1) << q5_aux_bit(j);
+            }
+            break;
+          }
+          case GgmlType::Q5_1: {
+            const auto* b = reinterpret_cast<const block_q5_1*>(src);
+            for (int k = 0; k < m.nb; ++k) {
+              std::memcpy(dst + k * 16, b[k].qs, 16);
+              dsc[2 * k] = b[k].d;
+              dsc[2 * k + 1] = b[k].m;
+              const uint32_t h = q5_high_bits(b[k].qh);
+              for (int j = 0; j < 32; ++j) daux[k] |= ((h >> j) & 1) << q5_aux_bit(j);
+            }
+            break;
+          }
+          case GgmlType::Q4_K:
+          case GgmlType::Q5_K: {
+            const bool five = target == GgmlType::Q5_K;
+            const size_t bs = block_bytes(target);
+            for (int s = 0; s < m.nb / 8; ++s) {
+              const uint8_t* blk = src + s * bs;
+              std::memcpy(dsc + 8 * s, blk, 16);  // d, dmin, scales[12]: the header as the file stores it
+              const uint8_t* qs = five ? reinterpret_cast<const block_q5_K*>(blk)->qs
+                                       : reinterpret_cast<const block_q4_K*>(blk)->qs;
+              const uint8_t* qh = five ? reinterpret_cast<const block_q5_K*>(blk)->qh : nullptr;
+              for (int j = 0; j < 8; ++j) {  // sub-block j = GPU block 8s + j
+                const int k = 8 * s + j;
+                int v[32];
+                for (int l = 0; l < 32; ++l) {
+                  const uint8_t byte = qs[32 * (j / 2) + l];
+                  v[l] = j % 2 == 0 ? (byte & 15) : (byte >> 4);
+                  if (five) daux[k] |= static_cast<uint32_t>((qh[l] >> j) & 1) << q5_aux_bit(l);
+                }
+                put_nibbles(v, dst + k * 16);
+              }
+            }
+            break;
+          }
+          case GgmlType::Q6_K: {
+            const auto* b = reinterpret_cast<const block_q6_K*>(src);
+            for (int s = 0; s < m.nb / 8; ++s) {
+              for (int j = 0; j < 8; ++j) {
+                const int k = 8 * s + j;
+                dsc[2 * k] = b[s].d;
+                dsc[2 * k + 1] = static_cast<uint16_t>(static_cast<uint8_t>(b[s].scales[2 * j]) |
+                                                       static_cast<uint8_t>(b[s].scales[2 * j + 1]) << 8);
+                int v[32];
+                for (int l = 0; l < 32; ++l) {
+                  const int q6 = q6_k_value(b[s], 32 * j + l) + 32;  // 0..63
+                  v[l] = q6 & 15;
+                  daux[2 * k + q6_aux_word(l)] |= static_cast<uint32_t>((q6 >> 4) ^ 2) << q6_aux_bit(l);
+                }
+                put_nibbles(v, dst + k * 16);
+              }
+            }
+            break;
+          }
           case GgmlType::F16:
           case GgmlType::BF16: std::memcpy(dst, src, static_cast<size_t>(m.cols) * 2); break;
           case GgmlType::F32: std::memcpy(dst, src, static_cast<size_t>(m.cols) * 4); break;
+          default: throw EngineError("pack_matrix: unsupported type");
         }
-      } else if (target == GgmlType::Q8_0 && p->type == GgmlType::Q4_0) {
-        const auto* b = reinterpret_cast<const block_q4_0*>(src);
+      } else if (target == GgmlType::Q8_0 && (p->type == GgmlType::Q4_0 || p->type == GgmlType::Q5_0)) {
         for (int k = 0; k < m.nb; ++k) {
-          dsc[k] = b[k].d;
-          for (int j = 0; j < 16; ++j) {
-            dst[k * 32 + j] = static_cast<uint8_t>(static_cast<int8_t>((b[k].qs[j] & 15) - 8));
-            dst[k * 32 + j + 16] = static_cast<uint8_t>(static_cast<int8_t>((b[k].qs[j] >> 4) - 8));
-          }
+          int8_t q[32];
+          float s2[2], m2[2];
+          wide_block(p->type, src, k, q, s2, m2);  // q - 8 or q - 16, the block's own d
+          std::memcpy(dst + k * 32, q, 32);
+          dsc[k] = p->type == GgmlType::Q4_0 ? reinterpret_cast<const block_q4_0*>(src)[k].d
+                                             : reinterpret_cast<const block_q5_0*>(src)[k].d;
+        }
+      } else if (target == kWide8) {
+        for (int k = 0; k < m.nb; ++k) {
+          int8_t q[32];
+          float s2[2], m2[2];
+          wide_block(p->type, src, k, q, s2, m2);
+          std::memcpy(dst + k * 32, q, 32);
+          daux[4 * k] = float_bits(s2[0]);
+          daux[4 * k + 1] = float_bits(s2[1]);
+          daux[4 * k + 2] = float_bits(m2[0]);
+          daux[4 * k + 3] = float_bits(m2[1]);
         }
       } else if (target == GgmlType::F32) {
         ref::dequantize_row(p->type, src, row_f.data(), m.cols);
@@ -279,6 +494,185 @@ struct Blk<GgmlType::Q8_0> {
   }
 };
 
+// ---- the new types (DevMatrix in kernels.cuh has their layouts). Helpers: the four bytes of v, signed or unsigned,
+// times x, added to acc as one FMA chain.
+__device__ __forceinline__ float fma_s8x4(uint32_t v, float4 x, float acc) {
+  acc += x.x * static_cast<float>(static_cast<int8_t>(v & 0xff));
+  acc += x.y * static_cast<float>(static_cast<int8_t>((v >> 8) & 0xff));
+  acc += x.z * static_cast<float>(static_cast<int8_t>((v >> 16) & 0xff));
+  acc += x.w * static_cast<float>(static_cast<int8_t>(v >> 24));
+  return acc;
+}
+__device__ __forceinline__ float fma_u8x4(uint32_t v, float4 x, float acc) {
+  acc += x.x * static_cast<float>(v & 0xff);
+  acc += x.y * static_cast<float>((v >> 8) & 0xff);
+  acc += x.z * static_cast<float>((v >> 16) & 0xff);
+  acc += x.w * static_cast<float>(v >> 24);
+  return acc;
+}
+__device__ __forceinline__ float sum4(float4 x) { return (x.x + x.y) + (x.z + x.w); }
+
+// Payload word i of a nibble block as bytes: its four low nibbles (weights 4i..4i+3) or its four high nibbles
+// (weights 16+4i..16+4i+3), with the extra bits of a Q5 aux word (q5_aux_bit) at bit 4 of each byte.
+__device__ __forceinline__ uint32_t q5_lo_bytes(uint32_t w, uint32_t aux, int i) {
+  return (w & 0x0f0f0f0fu) | (((aux >> i) & 0x01010101u) << 4);
+}
+__device__ __forceinline__ uint32_t q5_hi_bytes(uint32_t w, uint32_t aux, int i) {
+  return ((w >> 4) & 0x0f0f0f0fu) | (((aux >> (4 + i)) & 0x01010101u) << 4);
+}
+
+// Unsigned 5-bit (Q5_1, Q5_K) or 4-bit (Q4_K) quants: sums of x * q and of x over one block.
+template <bool kFive>
+__device__ __forceinline__ void unsigned_block_sums(const uint4& q, uint32_t aux, const float* xb, float& sq,
+                                                    float& sx) {
+  const uint32_t w[4] = {q.x, q.y, q.z, q.w};
+  float s[4], t[4];
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    const float4 lo = ld4(xb + 4 * i), hi = ld4(xb + 16 + 4 * i);
+    const uint32_t bl = kFive ? q5_lo_bytes(w[i], aux, i) : (w[i] & 0x0f0f0f0fu);
+    const uint32_t bh = kFive ? q5_hi_bytes(w[i], aux, i) : ((w[i] >> 4) & 0x0f0f0f0fu);
+    s[i] = fma_u8x4(bh, hi, fma_u8x4(bl, lo, 0.f));
+    t[i] = sum4(lo) + sum4(hi);
+  }
+  sq = (s[0] + s[1]) + (s[2] + s[3]);
+  sx = (t[0] + t[1]) + (t[2] + t[3]);
+}
+
+template <>
+struct Blk<GgmlType::Q5_0> {
+  static constexpr int kUnroll = 4;
+  uint4 q;
+  uint32_t h;  // inverted fifth bits
+  uint16_t d;
+  __device__ __forceinline__ void load(const DevMatrix& W, int64_t blk) {
+    q = __ldg(reinterpret_cast<const uint4*>(W.payload) + blk);
+    h = __ldg(W.aux + blk);
+    d = __ldg(W.scales + blk);
+  }
+  __device__ __forceinline__ float dot(const float* xb) const {
+    // nibble | (inverted fifth bit ? 0xF0 : 0) is the signed byte q - 16.
+    const uint32_t w[4] = {q.x, q.y, q.z, q.w};
+    float s[4];
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      const uint32_t bl = (w[i] & 0x0f0f0f0fu) | (((h >> i) & 0x01010101u) * 0xf0u);
+      const uint32_t bh = ((w[i] >> 4) & 0x0f0f0f0fu) | (((h >> (4 + i)) & 0x01010101u) * 0xf0u);
+      s[i] = fma_s8x4(bh, ld4(xb + 16 + 4 * i), fma_s8x4(bl, ld4(xb + 4 * i), 0.f));
+    }
+    return h2f(d) * ((s[0] + s[1]) + (s[2] + s[3]));
+  }
+};
+
+template <>
+struct Blk<GgmlType::Q5_1> {
+  static constexpr int kUnroll = 4;
+  uint4 q;
+  uint32_t h;
+  uint32_t dm;  // fp16 d (low half) and m (high half)
+  __device__ __forceinline__ void load(const DevMatrix& W, int64_t blk) {
+    q = __ldg(reinterpret_cast<const uint4*>(W.payload) + blk);
+    h = __ldg(W.aux + blk);
+    dm = __ldg(reinterpret_cast<const unsigned int*>(W.scales) + blk);
+  }
+  __device__ __forceinline__ float dot(const float* xb) const {
+    float sq, sx;
+    unsigned_block_sums<true>(q, h, xb, sq, sx);
+    return h2f(static_cast<uint16_t>(dm & 0xffffu)) * sq + h2f(static_cast<uint16_t>(dm >> 16)) * sx;
+  }
+};
+
+// Q4_K / Q5_K: the super-block header (d, dmin, packed 6-bit scales and mins) is loaded whole (the eight lanes of a
+// super-block read the same 16 bytes) and the block's scale d * sc and min dmin * m decoded after the loads.
+template <bool kFive>
+struct BlkK {
+  static constexpr int kUnroll = 4;
+  uint4 q;
+  uint4 hdr;
+  uint32_t h;  // Q5_K: fifth bits
+  int sub;     // sub-block 0..7 of the super-block
+  __device__ __forceinline__ void load(const DevMatrix& W, int64_t blk) {
+    q = __ldg(reinterpret_cast<const uint4*>(W.payload) + blk);
+    hdr = __ldg(reinterpret_cast<const uint4*>(W.scales) + (blk >> 3));
+    h = kFive ? __ldg(W.aux + blk) : 0u;
+    sub = static_cast<int>(blk & 7);
+  }
+  __device__ __forceinline__ float dot(const float* xb) const {
+    float sq, sx;
+    unsigned_block_sums<kFive>(q, h, xb, sq, sx);
+    int sc, m;
+    detail::k_header_scale_min(hdr.y, hdr.z, hdr.w, sub, &sc, &m);
+    const float dl = h2f(static_cast<uint16_t>(hdr.x & 0xffffu)) * static_cast<float>(sc);
+    const float ml = h2f(static_cast<uint16_t>(hdr.x >> 16)) * static_cast<float>(m);
+    return dl * sq - ml * sx;
+  }
+};
+template <>
+struct Blk<GgmlType::Q4_K> : BlkK<false> {};
+template <>
+struct Blk<GgmlType::Q5_K> : BlkK<true> {};
+
+template <>
+struct Blk<GgmlType::Q6_K> {
+  static constexpr int kUnroll = 4;
+  uint4 q;
+  uint2 h;      // high bits xor 2: weights 0..15, 16..31
+  uint32_t sw;  // fp16 d | int8 sc of weights 0..15 << 16 | int8 sc of 16..31 << 24
+  __device__ __forceinline__ void load(const DevMatrix& W, int64_t blk) {
+    q = __ldg(reinterpret_cast<const uint4*>(W.payload) + blk);
+    h = __ldg(reinterpret_cast<const uint2*>(W.aux) + blk);
+    sw = __ldg(reinterpret_cast<const unsigned int*>(W.scales) + blk);
+  }
+  // nibble | t << 4 with bits 6, 7 copied from bit 5: the signed byte q - 32 (t = the stored bits, xor 2).
+  __device__ __forceinline__ static uint32_t bytes(uint32_t nibbles, uint32_t t) {
+    return nibbles | (t << 4) | ((t & 0x02020202u) * 0x60u);
+  }
+  __device__ __forceinline__ float dot(const float* xb) const {
+    const uint32_t w[4] = {q.x, q.y, q.z, q.w};
+    float s_lo[4], s_hi[4];
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      const uint32_t bl = bytes(w[i] & 0x0f0f0f0fu, (h.x >> (2 * i)) & 0x03030303u);
+      const uint32_t bh = bytes((w[i] >> 4) & 0x0f0f0f0fu, (h.y >> (2 * i)) & 0x03030303u);
+      s_lo[i] = fma_s8x4(bl, ld4(xb + 4 * i), 0.f);
+      s_hi[i] = fma_s8x4(bh, ld4(xb + 16 + 4 * i), 0.f);
+    }
+    const float d = h2f(static_cast<uint16_t>(sw & 0xffffu));
+    const float d0 = d * static_cast<float>(static_cast<int8_t>((sw >> 16) & 0xff));
+    const float d1 = d * static_cast<float>(static_cast<int8_t>(sw >> 24));
+    return d0 * ((s_lo[0] + s_lo[1]) + (s_lo[2] + s_lo[3])) + d1 * ((s_hi[0] + s_hi[1]) + (s_hi[2] + s_hi[3]));
+  }
+};
+
+// kWide8's block is a plain struct, not Blk<kWide8>: the kernels are templated on the block type, and nvcc's host stubs
+// cannot spell a kernel template argument that is not one of GgmlType's enumerators.
+struct BlkWide8 {
+  static constexpr int kUnroll = 3;
+  uint4 q[2];  // int8 weights 0..15, 16..31
+  uint4 sm;    // fp32 s0, s1, m0, m1
+  __device__ __forceinline__ void load(const DevMatrix& W, int64_t blk) {
+    const uint4* p = reinterpret_cast<const uint4*>(W.payload) + 2 * blk;
+    q[0] = __ldg(p);
+    q[1] = __ldg(p + 1);
+    sm = __ldg(reinterpret_cast<const uint4*>(W.aux) + blk);
+  }
+  __device__ __forceinline__ float dot(const float* xb) const {
+    float s[2][2], t[2][2];
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      const uint32_t w[4] = {q[h].x, q[h].y, q[h].z, q[h].w};
+#pragma unroll
+      for (int c = 0; c < 2; ++c) {  // two chains per half
+        const float4 xa = ld4(xb + 16 * h + 8 * c), xc = ld4(xb + 16 * h + 8 * c + 4);
+        s[h][c] = fma_s8x4(w[2 * c + 1], xc, fma_s8x4(w[2 * c], xa, 0.f));
+        t[h][c] = sum4(xa) + sum4(xc);
+      }
+    }
+    return __uint_as_float(sm.x) * (s[0][0] + s[0][1]) + __uint_as_float(sm.y) * (s[1][0] + s[1][1]) -
+           (__uint_as_float(sm.z) * (t[0][0] + t[0][1]) + __uint_as_float(sm.w) * (t[1][0] + t[1][1]));
+  }
+};
+
 template <>
 struct Blk<GgmlType::F16> {
   static constexpr int kUnroll = 2;
@@ -350,9 +744,18 @@ struct Blk<GgmlType::F32> {
 
 // One row group's dot product: the first kUnroll blocks per lane are loaded by prefetch() (before the activations
 // exist), the rest streamed in finish().
-template <GgmlType T, int TPR>
-struct RowDot {
-  using B = Blk<T>;
+// The block decoder of a DevMatrix type (kWide8's is BlkWide8, see there).
+template <GgmlType T>
+struct BlkSel {
+  using type = Blk<T>;
+};
+template <>
+struct BlkSel<kWide8> {
+  using type = BlkWide8;
+};
+
+template <typename B, int TPR>
+struct RowDotB {
   static constexpr int U = B::kUnroll;
   B first[U];
 
@@ -389,6 +792,9 @@ struct RowDot {
     return acc;  // TPR 64: each warp's half of the row (the caller adds the two)
   }
 };
+
+template <GgmlType T, int TPR>
+using RowDot = RowDotB<typename BlkSel<T>::type, TPR>;
 
 constexpr int kStageBatch = 8;  // activation loads each thread issues before using any
 
@@ -483,7 +889,7 @@ struct NormMatvecArgs {
   float* x_out = nullptr;    // ... and block 0 writes that row here (the residual stream)
 };
 
-template <GgmlType T, int TPR>
+template <typename B, int TPR>
 __global__ void __launch_bounds__(512) norm_matvec_kernel(DevMatrix W, const float* __restrict__ x,
                                                           const float* __restrict__ norm_w, float eps,
                                                           NormMatvecArgs a) {
@@ -504,7 +910,7 @@ __global__ void __launch_bounds__(512) norm_matvec_kernel(DevMatrix W, const flo
 
   KernelTrace trace(a.mode == NormOut::Qkv ? kTraceQkv : kTraceNormMatvec);
   detail::launch_dependents();
-  RowDot<T, TPR> rd;
+  RowDotB<B, TPR> rd;
   rd.prefetch(W, row, sub);
   NormPrefetch nw;
   nw.load(norm_w, W.cols);
@@ -582,7 +988,7 @@ struct ArgmaxArgs {
 
 // Few blocks, each looping over several row groups: the norm is staged and the argmax reduced once per block, not
 // once per 32 rows, and the next group's weights are loaded while the current one is summed.
-template <GgmlType T, int TPR>
+template <typename B, int TPR>
 __global__ void __launch_bounds__(256) norm_matvec_argmax_kernel(DevMatrix W, const float* __restrict__ x,
                                                                  const float* __restrict__ norm_w, float eps,
                                                                  ArgmaxArgs a) {
@@ -597,7 +1003,7 @@ __global__ void __launch_bounds__(256) norm_matvec_argmax_kernel(DevMatrix W, co
 
   KernelTrace trace(kTraceLmHead);
   detail::launch_dependents();
-  RowDot<T, TPR> rd;
+  RowDotB<B, TPR> rd;
   rd.prefetch(W, base + local, sub);
   NormPrefetch nw;
   nw.load(norm_w, W.cols);
@@ -615,6 +1021,12 @@ __global__ void __launch_bounds__(256) norm_matvec_argmax_kernel(DevMatrix W, co
         const int scl_bytes = rows * W.nb * sc * 2;
         for (int off = threadIdx.x * 128; off < scl_bytes; off += blockDim.x * 128) prefetch_l2(scl + off);
       }
+      const int aw = aux_words(W.type);
+      if (aw > 0) {
+        const char* aux = reinterpret_cast<const char*>(W.aux) + static_cast<int64_t>(g) * W.nb * aw * 4;
+        const int aux_bytes = rows * W.nb * aw * 4;
+        for (int off = threadIdx.x * 128; off < aux_bytes; off += blockDim.x * 128) prefetch_l2(aux + off);
+      }
     }
   }
   grid_dependency_wait();
@@ -623,7 +1035,7 @@ __global__ void __launch_bounds__(256) norm_matvec_argmax_kernel(DevMatrix W, co
 
   ArgmaxPartial best{0.f, kNoIndex};
   for (; base < W.rows; base += stride) {  // block-uniform: every lane takes part in the group shuffles
-    RowDot<T, TPR> next;
+    RowDotB<B, TPR> next;
     next.prefetch(W, base + stride + local, sub);
     const int row = base + local;
     const float acc = rd.finish(W, row, sub, x_s) * scale;
@@ -642,7 +1054,7 @@ __global__ void __launch_bounds__(256) norm_matvec_argmax_kernel(DevMatrix W, co
 
 // TPR 64 (two warps per row, 512 threads) serves wide matrices such as the down projection (48 blocks per row):
 // each lane then sums at most one weight block after the wait instead of two.
-template <GgmlType T, int TPR>
+template <typename B, int TPR>
 __global__ void __launch_bounds__(512) matvec_residual_kernel(DevMatrix W, const float* __restrict__ x,
                                                               float* residual) {
   extern __shared__ float4 smem_dyn[];
@@ -654,7 +1066,7 @@ __global__ void __launch_bounds__(512) matvec_residual_kernel(DevMatrix W, const
 
   KernelTrace trace(kTraceResidual);
   detail::launch_dependents();
-  RowDot<T, TPR> rd;
+  RowDotB<B, TPR> rd;
   rd.prefetch(W, row, sub);
   grid_dependency_wait();
   trace.released();
@@ -1330,15 +1742,22 @@ Geometry lm_head_geometry(const DevMatrix& W) {
 // quant_kernel_for serves kernels instantiated for the quantized types only.
 template <typename Family>
 typename Family::Fn kernel_for(GgmlType t) {
+  if (t == kWide8) return Family::template get<kWide8>();
   switch (t) {
     case GgmlType::Q4_0: return Family::template get<GgmlType::Q4_0>();
     case GgmlType::Q4_1: return Family::template get<GgmlType::Q4_1>();
     case GgmlType::Q8_0: return Family::template get<GgmlType::Q8_0>();
+    case GgmlType::Q5_0: return Family::template get<GgmlType::Q5_0>();
+    case GgmlType::Q5_1: return Family::template get<GgmlType::Q5_1>();
+    case GgmlType::Q4_K: return Family::template get<GgmlType::Q4_K>();
+    case GgmlType::Q5_K: return Family::template get<GgmlType::Q5_K>();
+    case GgmlType::Q6_K: return Family::template get<GgmlType::Q6_K>();
     case GgmlType::F16: return Family::template get<GgmlType::F16>();
     case GgmlType::BF16: return Family::template get<GgmlType::BF16>();
     case GgmlType::F32: return Family::template get<GgmlType::F32>();
+    default: break;
   }
-  throw EngineError("matvec: unsupported weight type");
+  throw EngineError(std::string("matvec: unsupported weight type ") + gpu_type_name(t));
 }
 template <typename Family>
 typename Family::Fn quant_kernel_for(GgmlType t, const char* what) {
@@ -1353,19 +1772,19 @@ typename Family::Fn quant_kernel_for(GgmlType t, const char* what) {
 struct NormKernels {
   using Fn = void (*)(DevMatrix, const float*, const float*, float, NormMatvecArgs);
   template <GgmlType T>
-  static Fn get() { return norm_matvec_kernel<T, kMatvecTpr>; }
+  static Fn get() { return norm_matvec_kernel<typename BlkSel<T>::type, kMatvecTpr>; }
 };
 template <int TPR>
 struct ResidualKernels {
   using Fn = void (*)(DevMatrix, const float*, float*);
   template <GgmlType T>
-  static Fn get() { return matvec_residual_kernel<T, TPR>; }
+  static Fn get() { return matvec_residual_kernel<typename BlkSel<T>::type, TPR>; }
 };
 template <int TPR>
 struct ArgmaxKernels {
   using Fn = void (*)(DevMatrix, const float*, const float*, float, ArgmaxArgs);
   template <GgmlType T>
-  static Fn get() { return norm_matvec_argmax_kernel<T, TPR>; }
+  static Fn get() { return norm_matvec_argmax_kernel<typename BlkSel<T>::type, TPR>; }
 };
 struct AttnLayerKernels {
   using Fn = void (*)(AttnLayerArgs);
@@ -1493,7 +1912,7 @@ void launch_norm_matvec_argmax(const DevMatrix& W, const float* x, const float* 
   int l2_bytes = 0;
   CUDA_CHECK(cudaDeviceGetAttribute(&l2_bytes, cudaDevAttrL2CacheSize, device));
   const size_t matrix_bytes =
-      static_cast<size_t>(W.rows) * W.nb * (payload_bytes(W.type) + 2 * scale_count(W.type));
+      static_cast<size_t>(W.rows) * W.nb * gpu_block_bytes(W.type);
   a.prefetch_l2 = matrix_bytes <= static_cast<size_t>(l2_bytes) * 3 / 5;
   a.parts = parts;
   a.n_parts = parts != nullptr ? n_parts : 0;

@@ -29,7 +29,28 @@ constexpr int kSmemBlockStride = 36;
 
 // GPU layout of a weight matrix: per row, nb = ceil(cols/32) blocks. Block payloads (the quants, or the raw
 // F16/BF16/F32 values) lie contiguous and 16-byte aligned so each thread reads them with 16-byte loads; the fp16
-// scales (d, or d and m for Q4_1) lie in a separate array. Float rows are zero-padded to a multiple of 32.
+// scales (d, or d and m for Q4_1) lie in a separate array, and the types with more than four bits per weight keep
+// their extra bits (or fp32 scales) in a third array of 32-bit words, `aux`. Float rows are zero-padded to a
+// multiple of 32. Weight j of a 4-bit payload is the low nibble of byte j (j < 16) or the high nibble of byte
+// j - 16, as in Q4_0, for every type that has a nibble payload.
+//
+// Per 32 weights (GPU bytes per weight; the GGUF file's in brackets where it differs):
+//   Q4_0   payload 16 B nibbles, scales d                                                    0.5625
+//   Q4_1   payload 16 B nibbles, scales d, m                                                 0.625
+//   Q8_0   payload 32 B int8, scales d                                                       1.0625
+//   Q5_0   payload 16 B nibbles, scales d, aux 1 word: the inverted fifth bits (q5_aux_bit)  0.6875
+//   Q5_1   payload 16 B nibbles, scales d, m, aux 1 word: the fifth bits (q5_aux_bit)         0.75
+//   Q4_K   payload 16 B nibbles; scales: per 256-weight super-block its 16-byte header as the file stores it
+//          (d, dmin, the twelve bytes of 6-bit scales and mins), i.e. 8 fp16 slots per 8 blocks, read with
+//          one 16-byte load and decoded on the fly: d*sc and dmin*m stay exact in fp32             0.5625
+//   Q5_K   as Q4_K, plus aux 1 word: the fifth bits (q5_aux_bit)                                0.6875
+//   Q6_K   payload 16 B: the low nibbles; scales: d (fp16) and the block's two int8 sub-block scales
+//          (slot 2: low byte sc of weights 0..15, high byte sc of 16..31); aux 2 words: the high two bits of
+//          each weight, xor 2 (q6_aux_pos), so that nibble | bits << 4 sign-extends to q - 32     0.875 [0.8203]
+//   kWide8 (an internal type: the stacks of mixed quantized types, and Q2_K / Q3_K): payload 32 B int8 q;
+//          aux 4 words, fp32 s0, s1, m0, m1: weight j = s_h * q_j - m_h, h = j / 16. Holds every quantized
+//          GGUF type exactly (the products d * sc of the K-quants are exact in fp32)          1.5
+//   F16 / BF16 2, F32 4.
 struct DevMatrix {
   GgmlType type = GgmlType::F32;
   int rows = 0;
@@ -37,22 +58,74 @@ struct DevMatrix {
   int nb = 0;
   const uint8_t* payload = nullptr;  // rows * nb * payload_bytes(type)
   const uint16_t* scales = nullptr;  // rows * nb * scale_count(type) fp16 values; null for float types
+  const uint32_t* aux = nullptr;     // rows * nb * aux_words(type); null for the types without
 };
 
+// The GPU-only type of mixed-type stacks (see DevMatrix). Not a GGUF type id (those are below 64).
+constexpr GgmlType kWide8 = static_cast<GgmlType>(0x1000);
+
 __host__ __device__ inline int payload_bytes(GgmlType t) {
+  if (t == kWide8) return 32;
   switch (t) {
     case GgmlType::Q4_0:
-    case GgmlType::Q4_1: return 16;
+    case GgmlType::Q4_1:
+    case GgmlType::Q5_0:
+    case GgmlType::Q5_1:
+    case GgmlType::Q4_K:
+    case GgmlType::Q5_K:
+    case GgmlType::Q6_K: return 16;
     case GgmlType::Q8_0: return 32;
     case GgmlType::F16:
     case GgmlType::BF16: return 64;
     case GgmlType::F32: return 128;
+    default: return 0;
   }
-  return 0;
 }
+// fp16 slots per 32-weight block (for Q4_K / Q5_K: on average; they hold 8 per 8-block super-block).
 __host__ __device__ inline int scale_count(GgmlType t) {
-  return t == GgmlType::Q4_1 ? 2 : (t == GgmlType::Q4_0 || t == GgmlType::Q8_0) ? 1 : 0;
+  switch (t) {
+    case GgmlType::Q4_0:
+    case GgmlType::Q8_0:
+    case GgmlType::Q5_0:
+    case GgmlType::Q4_K:
+    case GgmlType::Q5_K: return 1;
+    case GgmlType::Q4_1:
+    case GgmlType::Q5_1:
+    case GgmlType::Q6_K: return 2;
+    default: return 0;
+  }
 }
+// 32-bit aux words per 32-weight block.
+__host__ __device__ inline int aux_words(GgmlType t) {
+  if (t == kWide8) return 4;
+  switch (t) {
+    case GgmlType::Q5_0:
+    case GgmlType::Q5_1:
+    case GgmlType::Q5_K: return 1;
+    case GgmlType::Q6_K: return 2;
+    default: return 0;
+  }
+}
+// GPU bytes of one 32-weight block: payload, scales and aux together.
+__host__ __device__ inline int gpu_block_bytes(GgmlType t) {
+  return payload_bytes(t) + 2 * scale_count(t) + 4 * aux_words(t);
+}
+// True for the types whose scales array holds one 16-byte header per 8 blocks (a 256-weight super-block).
+__host__ __device__ inline bool has_superblock_header(GgmlType t) { return t == GgmlType::Q4_K || t == GgmlType::Q5_K; }
+
+// Bit of the aux word that holds the extra bit of weight j (0..31) of a Q5 block: bit 8k + i for weight 4i + k
+// (i, k < 4: the low nibbles of payload word i) and bit 8k + 4 + i for weight 16 + 4i + k (its high nibbles), so that
+// (aux >> i) & 0x01010101 puts the bits of payload word i's four low nibbles at the bottom of their bytes.
+__host__ __device__ inline int q5_aux_bit(int j) {
+  const int jj = j & 15;
+  return 8 * (jj & 3) + (j >= 16 ? 4 : 0) + (jj >> 2);
+}
+// Aux word (0: weights 0..15, 1: 16..31) and bit of the two high bits of weight j of a Q6_K block: bits 8k + 2i,
+// 8k + 2i + 1 for weight 4i + k (+ 16), so (aux >> 2i) & 0x03030303 lines them up with payload word i's nibbles.
+__host__ __device__ inline int q6_aux_word(int j) { return j >> 4; }
+__host__ __device__ inline int q6_aux_bit(int j) { return 8 * (j & 3) + 2 * ((j & 15) >> 2); }
+
+const char* gpu_type_name(GgmlType t);  // type_name, and "WIDE8" for kWide8
 
 // Host-side packed image of a DevMatrix, ready to copy to the device.
 struct PackedMatrix {
@@ -60,9 +133,12 @@ struct PackedMatrix {
   int rows = 0, cols = 0, nb = 0;
   std::vector<uint8_t> payload;
   std::vector<uint16_t> scales;
+  std::vector<uint32_t> aux;
 };
 
-// The type that holds every part exactly: their common type, Q8_0 for a mix of Q4_0 and Q8_0, F32 otherwise.
+// The type that holds every part exactly: their common type (kWide8 for Q2_K / Q3_K, which have no GPU layout of
+// their own), Q8_0 for a mix of Q4_0, Q5_0 and Q8_0 (d * (q - 8) and d * (q - 16) are Q8_0 values with the same d),
+// kWide8 for any other mix of quantized types, F32 for a mix with a float type.
 GgmlType common_exact_type(const std::vector<const WeightView*>& parts);
 // Stacks the rows of `parts` (equal cols) into one matrix of type `target` (from common_exact_type).
 PackedMatrix pack_matrix(const std::vector<const WeightView*>& parts, GgmlType target);
@@ -210,28 +286,73 @@ __device__ __forceinline__ float block_sum(float v, float* red) {
   return warp_sum(t);
 }
 
-// Element j of row `row` of W, decoded exactly as the reference does.
+// Scale and min (6 bits each) of sub-block j (0..7) from the 16-byte Q4_K / Q5_K header words h1..h3 (the twelve
+// scale bytes; h0 is d | dmin << 16), as k_scale_min decodes them.
+__host__ __device__ __forceinline__ void k_header_scale_min(uint32_t h1, uint32_t h2, uint32_t h3, int j, int* sc,
+                                                           int* m) {
+  const int sh = 8 * (j & 3);
+  const uint32_t a = (h1 >> sh) & 0xffu, b = (h2 >> sh) & 0xffu, c = (h3 >> sh) & 0xffu;
+  if (j < 4) {
+    *sc = static_cast<int>(a & 63u);
+    *m = static_cast<int>(b & 63u);
+  } else {
+    *sc = static_cast<int>((c & 15u) | ((a >> 6) << 4));
+    *m = static_cast<int>((c >> 4) | ((b >> 6) << 4));
+  }
+}
+
+// Element j of row `row` of W, decoded exactly as the reference does (the same float operations in the same order,
+// so the value is bit for bit ref::dequantize_row's).
 __device__ __forceinline__ float load_weight(const DevMatrix& W, int64_t row, int col) {
   const int64_t blk = row * W.nb + col / 32;
   const int j = col % 32;
   const uint8_t* p = W.payload + blk * payload_bytes(W.type);
+  const int nib = j < 16 ? (p[j & 15] & 15) : (p[j & 15] >> 4);  // the nibble payloads' weight j
+  if (W.type == kWide8) {
+    const float s = __uint_as_float(W.aux[4 * blk + (j >> 4)]), m = __uint_as_float(W.aux[4 * blk + 2 + (j >> 4)]);
+    return __fsub_rn(__fmul_rn(s, static_cast<float>(static_cast<int8_t>(p[j]))), m);
+  }
   switch (W.type) {
-    case GgmlType::Q4_0: {
-      const int q = j < 16 ? (p[j] & 15) : (p[j - 16] >> 4);
-      return __half2float(__ushort_as_half(W.scales[blk])) * static_cast<float>(q - 8);
+    case GgmlType::Q4_0:
+      return __half2float(__ushort_as_half(W.scales[blk])) * static_cast<float>(nib - 8);
+    case GgmlType::Q4_1:
+      return __half2float(__ushort_as_half(W.scales[2 * blk])) * static_cast<float>(nib) +
+             __half2float(__ushort_as_half(W.scales[2 * blk + 1]));
+    case GgmlType::Q8_0:
+      return __half2float(__ushort_as_half(W.scales[blk])) * static_cast<float>(static_cast<int8_t>(p[j]));
+    case GgmlType::Q5_0: {
+      const int inv = (W.aux[blk] >> q5_aux_bit(j)) & 1;  // inverted fifth bit
+      return __half2float(__ushort_as_half(W.scales[blk])) * static_cast<float>(nib - 16 * inv);
     }
-    case GgmlType::Q4_1: {
-      const int q = j < 16 ? (p[j] & 15) : (p[j - 16] >> 4);
+    case GgmlType::Q5_1: {
+      const int q = nib | static_cast<int>((W.aux[blk] >> q5_aux_bit(j)) & 1) << 4;
       return __half2float(__ushort_as_half(W.scales[2 * blk])) * static_cast<float>(q) +
              __half2float(__ushort_as_half(W.scales[2 * blk + 1]));
     }
-    case GgmlType::Q8_0:
-      return __half2float(__ushort_as_half(W.scales[blk])) * static_cast<float>(static_cast<int8_t>(p[j]));
+    case GgmlType::Q4_K:
+    case GgmlType::Q5_K: {
+      const uint4 h = reinterpret_cast<const uint4*>(W.scales)[blk >> 3];
+      int sc, m;
+      k_header_scale_min(h.y, h.z, h.w, static_cast<int>(blk & 7), &sc, &m);
+      const float dl = __half2float(__ushort_as_half(static_cast<uint16_t>(h.x & 0xffffu))) * static_cast<float>(sc);
+      const float ml = __half2float(__ushort_as_half(static_cast<uint16_t>(h.x >> 16))) * static_cast<float>(m);
+      int q = nib;
+      if (W.type == GgmlType::Q5_K) q |= static_cast<int>((W.aux[blk] >> q5_aux_bit(j)) & 1) << 4;
+      return __fsub_rn(__fmul_rn(dl, static_cast<float>(q)), ml);
+    }
+    case GgmlType::Q6_K: {
+      const uint32_t sw = reinterpret_cast<const uint32_t*>(W.scales)[blk];
+      const int sc = static_cast<int8_t>(static_cast<uint8_t>(sw >> (j < 16 ? 16 : 24)));
+      const int h2 = static_cast<int>((W.aux[2 * blk + q6_aux_word(j)] >> q6_aux_bit(j)) & 3);  // high bits xor 2
+      const int q = nib + 16 * (h2 & 1) - 32 * (h2 >> 1);                                      // = q6 - 32
+      return __half2float(__ushort_as_half(static_cast<uint16_t>(sw & 0xffffu))) * static_cast<float>(sc) *
+             static_cast<float>(q);
+    }
     case GgmlType::F16: return __half2float(reinterpret_cast<const __half*>(p)[j]);
     case GgmlType::BF16: return __uint_as_float(static_cast<uint32_t>(reinterpret_cast<const uint16_t*>(p)[j]) << 16);
     case GgmlType::F32: return reinterpret_cast<const float*>(p)[j];
+    default: return 0.f;
   }
-  return 0.f;
 }
 
 // (cos, sin) by which QKV output rows r0, r0 + 1 turn at position pos; (1, 0) for v rows, which do not turn.

@@ -113,6 +113,63 @@ std::unique_ptr<HostMatrix> random_matrix(GgmlType type, int64_t rows, int64_t c
         }
         break;
       }
+      // The new types: every quant, high-bit and packed-scale byte random (all bit patterns), the fp16 super-scales
+      // set so that the weights have a standard deviation of about sigma.
+      case GgmlType::Q5_0: {
+        auto* b = reinterpret_cast<block_q5_0*>(p);
+        for (int64_t k = 0; k < nb; ++k) {
+          b[k].d = to_fp16(sigma / 9.2f * uniform(0.5f, 1.5f));
+          for (auto& q : b[k].qh) q = static_cast<uint8_t>(byte(rng()));
+          for (auto& q : b[k].qs) q = static_cast<uint8_t>(byte(rng()));
+        }
+        break;
+      }
+      case GgmlType::Q5_1: {
+        auto* b = reinterpret_cast<block_q5_1*>(p);
+        for (int64_t k = 0; k < nb; ++k) {
+          const float d = sigma / 9.2f * uniform(0.5f, 1.5f);
+          b[k].d = to_fp16(d);
+          b[k].m = to_fp16(-15.5f * d * uniform(0.8f, 1.2f));
+          for (auto& q : b[k].qh) q = static_cast<uint8_t>(byte(rng()));
+          for (auto& q : b[k].qs) q = static_cast<uint8_t>(byte(rng()));
+        }
+        break;
+      }
+      case GgmlType::Q4_K:
+      case GgmlType::Q5_K:
+      case GgmlType::Q6_K:
+      case GgmlType::Q3_K:
+      case GgmlType::Q2_K: {
+        // Fill each super-block with random bytes, then set its fp16 fields.
+        const size_t bs = block_bytes(type);
+        for (int64_t k = 0; k < cols / kSuperBlock; ++k) {
+          uint8_t* blk = p + k * bs;
+          for (size_t i = 0; i < bs; ++i) blk[i] = static_cast<uint8_t>(byte(rng()));
+          const float u = uniform(0.5f, 1.5f);
+          switch (type) {
+            case GgmlType::Q4_K: {
+              auto* b = reinterpret_cast<block_q4_K*>(blk);
+              b->d = to_fp16(sigma / 350.f * u);
+              b->dmin = to_fp16(7.5f * sigma / 350.f * u);
+              break;
+            }
+            case GgmlType::Q5_K: {
+              auto* b = reinterpret_cast<block_q5_K*>(blk);
+              b->d = to_fp16(sigma / 700.f * u);
+              b->dmin = to_fp16(15.5f * sigma / 700.f * u);
+              break;
+            }
+            case GgmlType::Q6_K: reinterpret_cast<block_q6_K*>(blk)->d = to_fp16(sigma / 1400.f * u); break;
+            case GgmlType::Q3_K: reinterpret_cast<block_q3_K*>(blk)->d = to_fp16(sigma / 47.f * u); break;
+            default: {
+              auto* b = reinterpret_cast<block_q2_K*>(blk);
+              b->d = to_fp16(sigma / 17.f * u);
+              b->dmin = to_fp16(1.5f * sigma / 17.f * u);
+            }
+          }
+        }
+        break;
+      }
       case GgmlType::F16:
         for (int64_t c = 0; c < cols; ++c) reinterpret_cast<uint16_t*>(p)[c] = to_fp16(uniform(-1.7f, 1.7f) * sigma);
         break;
@@ -122,6 +179,7 @@ std::unique_ptr<HostMatrix> random_matrix(GgmlType type, int64_t rows, int64_t c
       case GgmlType::F32:
         for (int64_t c = 0; c < cols; ++c) reinterpret_cast<float*>(p)[c] = uniform(-1.7f, 1.7f) * sigma;
         break;
+      default: ADD_FAILURE() << "random_matrix: no generator for " << type_name(type);
     }
   }
   m->view.type = type;
@@ -136,6 +194,7 @@ struct GpuMatrix {
   DevMatrix m;
   std::unique_ptr<DevBuf<uint8_t>> payload;
   std::unique_ptr<DevBuf<uint16_t>> scales;
+  std::unique_ptr<DevBuf<uint32_t>> aux;
 };
 GpuMatrix to_gpu(const std::vector<const WeightView*>& parts) {
   const PackedMatrix p = pack_matrix(parts, common_exact_type(parts));
@@ -149,6 +208,10 @@ GpuMatrix to_gpu(const std::vector<const WeightView*>& parts) {
   if (!p.scales.empty()) {
     g.scales = std::make_unique<DevBuf<uint16_t>>(p.scales);
     g.m.scales = g.scales->p;
+  }
+  if (!p.aux.empty()) {
+    g.aux = std::make_unique<DevBuf<uint32_t>>(p.aux);
+    g.m.aux = g.aux->p;
   }
   return g;
 }
@@ -283,11 +346,11 @@ TEST(CudaMatvec, FloatRowsNotMultipleOf32AndMixedTypeStacks) {
     launch_norm_matvec(g.m, dx.p, nullptr, kEps, dy.p, nullptr);
     EXPECT_LE(max_abs_diff(dy.download(), ref_matvec(hm->view, x)), kTol) << type_name(t);
   }
-  // A Q4_0 + Q8_0 stack is widened to Q8_0 exactly; a Q4_1 + Q8_0 stack to F32.
-  for (GgmlType other : {GgmlType::Q8_0, GgmlType::Q4_1}) {
+  // A Q4_0 + Q8_0 stack is widened to Q8_0 exactly; a Q4_0 + Q4_1 stack to the wide int8 type, one with F16 to F32.
+  for (GgmlType other : {GgmlType::Q8_0, GgmlType::Q4_1, GgmlType::F16}) {
     auto a = random_matrix(GgmlType::Q4_0, 64, 576, 0.04f), b = random_matrix(other, 32, 576, 0.04f);
     GpuMatrix g = to_gpu({&a->view, &b->view});
-    EXPECT_EQ(g.m.type, other == GgmlType::Q8_0 ? GgmlType::Q8_0 : GgmlType::F32);
+    EXPECT_EQ(g.m.type, other == GgmlType::Q8_0 ? GgmlType::Q8_0 : other == GgmlType::Q4_1 ? kWide8 : GgmlType::F32);
     const std::vector<float> x = random_vec(576);
     DevBuf<float> dx(x), dy(96);
     dy.poison();
@@ -1607,6 +1670,544 @@ TEST(CudaBackend, RejectsBadInputsAndOutOfMemoryWithoutLeaking) {
 // models' shapes, then whole models of each architecture against the CPU backend (scalar ISA: float activations).
 
 #include "arch.cuh"
+
+// ------------------------------------------------------------------ the quant types of real Q4_K_M files
+// Q5_0, Q5_1, Q4_K, Q5_K, Q6_K in their own GPU layouts; Q2_K, Q3_K and mixed stacks as kWide8 (kernels.cuh,
+// DevMatrix). Every check compares with the scalar CPU reference (ref::dequantize_row / ref::dot_row); failure
+// messages name the GGUF type, the GPU layout it was packed into and the shape.
+
+namespace {
+
+const GgmlType kNewTypes[] = {GgmlType::Q5_0, GgmlType::Q5_1, GgmlType::Q4_K, GgmlType::Q5_K,
+                              GgmlType::Q6_K, GgmlType::Q3_K, GgmlType::Q2_K};
+
+// rows x cols of the real models' matrices. The 32-weight types: SmolLM2 (576 / 1536), Gemma 3 270M (640 / 2048),
+// Qwen2.5-0.5B (896 / 4864: its down projection takes the two-warps-per-row path), 960 and 2048 wide rows, and a
+// ragged row count. K-quants only where the row length is a multiple of 256: Llama 3.2 1B (2048 / 8192),
+// Qwen2.5-1.5B (1536 / 8960), Qwen2.5-0.5B's down projection (4864).
+std::vector<Shape> quant_shapes(GgmlType t) {
+  if (is_k_quant(t))
+    return {{3072, 2048}, {2048, 2048}, {128, 2048}, {1536, 1536}, {256, 1536}, {896, 4864}, {4864, 1536},
+            {2048, 8192}, {1536, 8960}, {99, 2048}};
+  return {{960, 576}, {576, 576}, {3072, 576}, {576, 1536}, {640, 640}, {2048, 640}, {1152, 896},
+          {4864, 896}, {896, 4864}, {128, 960}, {2048, 2048}, {99, 2080}};
+}
+
+std::string layout_trace(const std::vector<GgmlType>& parts, const GpuMatrix& g, int rows, int cols) {
+  std::string s;
+  for (GgmlType t : parts) s += std::string(s.empty() ? "" : "+") + type_name(t);
+  return s + " as GPU " + gpu_type_name(g.m.type) + ", " + std::to_string(rows) + "x" + std::to_string(cols);
+}
+
+// The reference's rows of several stacked parts, concatenated.
+std::vector<float> ref_stack_matvec(const std::vector<const WeightView*>& parts, const std::vector<float>& x) {
+  std::vector<float> y;
+  for (const WeightView* p : parts) {
+    const std::vector<float> part = ref_matvec(*p, x);
+    y.insert(y.end(), part.begin(), part.end());
+  }
+  return y;
+}
+std::vector<float> ref_stack_row(const std::vector<const WeightView*>& parts, int64_t r) {
+  for (const WeightView* p : parts) {
+    if (r < p->rows) {
+      std::vector<float> row(p->cols);
+      ref::dequantize_row(p->type, p->row(r), row.data(), p->cols);
+      return row;
+    }
+    r -= p->rows;
+  }
+  return {};
+}
+
+// Index and values of the first difference of two float vectors (bitwise; -0 and +0 differ), for messages.
+std::string first_bit_difference(const std::vector<float>& got, const std::vector<float>& want) {
+  for (size_t i = 0; i < want.size() && i < got.size(); ++i) {
+    uint32_t a, b;
+    std::memcpy(&a, &got[i], 4);
+    std::memcpy(&b, &want[i], 4);
+    if (a != b) return "first at " + std::to_string(i) + ": GPU " + std::to_string(got[i]) + " reference " + std::to_string(want[i]);
+  }
+  return "none";
+}
+
+}  // namespace
+
+TEST(CudaQuant, CommonExactTypeOfMixedStacks) {
+  // No GPU needed: the type choice is host code.
+  struct Case {
+    std::vector<GgmlType> parts;
+    GgmlType want;
+  };
+  const Case cases[] = {
+      {{GgmlType::Q5_0, GgmlType::Q5_0, GgmlType::Q8_0}, GgmlType::Q8_0},  // SmolLM2 / Qwen2.5 Q4_K_M QKV
+      {{GgmlType::Q4_0, GgmlType::Q5_0}, GgmlType::Q8_0},
+      {{GgmlType::Q4_K, GgmlType::Q4_K, GgmlType::Q6_K}, kWide8},          // Llama 3.2 Q4_K_M QKV
+      {{GgmlType::Q5_K, GgmlType::Q6_K}, kWide8},
+      {{GgmlType::Q5_1, GgmlType::Q8_0}, kWide8},
+      {{GgmlType::Q4_K, GgmlType::Q8_0}, kWide8},
+      {{GgmlType::Q4_K, GgmlType::F16}, GgmlType::F32},
+      {{GgmlType::Q4_K, GgmlType::Q4_K}, GgmlType::Q4_K},
+      {{GgmlType::Q5_0}, GgmlType::Q5_0},
+      {{GgmlType::Q5_1}, GgmlType::Q5_1},
+      {{GgmlType::Q5_K}, GgmlType::Q5_K},
+      {{GgmlType::Q6_K, GgmlType::Q6_K}, GgmlType::Q6_K},
+      {{GgmlType::Q3_K}, kWide8},
+      {{GgmlType::Q2_K, GgmlType::Q2_K}, kWide8},
+  };
+  for (const Case& c : cases) {
+    std::vector<WeightView> views(c.parts.size());
+    std::vector<const WeightView*> ptrs;
+    std::string name;
+    for (size_t i = 0; i < c.parts.size(); ++i) {
+      views[i].type = c.parts[i];
+      views[i].rows = 1;
+      views[i].cols = 256;
+      ptrs.push_back(&views[i]);
+      name += std::string(i ? "+" : "") + type_name(c.parts[i]);
+    }
+    EXPECT_EQ(gpu_type_name(common_exact_type(ptrs)), std::string(gpu_type_name(c.want))) << name;
+  }
+  // GPU bytes per 32 weights (kernels.cuh): the file's for all but Q6_K (+1.75 B) and kWide8.
+  EXPECT_EQ(gpu_block_bytes(GgmlType::Q5_0), 22);
+  EXPECT_EQ(gpu_block_bytes(GgmlType::Q5_1), 24);
+  EXPECT_EQ(gpu_block_bytes(GgmlType::Q4_K), 18);
+  EXPECT_EQ(gpu_block_bytes(GgmlType::Q5_K), 22);
+  EXPECT_EQ(gpu_block_bytes(GgmlType::Q6_K), 28);
+  EXPECT_EQ(gpu_block_bytes(kWide8), 48);
+}
+
+// Plain matvec, norm + matvec and matvec + residual (the O / down projections' kernel, both its one-warp and
+// two-warp-per-row variants) for each new type at the real models' shapes.
+TEST(CudaQuant, MatvecNormAndResidualAtRealShapes) {
+  REQUIRE_GPU();
+  for (GgmlType t : kNewTypes) {
+    for (Shape s : quant_shapes(t)) {
+      auto hm = random_matrix(t, s.rows, s.cols, 1.f / std::sqrt(static_cast<float>(s.cols)));
+      GpuMatrix g = to_gpu({&hm->view});
+      SCOPED_TRACE(layout_trace({t}, g, s.rows, s.cols));
+      const std::vector<float> x = random_vec(s.cols, -2.f, 2.f), nw = random_vec(s.cols, 0.5f, 1.5f);
+      DevBuf<float> dx(x), dnw(nw), dy(s.rows);
+
+      dy.poison();
+      launch_norm_matvec(g.m, dx.p, nullptr, kEps, dy.p, nullptr);
+      EXPECT_LE(max_abs_diff(dy.download(), ref_matvec(hm->view, x)), kTol) << "plain matvec";
+
+      dy.poison();
+      launch_norm_matvec(g.m, dx.p, dnw.p, kEps, dy.p, nullptr);
+      EXPECT_LE(max_abs_diff(dy.download(), ref_matvec(hm->view, ref_rmsnorm(x, nw, kEps))), kTol) << "norm+matvec";
+
+      const std::vector<float> y0 = random_vec(s.rows);
+      dy.upload(y0);
+      launch_matvec_residual(g.m, dx.p, dy.p, nullptr);
+      std::vector<float> expect = ref_matvec(hm->view, x);
+      for (int r = 0; r < s.rows; ++r) expect[r] += y0[r];
+      EXPECT_LE(max_abs_diff(dy.download(), expect), kTol) << "matvec+residual";
+    }
+  }
+}
+
+// Stacks of mixed types (the backend's QKV and gate/up) in the type common_exact_type picks: every row decodes bit
+// for bit as the reference (through the embedding kernels, which write the decoded floats), and the matvecs agree.
+TEST(CudaQuant, MixedStacksDecodeExactlyAndMultiply) {
+  REQUIRE_GPU();
+  struct Case {
+    std::vector<GgmlType> parts;
+    int cols;
+  };
+  const Case cases[] = {
+      {{GgmlType::Q5_0, GgmlType::Q5_0, GgmlType::Q8_0}, 576},
+      {{GgmlType::Q4_0, GgmlType::Q5_0, GgmlType::Q8_0}, 896},
+      {{GgmlType::Q4_K, GgmlType::Q4_K, GgmlType::Q6_K}, 2048},
+      {{GgmlType::Q5_K, GgmlType::Q5_K, GgmlType::Q6_K}, 1536},
+      {{GgmlType::Q5_1, GgmlType::Q8_0}, 640},
+      {{GgmlType::Q4_1, GgmlType::Q5_0}, 576},
+      {{GgmlType::Q4_K, GgmlType::Q8_0, GgmlType::Q5_0}, 2048},
+      {{GgmlType::Q3_K, GgmlType::Q2_K}, 1536},
+      {{GgmlType::Q4_K, GgmlType::F16}, 512},
+  };
+  for (const Case& c : cases) {
+    std::vector<std::unique_ptr<HostMatrix>> mats;
+    std::vector<const WeightView*> parts;
+    int rows = 0;
+    for (size_t i = 0; i < c.parts.size(); ++i) {
+      const int r = i == 0 ? 96 : 32 + 16 * static_cast<int>(i);
+      mats.push_back(random_matrix(c.parts[i], r, c.cols, 1.f / std::sqrt(static_cast<float>(c.cols))));
+      parts.push_back(&mats.back()->view);
+      rows += r;
+    }
+    GpuMatrix g = to_gpu(parts);
+    SCOPED_TRACE(layout_trace(c.parts, g, rows, c.cols));
+    std::vector<int32_t> toks(rows);
+    for (int r = 0; r < rows; ++r) toks[r] = r;
+    DevBuf<int32_t> dt(toks);
+    DevBuf<float> xs(static_cast<size_t>(rows) * c.cols);
+    xs.poison();
+    launch_embed_rows(g.m, dt.p, rows, xs.p, nullptr);
+    const std::vector<float> got = xs.download();
+    int bad_rows = 0;
+    for (int r = 0; r < rows; ++r) {
+      const std::vector<float> want = ref_stack_row(parts, r);
+      const std::vector<float> row(got.begin() + static_cast<size_t>(r) * c.cols, got.begin() + static_cast<size_t>(r + 1) * c.cols);
+      if (row != want && bad_rows++ < 3)
+        ADD_FAILURE() << "row " << r << " differs from ref::dequantize_row: " << first_bit_difference(row, want);
+    }
+    EXPECT_EQ(bad_rows, 0) << "rows not decoded bit for bit";
+
+    const std::vector<float> x = random_vec(c.cols, -2.f, 2.f), nw = random_vec(c.cols, 0.5f, 1.5f);
+    DevBuf<float> dx(x), dnw(nw), dy(rows);
+    dy.poison();
+    launch_norm_matvec(g.m, dx.p, dnw.p, kEps, dy.p, nullptr);
+    EXPECT_LE(max_abs_diff(dy.download(), ref_stack_matvec(parts, ref_rmsnorm(x, nw, kEps))), kTol) << "norm+matvec";
+  }
+}
+
+// Each new type's rows decode bit for bit as ref::dequantize_row (embedding gather: one row by DecodeIO, many by
+// token list), and the fp16 copies of the prefill (dequant_to_half; weights_to_half split and plain) hold fp16 of
+// exactly those values.
+TEST(CudaQuant, RowsEmbeddingAndHalfCopiesMatchReference) {
+  REQUIRE_GPU();
+  for (GgmlType t : kNewTypes) {
+    const int rows = 200, cols = is_k_quant(t) ? 1536 : 896;
+    auto w = random_matrix(t, rows, cols, 0.5f);
+    GpuMatrix g = to_gpu({&w->view});
+    SCOPED_TRACE(layout_trace({t}, g, rows, cols));
+    std::vector<std::vector<float>> ref_rows(rows, std::vector<float>(cols));
+    for (int r = 0; r < rows; ++r) ref::dequantize_row(t, w->view.row(r), ref_rows[r].data(), cols);
+
+    // Embedding rows.
+    {
+      const int token = std::uniform_int_distribution<int>(0, rows - 1)(rng());
+      DevBuf<DecodeIO> io(std::vector<DecodeIO>{{token, 3}});
+      DevBuf<float> x(cols);
+      x.poison();
+      launch_embed(g.m, io.p, x.p, nullptr);
+      const std::vector<float> got = x.download();
+      EXPECT_EQ(got, ref_rows[token]) << "embedding row " << token << ": " << first_bit_difference(got, ref_rows[token]);
+      std::vector<int32_t> toks(rows);
+      for (int r = 0; r < rows; ++r) toks[r] = rows - 1 - r;
+      DevBuf<int32_t> dt(toks);
+      DevBuf<float> xs(static_cast<size_t>(rows) * cols);
+      xs.poison();
+      launch_embed_rows(g.m, dt.p, rows, xs.p, nullptr);
+      const std::vector<float> all = xs.download();
+      int bad = 0;
+      for (int i = 0; i < rows; ++i) {
+        const std::vector<float> row(all.begin() + static_cast<size_t>(i) * cols, all.begin() + static_cast<size_t>(i + 1) * cols);
+        if (row != ref_rows[toks[i]] && bad++ < 3)
+          ADD_FAILURE() << "embedding rows: token " << toks[i] << " " << first_bit_difference(row, ref_rows[toks[i]]);
+      }
+      EXPECT_EQ(bad, 0) << "embedding rows not bit for bit";
+    }
+    // fp16 copies.
+    {
+      DevBuf<__half> h(static_cast<size_t>(rows) * cols);
+      h.poison();
+      launch_dequant_to_half(g.m, h.p, nullptr);
+      const std::vector<__half> got = h.download();
+      int64_t mismatches = 0;
+      for (int r = 0; r < rows; ++r)
+        for (int c = 0; c < cols; ++c)
+          mismatches += to_fp16(ref_rows[r][c]) != __half_raw(got[static_cast<size_t>(r) * cols + c]).x;
+      EXPECT_EQ(mismatches, 0) << "dequant_to_half is not fp16 of the reference";
+    }
+    for (bool split : {true, false}) {
+      SCOPED_TRACE(split ? "weights_to_half split" : "weights_to_half plain");
+      DevBuf<__half> out(static_cast<size_t>(half_slices(split)) * rows * cols);
+      out.poison();
+      launch_weights_to_half(g.m, split, out.p, nullptr);
+      const std::vector<__half> got = out.download();
+      const size_t ld = static_cast<size_t>(half_slices(split)) * cols;
+      int64_t hi_mismatch = 0, copy_mismatch = 0;
+      double worst = 0;
+      for (int r = 0; r < rows; ++r)
+        for (int c = 0; c < cols; ++c) {
+          const float v = ref_rows[r][c];
+          const __half hi = got[r * ld + c];
+          hi_mismatch += to_fp16(v) != __half_raw(hi).x;
+          if (!split) continue;
+          copy_mismatch += __half_raw(hi).x != __half_raw(got[r * ld + cols + c]).x;
+          const double sum = static_cast<double>(__half2float(hi)) + __half2float(got[r * ld + 2 * cols + c]);
+          const double err = std::fabs(sum - v);
+          worst = std::isnan(err) ? INFINITY : std::max(worst, err / (std::fabs(v) * 0x1p-21 + 0x1p-24));
+        }
+      EXPECT_EQ(hi_mismatch, 0) << "W_hi is fp16(W)";
+      EXPECT_EQ(copy_mismatch, 0) << "second slice repeats W_hi";
+      EXPECT_LE(worst, 1.0) << "W_hi + W_lo within 2^-21 relative (in units of that bound)";
+    }
+  }
+}
+
+// The fused decode kernels the backend runs on these types, at the real models' shapes and type mixes:
+// norm + QKV (RoPE, K/V cache append), the same with the embedding gathered in (layer 0), norm + gate/up + SiLU then
+// down + residual, and the final norm + lm_head + argmax.
+TEST(CudaQuant, FusedQkvFfnAndLmHeadAtRealShapes) {
+  REQUIRE_GPU();
+  const int hd = 64, n_ctx = 64, pos = 37;
+  const float base = 100000.f;
+  const std::vector<float2> table = rope_table(n_ctx, hd);
+  DevBuf<float2> dtab(table);
+  struct QkvCase {
+    GgmlType q, k, v, embd;
+    int d, n_heads, n_kv;
+  };
+  const QkvCase qkv_cases[] = {
+      {GgmlType::Q5_0, GgmlType::Q5_0, GgmlType::Q8_0, GgmlType::Q8_0, 576, 9, 3},   // SmolLM2-135M Q4_K_M
+      {GgmlType::Q5_0, GgmlType::Q5_0, GgmlType::Q5_0, GgmlType::Q5_0, 896, 14, 2},  // Qwen2.5-0.5B
+      {GgmlType::Q4_K, GgmlType::Q4_K, GgmlType::Q6_K, GgmlType::Q6_K, 2048, 32, 8}, // Llama 3.2 1B
+      {GgmlType::Q4_K, GgmlType::Q4_K, GgmlType::Q4_K, GgmlType::Q4_K, 1536, 24, 4},
+      {GgmlType::Q5_K, GgmlType::Q5_K, GgmlType::Q6_K, GgmlType::Q5_K, 2048, 32, 8},
+      {GgmlType::Q6_K, GgmlType::Q6_K, GgmlType::Q6_K, GgmlType::Q3_K, 1536, 24, 4},
+      {GgmlType::Q5_1, GgmlType::Q5_1, GgmlType::Q5_1, GgmlType::Q5_1, 640, 10, 2},
+  };
+  for (const QkvCase& c : qkv_cases) {
+    const int q_dim = c.n_heads * hd, kv_dim = c.n_kv * hd;
+    auto wq = random_matrix(c.q, q_dim, c.d, 2.f / std::sqrt(static_cast<float>(c.d)));
+    auto wk = random_matrix(c.k, kv_dim, c.d, 2.f / std::sqrt(static_cast<float>(c.d)));
+    auto wv = random_matrix(c.v, kv_dim, c.d, 1.f / std::sqrt(static_cast<float>(c.d)));
+    auto emb = random_matrix(c.embd, 300, c.d, 1.f);
+    GpuMatrix g = to_gpu({&wq->view, &wk->view, &wv->view}), ge = to_gpu({&emb->view});
+    SCOPED_TRACE("QKV " + layout_trace({c.q, c.k, c.v}, g, q_dim + 2 * kv_dim, c.d) + ", embedding " +
+                 gpu_type_name(ge.m.type));
+    const int token = std::uniform_int_distribution<int>(0, 299)(rng());
+    const std::vector<float> x_in = random_vec(c.d, -3.f, 3.f), nw = random_vec(c.d, 0.5f, 1.5f);
+    for (bool embed : {false, true}) {
+      SCOPED_TRACE(embed ? "embedding folded in" : "x given");
+      std::vector<float> x = x_in;
+      if (embed) ref::dequantize_row(c.embd, emb->view.row(token), x.data(), c.d);
+      DevBuf<float> dx(x_in), dnw(nw), dq(q_dim), dk(static_cast<size_t>(n_ctx) * kv_dim), dv(dk.n);
+      DevBuf<DecodeIO> io(std::vector<DecodeIO>{{token, pos}});
+      for (auto* b : {&dq, &dk, &dv}) b->poison();
+      if (embed) dx.poison();
+      QkvTargets tg;
+      tg.rope_table = dtab.p;
+      tg.io = io.p;
+      tg.q_dim = q_dim;
+      tg.kv_dim = kv_dim;
+      tg.head_dim = hd;
+      tg.q_out = dq.p;
+      tg.k_cache = dk.p;
+      tg.v_cache = dv.p;
+      if (embed) launch_embed_norm_matvec_qkv(ge.m, dx.p, g.m, dnw.p, kEps, tg, nullptr);
+      else launch_norm_matvec_qkv(g.m, dx.p, dnw.p, kEps, tg, nullptr);
+      if (embed) EXPECT_EQ(dx.download(), x) << "embedding row written to x";
+      const std::vector<float> h = ref_rmsnorm(x, nw, kEps);
+      std::vector<float> q = ref_matvec(wq->view, h), k = ref_matvec(wk->view, h), v = ref_matvec(wv->view, h);
+      ref::rope(q.data(), c.n_heads, hd, pos, base);
+      ref::rope(k.data(), c.n_kv, hd, pos, base);
+      EXPECT_LE(max_abs_diff(dq.download(), q), kTol) << "q";
+      const std::vector<float> kc = dk.download(), vc = dv.download();
+      EXPECT_LE(max_abs_diff(std::vector<float>(kc.begin() + pos * kv_dim, kc.begin() + (pos + 1) * kv_dim), k), kTol)
+          << "k cache row";
+      EXPECT_LE(max_abs_diff(std::vector<float>(vc.begin() + pos * kv_dim, vc.begin() + (pos + 1) * kv_dim), v), kTol)
+          << "v cache row";
+      size_t touched = 0;
+      for (size_t i = 0; i < kc.size(); ++i) touched += !is_poison(kc[i]) + !is_poison(vc[i]);
+      EXPECT_EQ(touched, 2u * kv_dim) << "only row pos of each cache is written";
+    }
+  }
+
+  struct FfnCase {
+    GgmlType gate, up, down;
+    int d, d_ff;
+  };
+  const FfnCase ffn_cases[] = {
+      {GgmlType::Q5_0, GgmlType::Q5_0, GgmlType::Q4_K, 576, 1536},   // SmolLM2-135M Q4_K_M
+      {GgmlType::Q5_0, GgmlType::Q5_0, GgmlType::Q6_K, 576, 1536},
+      {GgmlType::Q5_0, GgmlType::Q5_0, GgmlType::Q8_0, 896, 4864},   // Qwen2.5-0.5B
+      {GgmlType::Q4_K, GgmlType::Q4_K, GgmlType::Q6_K, 2048, 8192},  // Llama 3.2 1B
+      {GgmlType::Q4_K, GgmlType::Q4_K, GgmlType::Q4_K, 1536, 8960},  // Qwen2.5-1.5B
+      {GgmlType::Q5_K, GgmlType::Q6_K, GgmlType::Q5_K, 2048, 1536},  // mixed gate/up: kWide8
+      {GgmlType::Q5_1, GgmlType::Q5_1, GgmlType::Q5_1, 640, 2048},
+      {GgmlType::Q2_K, GgmlType::Q2_K, GgmlType::Q3_K, 1536, 4864},
+  };
+  for (const FfnCase& c : ffn_cases) {
+    const float sd = 1.f / std::sqrt(static_cast<float>(c.d)), sf = 1.f / std::sqrt(static_cast<float>(c.d_ff));
+    auto wg = random_matrix(c.gate, c.d_ff, c.d, sd), wu = random_matrix(c.up, c.d_ff, c.d, sd),
+         wd = random_matrix(c.down, c.d, c.d_ff, sf);
+    GpuMatrix gu = to_gpu({&wg->view, &wu->view}), gd = to_gpu({&wd->view});
+    SCOPED_TRACE("gate/up " + layout_trace({c.gate, c.up}, gu, 2 * c.d_ff, c.d) + ", down " +
+                 layout_trace({c.down}, gd, c.d, c.d_ff));
+    const std::vector<float> x = random_vec(c.d, -3.f, 3.f), nw = random_vec(c.d, 0.5f, 1.5f);
+    DevBuf<float> dx(x), dnw(nw), dact(c.d_ff + 64);
+    dact.poison();
+    launch_norm_matvec_silu_glu(gu.m, dx.p, dnw.p, kEps, dact.p, nullptr);
+    const std::vector<float> act_gpu = dact.download();
+    const std::vector<float> h = ref_rmsnorm(x, nw, kEps);
+    const std::vector<float> gg = ref_matvec(wg->view, h), uu = ref_matvec(wu->view, h);
+    std::vector<float> a(c.d_ff);
+    for (int i = 0; i < c.d_ff; ++i) a[i] = ref::silu(gg[i]) * uu[i];
+    EXPECT_LE(max_abs_diff(std::vector<float>(act_gpu.begin(), act_gpu.begin() + c.d_ff), a), kTol) << "silu(gate)*up";
+    for (int i = c.d_ff; i < c.d_ff + 64; ++i) EXPECT_TRUE(is_poison(act_gpu[i])) << "written past d_ff at " << i;
+    launch_matvec_residual(gd.m, dact.p, dx.p, nullptr);
+    std::vector<float> expect = ref_matvec(wd->view, a);
+    for (int i = 0; i < c.d; ++i) expect[i] += x[i];
+    EXPECT_LE(max_abs_diff(dx.download(), expect), kTol) << "down + residual";
+  }
+
+  struct HeadCase {
+    GgmlType t;
+    int vocab, d;
+  };
+  const HeadCase head_cases[] = {{GgmlType::Q6_K, 32768, 2048},  // Llama 3.2's tied Q6_K embedding (fewer rows)
+                                 {GgmlType::Q5_0, 49152, 576},
+                                 {GgmlType::Q4_K, 16384, 1536},
+                                 {GgmlType::Q5_K, 8192, 2048},
+                                 {GgmlType::Q5_1, 8192, 896},
+                                 {GgmlType::Q3_K, 8192, 1536}};
+  for (const HeadCase& c : head_cases) {
+    auto w = random_matrix(c.t, c.vocab, c.d, 1.f / std::sqrt(static_cast<float>(c.d)));
+    GpuMatrix g = to_gpu({&w->view});
+    SCOPED_TRACE("lm_head " + layout_trace({c.t}, g, c.vocab, c.d));
+    DevBuf<ArgmaxPartial> parts(argmax_partials_needed(g.m));
+    DevBuf<unsigned> counter(std::vector<unsigned>{0u});
+    DevBuf<ArgmaxResult> res(1);
+    DevBuf<DecodeIO> io(std::vector<DecodeIO>{{3, 9}});
+    ArgmaxScratch sc{parts.p, counter.p, static_cast<int>(parts.n)};
+    const std::vector<float> x = random_vec(c.d, -3.f, 3.f), nw = random_vec(c.d, 0.5f, 1.5f);
+    DevBuf<float> dx(x), dnw(nw), logits(c.vocab);
+    logits.poison();
+    res.poison();
+    launch_norm_matvec_argmax(g.m, dx.p, dnw.p, kEps, logits.p, sc, res.p, io.p, nullptr);
+    const std::vector<float> got = logits.download();
+    EXPECT_LE(max_abs_diff(got, ref_matvec(w->view, ref_rmsnorm(x, nw, kEps))), kTol) << "logits";
+    const ArgmaxResult want = ref::argmax(got.data(), c.vocab);
+    const ArgmaxResult r = res.download()[0];
+    EXPECT_EQ(r.token, want.token) << "argmax";
+    EXPECT_EQ(io.download()[0].pos, 10) << "io advanced";
+  }
+}
+
+// ------------------------------------------------------------------ whole backend on mixed-type models
+
+namespace {
+
+struct LayerTypes {
+  GgmlType q, k, v, o, gate, up, down;
+};
+
+// A synthetic Llama (head_dim 64, tied embedding) whose layer l has the types types(l).
+template <typename Types>
+std::unique_ptr<TestModel> make_typed_model(int n_layers, int vocab, int n_ctx, int d, int d_ff, int n_heads,
+                                            int n_kv, GgmlType embd_type, Types types) {
+  auto m = std::make_unique<TestModel>();
+  ModelSpec& s = m->spec;
+  s.n_layers = n_layers;
+  s.d_model = d;
+  s.d_ff = d_ff;
+  s.n_heads = n_heads;
+  s.n_kv_heads = n_kv;
+  s.head_dim = d / n_heads;
+  s.vocab = vocab;
+  s.n_ctx = n_ctx;
+  s.rope_base = 100000.f;
+  s.rms_eps = 1e-5f;
+  const float sd = 1.f / std::sqrt(static_cast<float>(d)), sf = 1.f / std::sqrt(static_cast<float>(d_ff));
+  m->w.tok_embd = m->add(embd_type, vocab, d, 1.f);
+  m->w.output = m->w.tok_embd;
+  m->w.output_norm = m->norm(d);
+  for (int l = 0; l < n_layers; ++l) {
+    const LayerTypes t = types(l);
+    LayerWeights L;
+    L.attn_norm = m->norm(d);
+    L.wq = m->add(t.q, s.q_dim(), d, 2.f * sd);
+    L.wk = m->add(t.k, s.kv_dim(), d, 2.f * sd);
+    L.wv = m->add(t.v, s.kv_dim(), d, sd);
+    L.wo = m->add(t.o, d, s.q_dim(), 0.5f * sd);
+    L.ffn_norm = m->norm(d);
+    L.w_gate = m->add(t.gate, d_ff, d, sd);
+    L.w_up = m->add(t.up, d_ff, d, sd);
+    L.w_down = m->add(t.down, d, d_ff, 0.5f * sf);
+    m->w.layers.push_back(L);
+  }
+  return m;
+}
+
+struct TypedModelCase {
+  const char* name;
+  int d, d_ff, n_heads, n_kv;
+  GgmlType embd;
+  LayerTypes (*types)(int l);
+};
+
+const TypedModelCase kTypedModels[] = {
+    // Llama 3.2 / Qwen2.5-1.5B Q4_K_M: Q4_K everywhere, Q6_K v and down in some layers (mixed QKV -> kWide8), tied
+    // Q6_K embedding and lm_head.
+    {"llama-q4_k_m", 512, 1536, 8, 2, GgmlType::Q6_K,
+     [](int l) {
+       const GgmlType v = l % 2 == 0 ? GgmlType::Q6_K : GgmlType::Q4_K, dn = l != 1 ? GgmlType::Q6_K : GgmlType::Q4_K;
+       return LayerTypes{GgmlType::Q4_K, GgmlType::Q4_K, v, GgmlType::Q4_K, GgmlType::Q4_K, GgmlType::Q4_K, dn};
+     }},
+    // SmolLM2-135M Q4_K_M (rows of 576: K-quants fall back to Q5_0 / Q8_0 except the 1536-wide down projection).
+    {"smollm2-q4_k_m", 576, 1536, 9, 3, GgmlType::Q8_0,
+     [](int l) {
+       const GgmlType v = l % 2 == 0 ? GgmlType::Q8_0 : GgmlType::Q5_0, dn = l % 2 == 0 ? GgmlType::Q6_K : GgmlType::Q4_K;
+       return LayerTypes{GgmlType::Q5_0, GgmlType::Q5_0, v, GgmlType::Q5_0, GgmlType::Q5_0, GgmlType::Q5_0, dn};
+     }},
+    // Q5_K_M-like with Q5_1 and a mixed gate/up.
+    {"q5_k_m-mixed", 512, 1024, 8, 4, GgmlType::Q5_K,
+     [](int l) {
+       const GgmlType gate = l == 0 ? GgmlType::Q5_1 : GgmlType::Q5_K;
+       return LayerTypes{GgmlType::Q5_K, GgmlType::Q5_K, GgmlType::Q6_K, GgmlType::Q5_1, gate, GgmlType::Q5_K, GgmlType::Q6_K};
+     }},
+    // Q2_K / Q3_K (kWide8 on the GPU), a Q4_K embedding.
+    {"q2_k-q3_k", 512, 1536, 8, 2, GgmlType::Q4_K,
+     [](int l) {
+       return LayerTypes{GgmlType::Q2_K, GgmlType::Q2_K, GgmlType::Q3_K, GgmlType::Q3_K, GgmlType::Q2_K, GgmlType::Q2_K,
+                         l == 0 ? GgmlType::Q3_K : GgmlType::Q6_K};
+     }},
+};
+
+}  // namespace
+
+// Decode (graph, and the debug launches with every layer's residual stream) and prompts (the cuBLAS path, which these
+// types take; lengths that fit one few-token chunk and ones that do not) against the float reference forward.
+TEST(CudaQuant, BackendOnMixedTypeModelsMatchesReference) {
+  REQUIRE_GPU();
+  for (const TypedModelCase& c : kTypedModels) {
+    SCOPED_TRACE(c.name);
+    auto m = make_typed_model(3, 4096, 160, c.d, c.d_ff, c.n_heads, c.n_kv, c.embd, c.types);
+    auto be = make_cuda_backend(m->spec, m->w, false);
+    auto dbg = make_cuda_backend(m->spec, m->w, true);
+    const int V = m->spec.vocab, n = 80;
+    RefForward ref_fwd(*m);
+    const std::vector<int32_t> toks = random_tokens(n, V);
+    std::vector<std::vector<float>> dec(n, std::vector<float>(V));
+    double worst = 0;
+    for (int p = 0; p < n; ++p) {
+      SCOPED_TRACE("decode pos " + std::to_string(p));
+      std::vector<float> ref_hidden;
+      const std::vector<float> want = ref_fwd.forward(toks[p], p, &ref_hidden);
+      std::fill(dec[p].begin(), dec[p].end(), NAN);
+      be->forward_token(toks[p], p, dec[p].data());
+      expect_logits_close(dec[p], want, 1e-3, "decode logits vs reference");
+      worst = std::max(worst, rel_l2(dec[p], want));
+      if (p % 9 == 0) {
+        std::vector<float> logits(V, NAN), hidden((m->spec.n_layers + 1) * m->spec.d_model, NAN);
+        dbg->forward_token_debug(toks[p], p, hidden.data(), logits.data());
+        EXPECT_LE(rel_l2(hidden, ref_hidden), 1e-4) << "residual stream after each layer (debug launches)";
+        expect_logits_close(logits, want, 1e-3, "debug decode logits vs reference");
+      } else {
+        dbg->forward_token_greedy(toks[p], p);
+      }
+    }
+    std::printf("[ %s: decode rel L2 vs reference, worst of %d positions %.2e ]\n", c.name, n, worst);
+    for (int len : {1, 9, 32, 33, 80}) {
+      SCOPED_TRACE("prompt of " + std::to_string(len) + " at 0");
+      std::vector<float> last(V, NAN);
+      const ArgmaxResult r = be->forward_prompt(toks.data(), len, 0, last.data(), nullptr);
+      expect_logits_close(last, dec[len - 1], 1e-3, "prompt last logits vs decode");
+      EXPECT_EQ(r.token, ref::argmax(last.data(), V).token);
+    }
+    {
+      SCOPED_TRACE("prompt of 30 continuing at 50");
+      be->forward_prompt(toks.data(), 50, 0, nullptr, nullptr);
+      std::vector<float> last(V, NAN);
+      be->forward_prompt(toks.data() + 50, 30, 50, last.data(), nullptr);
+      expect_logits_close(last, dec[79], 1e-3, "continued prompt vs decode");
+    }
+  }
+}
 
 namespace {
 
