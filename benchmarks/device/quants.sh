@@ -4,7 +4,7 @@
 # share the changed code (matvec kernels, packing, embedding, fp16 copies, the backend), and the benchmarks; ends
 # with a short summary. Logs go to $OUT (or /tmp/quants-out).
 # Usage (repo root, .devcarry carried): source .devcarry/setup.sh && bash benchmarks/device/quants.sh [stage...]
-# Stages (default: test regress bench): test | regress | bench | memcheck
+# Stages (default: test regress bench python): test | regress | bench | python | memcheck
 cd "$(dirname "$0")/../.."
 OUT=${OUT:-/tmp/quants-out}
 mkdir -p "$OUT"
@@ -19,7 +19,7 @@ echo "== build ($B)"
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
 
 stages=("$@")
-[ ${#stages[@]} -eq 0 ] && stages=(test regress bench)
+[ ${#stages[@]} -eq 0 ] && stages=(test regress bench python)
 summary=()
 run_tests() {  # name filter timeout
   local name=$1 filter=$2 limit=$3
@@ -46,6 +46,14 @@ for stage in "${stages[@]}"; do
       timeout 150 $BE 2048 q4_k_m 2>&1 | tee "$OUT/bench_q4_k_m.log" | grep -E "weights|create|decode|pp32|prefill|per-kernel|sum for"
       echo "== bench_cuda 2048 (Q4_0 layers, the RESULTS.md baseline: should be unchanged)"
       timeout 150 $BE 2048 2>&1 | tee "$OUT/bench_q4_0.log" | grep -E "create|decode|pp32|prefill|per-kernel|sum for" ;;
+    python)
+      echo "== Python: the package built here, tests/python/test_cuda.py -k quant_types (synthetic Q4_K_M-typed GGUFs vs the CPU)"
+      python3 -m pip install -q --no-build-isolation --no-deps --target /tmp/site . > "$OUT/pip.log" 2>&1 \
+        || { echo "pip build failed"; tail -20 "$OUT/pip.log"; }
+      timeout 400 python3 -m pytest -q -p no:cacheprovider -k quant_types tests/python/test_cuda.py > "$OUT/pytest.log" 2>&1
+      rc=$?
+      grep -E "passed|failed|Error|assert|^E " "$OUT/pytest.log" | head -40
+      summary+=("python quant_types: $(grep -E '[0-9]+ (passed|failed)' "$OUT/pytest.log" | tail -1), exit $rc") ;;
     memcheck)
       echo "== compute-sanitizer memcheck on the quant kernel tests"
       timeout 500 compute-sanitizer --tool memcheck $T \

@@ -541,7 +541,7 @@ __device__ __forceinline__ void unsigned_block_sums(const uint4& q, uint32_t aux
 
 template <>
 struct Blk<GgmlType::Q5_0> {
-  static constexpr int kUnroll = 4;
+  static constexpr int kUnroll = 3;
   uint4 q;
   uint32_t h;  // inverted fifth bits
   uint16_t d;
@@ -566,7 +566,7 @@ struct Blk<GgmlType::Q5_0> {
 
 template <>
 struct Blk<GgmlType::Q5_1> {
-  static constexpr int kUnroll = 4;
+  static constexpr int kUnroll = 3;
   uint4 q;
   uint32_t h;
   uint32_t dm;  // fp16 d (low half) and m (high half)

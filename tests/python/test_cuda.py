@@ -238,3 +238,79 @@ def test_arch_real_shapes_across_the_window(tmp_path_factory, case):
         assert rel_l2(dec[i], got[i]) <= REL_L2, f"decode vs prompt, position {i}"
     assert (dec.argmax(1) == want.argmax(1)).mean() >= 0.97
     assert (got.argmax(1) == want.argmax(1)).mean() >= 0.97
+
+
+# ---------------------------------------------------------------- the tensor types of real Q4_K_M files
+# Synthetic models whose per-layer tensor types follow the real files (metalattn.testing's presets and llama.cpp's
+# Q4_K_M choices), on the CUDA backend against the scalar CPU backend: Q5_0 / Q8_0 rows where the row length is not a
+# multiple of 256, Q4_K / Q6_K where it is (a Q4_K q, k with a Q6_K v stack as the wide int8 layout on the GPU).
+
+def _more_bits(n, big, small):
+    return [big if i < n // 8 or i >= 7 * n // 8 or (i - n // 8) % 3 == 2 else small for i in range(n)]
+
+
+QUANT_CASES = {
+    # SmolLM2-135M Q4_K_M: 576-wide rows fall back to Q5_0 / Q8_0, the 1536-wide down projection is a K-quant.
+    "smollm2-q4_k_m": dict(n_layers=4, d_model=576, d_ff=1536, n_heads=9, n_kv_heads=3, rope_base=100000.0,
+                           quant="q5_0", embd_quant="q8_0", tied=True,
+                           quants_by_part={"attn_v": _more_bits(4, "q8_0", "q5_0"),
+                                           "ffn_down": _more_bits(4, "q6_k", "q4_k")}),
+    # Llama 3.2 1B Q4_K_M (narrower): Q4_K everywhere, Q6_K v and down in some layers, tied Q6_K embedding.
+    "llama-q4_k_m": dict(n_layers=4, d_model=512, d_ff=1536, n_heads=8, n_kv_heads=2, rope_base=500000.0,
+                         quant="q4_k", embd_quant="q6_k", tied=True,
+                         quants_by_part={"attn_v": _more_bits(4, "q6_k", "q4_k"),
+                                         "ffn_down": _more_bits(4, "q6_k", "q4_k")}),
+    # Q5_K_M-like with Q5_1 attention output, an untied Q6_K output.
+    "llama-q5_k_m": dict(n_layers=3, d_model=512, d_ff=1024, n_heads=8, n_kv_heads=4, quant="q5_k",
+                         embd_quant="q5_k", output_quant="q6_k", tied=False,
+                         quants_by_part={"attn_v": "q6_k", "attn_output": "q5_1", "ffn_down": "q6_k"}),
+    # Qwen2.5-0.5B's shapes and per-layer types (qwen2: the CUDA backend's general path), fewer layers.
+    "qwen2.5-0.5b-q4_k_m": dict(arch="qwen2", n_layers=3, d_model=896, d_ff=4864, n_heads=14, n_kv_heads=2,
+                                rope_base=1e6, rms_eps=1e-6, quant="q5_0", embd_quant="q5_0", output_quant="q8_0",
+                                tied=False, quants_by_part={"attn_v": ["q8_0", "q5_0", "q8_0"],
+                                                            "ffn_down": ["q6_k", "q4_k", "q6_k"]}),
+}
+QUANT_TOKENS = 48
+
+
+@pytest.fixture(scope="module")
+def quant_models(tmp_path_factory):
+    from metalattn.testing import write_synthetic_gguf
+
+    root = tmp_path_factory.mktemp("cuda_quants")
+    return {name: write_synthetic_gguf(root / f"{name}.gguf", vocab_size=2048, n_ctx=256, seed=7, **kw)
+            for name, kw in QUANT_CASES.items()}
+
+
+@pytest.mark.parametrize("case", list(QUANT_CASES))
+def test_quant_types_decode_and_prompt_match_cpu(quant_models, case):
+    cpu, gpu = arch_pair(quant_models[case])
+    tokens = np.random.default_rng(4).integers(0, cpu.vocab_size, QUANT_TOKENS).tolist()
+    want = np.stack([cpu.forward_token(t) for t in tokens])
+    got = np.stack([gpu.forward_token(t) for t in tokens])
+    gpu.reset()
+    prompt = gpu.forward_prompt_logits(tokens, all_tokens=True)
+    for i in range(len(tokens)):
+        assert rel_l2(got[i], want[i]) <= REL_L2, f"decode, position {i}"
+        assert rel_l2(prompt[i], want[i]) <= REL_L2, f"prompt, position {i}"
+    assert (got.argmax(1) == want.argmax(1)).mean() >= 0.97
+    assert (prompt.argmax(1) == want.argmax(1)).mean() >= 0.97
+    gpu.reset()
+    gpu.forward_prompt(tokens[:20])
+    rest = gpu.forward_prompt_logits(tokens[20:])
+    assert rel_l2(rest, want[-1]) <= REL_L2
+
+
+@pytest.mark.parametrize("case", ["smollm2-q4_k_m", "llama-q4_k_m"])
+def test_quant_types_greedy_identical_to_cpu(quant_models, case):
+    cpu, gpu = arch_pair(quant_models[case])
+    prompt = list(np.random.default_rng(6).integers(3, cpu.vocab_size, size=16))
+    a = [c.token for c in gpu.stream(prompt, max_tokens=48)]
+    b = [c.token for c in cpu.stream(prompt, max_tokens=48)]
+    assert a == b
+
+
+def test_quant_types_load_on_auto_device(quant_models):
+    for case, path in quant_models.items():
+        m = metalattn.load(path, device="auto", n_ctx=64)
+        assert m.device == "cuda", case
