@@ -929,11 +929,11 @@ void CudaBackend::setup_general(const ModelWeights& w) {
   CUDA_CHECK(cudaMemsetAsync(g_counters_, 0, s.n_heads * sizeof(unsigned int), st));
 }
 
-// Embedding, then per layer 6 launches (Qwen 2 / Qwen 3 style: SiLU, no post-norms) up to 9 (Gemma 3: GELU and
+// Embedding, then per layer 5 launches (Qwen 2 / Qwen 3 style: SiLU, no post-norms) up to 8 (Gemma 3: GELU and
 // post-norms), then the final norm + lm_head + argmax.
 int CudaBackend::general_kernels_per_token() const {
   const ModelSpec& s = spec_;
-  const int per_layer = 3 + (s.post_norms ? 2 : 1) + (s.activation == Activation::Silu ? 1 : 2) + (s.post_norms ? 2 : 1);
+  const int per_layer = 2 + (s.post_norms ? 2 : 1) + (s.activation == Activation::Silu ? 1 : 2) + (s.post_norms ? 2 : 1);
   return 2 + per_layer * s.n_layers;
 }
 
@@ -996,9 +996,9 @@ void CudaBackend::enqueue_decode_general(bool capture_hidden) {
     float* vc = v_cache_ + l * layer_cache;
     launch_norm_matvec(L.qkv, x_, L.attn_norm, s.rms_eps, g_qkv_, st);
     after_launch();
-    launch_qkv_finish(finish_args(L, g_qkv_, 1, pos, q_, kc, vc), st);
-    after_launch();
-    ArchAttnArgs att = attention_args(L, q_, 1, pos, kc, vc);
+    ArchAttnArgs att = attention_args(L, q_, 1, pos, kc, vc);  // finishes q, k, v itself and appends k, v
+    att.fused_finish = true;
+    att.finish = finish_args(L, g_qkv_, 1, pos, nullptr, kc, vc);
     att.out = attn_out_;
     launch_arch_attention(att, st);
     after_launch();

@@ -37,76 +37,108 @@ __global__ void __launch_bounds__(256) embed_scaled_kernel(DevMatrix E, const De
 constexpr int kFinishWarps = 4;                       // one warp per head, four heads per block
 constexpr int kFinishPairs = kArchMaxHeadDim / 2 / 32;  // RoPE pairs per lane at most
 
+// One head of the QKV projection finished by one warp: bias, RMS norm (q and k heads with QK-norm), RoPE (q and k).
+// Lane owns pairs i = lane + 32 j: elements (i, i + half) in the NeoX layout, (2i, 2i + 1) interleaved (and for v).
+// prefetch() loads what does not depend on the projection (biases, norm weights, RoPE factors at `pos`), so kernels
+// call it before their programmatic wait; finish() then reads the raw head and writes the finished one.
+enum HeadKind : int { kHeadQ = 0, kHeadK = 1, kHeadV = 2 };
+struct HeadFinish {
+  float ba[kFinishPairs], bb[kFinishPairs], wa[kFinishPairs], wb[kFinishPairs];
+  float2 cs[kFinishPairs];
+  int kind, off, half;
+  bool neox, norm;
+
+  // head: index among the heads of its kind.
+  __device__ __forceinline__ void prefetch(const QkvFinishArgs& a, HeadKind k, int head, int pos, int lane) {
+    const int hd = a.head_dim, q_dim = a.n_heads * hd, kv_dim = a.n_kv_heads * hd;
+    kind = k;
+    half = hd / 2;
+    off = k == kHeadQ ? head * hd : k == kHeadK ? q_dim + head * hd : q_dim + kv_dim + head * hd;
+    neox = a.style == RopeStyle::Neox && k != kHeadV;
+    const float* norm_w = k == kHeadQ ? a.q_norm : k == kHeadK ? a.k_norm : nullptr;
+    norm = norm_w != nullptr;
+#pragma unroll
+    for (int j = 0; j < kFinishPairs; ++j) {
+      const int i = lane + 32 * j;
+      ba[j] = bb[j] = 0.f;
+      wa[j] = wb[j] = 1.f;
+      cs[j] = make_float2(1.f, 0.f);
+      if (i >= half) continue;
+      const int ia = neox ? i : 2 * i, ib = neox ? i + half : 2 * i + 1;
+      if (a.bias != nullptr) {
+        ba[j] = a.bias[off + ia];
+        bb[j] = a.bias[off + ib];
+      }
+      if (norm) {
+        wa[j] = norm_w[ia];
+        wb[j] = norm_w[ib];
+      }
+      if (k != kHeadV) cs[j] = a.rope_table[static_cast<int64_t>(pos) * half + i];
+    }
+  }
+
+  // row: the token's raw projection row (q_dim + 2 kv_dim floats); dst: the head's hd outputs.
+  __device__ __forceinline__ void finish(const float* row, float eps, float* dst, int lane) const {
+    const float* src = row + off;
+    float va[kFinishPairs], vb[kFinishPairs];
+    float ss = 0.f;
+#pragma unroll
+    for (int j = 0; j < kFinishPairs; ++j) {
+      const int i = lane + 32 * j;
+      va[j] = vb[j] = 0.f;
+      if (i < half) {
+        const int ia = neox ? i : 2 * i, ib = neox ? i + half : 2 * i + 1;
+        va[j] = __ldcg(src + ia) + ba[j];
+        vb[j] = __ldcg(src + ib) + bb[j];
+        ss += va[j] * va[j] + vb[j] * vb[j];
+      }
+    }
+    float inv_rms = 1.f;
+    if (norm) {
+      ss = detail::warp_sum(ss);
+      inv_rms = 1.f / sqrtf(ss / static_cast<float>(2 * half) + eps);
+    }
+#pragma unroll
+    for (int j = 0; j < kFinishPairs; ++j) {
+      const int i = lane + 32 * j;
+      if (i >= half) continue;
+      const int ia = neox ? i : 2 * i, ib = neox ? i + half : 2 * i + 1;
+      float x = va[j], y = vb[j];
+      if (norm) {
+        x = x * inv_rms * wa[j];
+        y = y * inv_rms * wb[j];
+      }
+      if (kind == kHeadV) {
+        dst[ia] = x;
+        dst[ib] = y;
+      } else {
+        dst[ia] = x * cs[j].x - y * cs[j].y;
+        dst[ib] = x * cs[j].y + y * cs[j].x;
+      }
+    }
+  }
+};
+
 __global__ void __launch_bounds__(kFinishWarps * 32) qkv_finish_kernel(QkvFinishArgs a) {
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const int head = blockIdx.x * kFinishWarps + warp;  // q heads, then k heads, then v heads
   const int t = blockIdx.y;
   launch_dependents();
-  grid_dependency_wait();
-  const int hd = a.head_dim, q_dim = a.n_heads * hd, kv_dim = a.n_kv_heads * hd, rows = q_dim + 2 * kv_dim;
-  if (head >= a.n_heads + 2 * a.n_kv_heads) return;
+  const int hd = a.head_dim, q_dim = a.n_heads * hd, kv_dim = a.n_kv_heads * hd;
+  const bool valid = head < a.n_heads + 2 * a.n_kv_heads;
+  const HeadKind kind = head < a.n_heads ? kHeadQ : head < a.n_heads + a.n_kv_heads ? kHeadK : kHeadV;
+  const int index = kind == kHeadQ ? head : kind == kHeadK ? head - a.n_heads : head - a.n_heads - a.n_kv_heads;
+  // The position was written before this graph or launch sequence started.
   const int pos = *a.pos0 + t;
-  const float* src = a.qkv + static_cast<int64_t>(t) * rows;
+  HeadFinish f;
+  if (valid) f.prefetch(a, kind, index, pos, lane);
+  grid_dependency_wait();
+  if (!valid) return;
   const int64_t cache_row = static_cast<int64_t>(pos) * kv_dim;
-
-  if (head >= a.n_heads + a.n_kv_heads) {  // v: bias only
-    const int vh = head - a.n_heads - a.n_kv_heads;
-    const int off = q_dim + kv_dim + vh * hd;
-    float* dst = a.v_cache + cache_row + vh * hd;
-    for (int i = lane; i < hd; i += 32) {
-      float v = __ldcg(src + off + i);
-      if (a.bias != nullptr) v += a.bias[off + i];
-      dst[i] = v;
-    }
-    return;
-  }
-
-  const bool is_q = head < a.n_heads;
-  const int off = is_q ? head * hd : q_dim + (head - a.n_heads) * hd;
-  const float* norm_w = is_q ? a.q_norm : a.k_norm;
-  float* dst = is_q ? a.q_out + static_cast<int64_t>(t) * q_dim + head * hd
-                    : a.k_cache + cache_row + (head - a.n_heads) * hd;
-  const int half = hd / 2;
-  const bool neox = a.style == RopeStyle::Neox;
-  // Lane owns pairs i = lane + 32 j: elements (i, i + half) in the NeoX layout, (2i, 2i + 1) interleaved.
-  float va[kFinishPairs], vb[kFinishPairs];
-  float ss = 0.f;
-#pragma unroll
-  for (int j = 0; j < kFinishPairs; ++j) {
-    const int i = lane + 32 * j;
-    va[j] = vb[j] = 0.f;
-    if (i < half) {
-      const int ia = neox ? i : 2 * i, ib = neox ? i + half : 2 * i + 1;
-      float x = __ldcg(src + off + ia), y = __ldcg(src + off + ib);
-      if (a.bias != nullptr) {
-        x += a.bias[off + ia];
-        y += a.bias[off + ib];
-      }
-      va[j] = x;
-      vb[j] = y;
-      ss += x * x + y * y;
-    }
-  }
-  float inv_rms = 1.f;
-  if (norm_w != nullptr) {
-    ss = detail::warp_sum(ss);
-    inv_rms = 1.f / sqrtf(ss / static_cast<float>(hd) + a.eps);
-  }
-  const float2* cs_row = a.rope_table + static_cast<int64_t>(pos) * half;
-#pragma unroll
-  for (int j = 0; j < kFinishPairs; ++j) {
-    const int i = lane + 32 * j;
-    if (i >= half) continue;
-    const int ia = neox ? i : 2 * i, ib = neox ? i + half : 2 * i + 1;
-    float x = va[j], y = vb[j];
-    if (norm_w != nullptr) {
-      x = x * inv_rms * norm_w[ia];
-      y = y * inv_rms * norm_w[ib];
-    }
-    const float2 cs = cs_row[i];
-    dst[ia] = x * cs.x - y * cs.y;
-    dst[ib] = x * cs.y + y * cs.x;
-  }
+  float* dst = kind == kHeadQ ? a.q_out + static_cast<int64_t>(t) * q_dim + index * hd
+               : kind == kHeadK ? a.k_cache + cache_row + index * hd
+                                : a.v_cache + cache_row + index * hd;
+  f.finish(a.qkv + static_cast<int64_t>(t) * (q_dim + 2 * kv_dim), a.eps, dst, lane);
 }
 
 // ------------------------------------------------------------------ attention
@@ -126,12 +158,19 @@ __device__ __forceinline__ void store_attn(const ArchAttnArgs& a, int64_t t, int
 // Warps take positions in turn (U at a time); for each, the warp's lanes sum q.k over their dims (one warp_sum per
 // query), and every query that sees the position folds it into its own online softmax (running max m, sum l and
 // the unnormalized output acc). The block's warps then meet in shared memory.
+// Before the programmatic wait each warp loads the cache rows of its first U positions that lie before *pos0 (written
+// by earlier steps or chunks; *pos0 itself is written before the graph or launch sequence starts): after the wait
+// only q and the rows of the current tokens come from memory.
 template <int NC, int TQ, int U>
 __global__ void __launch_bounds__(kAttnThreadsArch) arch_attention_kernel(ArchAttnArgs a) {
   constexpr int HD = NC * 32;
+  static_assert(kArchAttnMaxSplits <= 64, "the combine holds two splits per lane of one warp");
   __shared__ float s_m[TQ][kAttnWarpsArch], s_l[TQ][kAttnWarpsArch];
   __shared__ float s_acc[TQ][kAttnWarpsArch][HD];
+  __shared__ float s_w[kArchAttnMaxSplits];
+  __shared__ float s_sum;
   __shared__ bool s_last;
+  __shared__ float s_fin[TQ == 1 ? 3 : 1][HD];  // fused finish: q, and k, v of the current position
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const int h = blockIdx.x;
   const int kvh = h / (a.n_heads / a.n_kv_heads);
@@ -140,25 +179,61 @@ __global__ void __launch_bounds__(kAttnThreadsArch) arch_attention_kernel(ArchAt
   const int tile = splitting ? 0 : blockIdx.y;
   const int split = splitting ? blockIdx.y : 0;
   launch_dependents();
-  grid_dependency_wait();
 
   const int t0 = tile * TQ;
-  if (t0 >= a.n) return;
+  const int pos0 = *a.pos0;
   const int nq = min(TQ, a.n - t0);
-  const int p_first = *a.pos0 + t0, p_last = p_first + nq - 1;
+  const int p_first = pos0 + t0, p_last = p_first + nq - 1;
   const int lo = a.window > 0 ? max(0, p_first - a.window + 1) : 0;  // the first query's first position
   const int n_vis = p_last + 1 - lo;
   const int n_splits = splitting ? min(a.max_splits, (n_vis + kArchAttnMinChunk - 1) / kArchAttnMinChunk) : 1;
-  if (split >= n_splits) return;
+  if (t0 >= a.n || split >= n_splits) {
+    grid_dependency_wait();
+    return;
+  }
   const int chunk = (n_vis + n_splits - 1) / n_splits;
   const int begin = lo + split * chunk, end = min(p_last + 1, begin + chunk);
+  const float* kb = a.k_cache + kvh * HD + lane;
+  const float* vb = a.v_cache + kvh * HD + lane;
+  // Fused finish (decode): warp 0 finishes q, and in the block that covers the position warps 1 and 2 its k and v.
+  const bool fused = TQ == 1 && a.fused_finish;
+  const bool covers_pos = end == p_last + 1;
+  const bool finisher = fused && (warp == 0 || (covers_pos && warp <= 2));
+  HeadFinish fin;
+  if (finisher)
+    fin.prefetch(a.finish, warp == 0 ? kHeadQ : warp == 1 ? kHeadK : kHeadV, warp == 0 ? h : kvh, pos0, lane);
+  const int p_start = begin + warp * U;  // this warp's first positions
+  float kr[U][NC], vr[U][NC];
+#pragma unroll
+  for (int u = 0; u < U; ++u) {
+    const int p = p_start + u;
+#pragma unroll
+    for (int c = 0; c < NC; ++c) {
+      kr[u][c] = p < end && p < pos0 ? __ldcg(kb + static_cast<int64_t>(p) * kv_dim + c * 32) : 0.f;
+      vr[u][c] = p < end && p < pos0 ? __ldcg(vb + static_cast<int64_t>(p) * kv_dim + c * 32) : 0.f;
+    }
+  }
+  grid_dependency_wait();
 
+  if (fused) {
+    if (finisher) fin.finish(a.finish.qkv, a.finish.eps, s_fin[TQ == 1 ? warp : 0], lane);
+    __syncthreads();
+    if (covers_pos && h % (a.n_heads / a.n_kv_heads) == 0) {  // one block per KV head appends k, v
+      const int64_t row = static_cast<int64_t>(pos0) * kv_dim + kvh * HD;
+      for (int i = threadIdx.x; i < HD; i += blockDim.x) {
+        a.finish.k_cache[row + i] = s_fin[TQ == 1 ? 1 : 0][i];
+        a.finish.v_cache[row + i] = s_fin[TQ == 1 ? 2 : 0][i];
+      }
+    }
+  }
   float q[TQ][NC];
 #pragma unroll
   for (int t = 0; t < TQ; ++t)
 #pragma unroll
     for (int c = 0; c < NC; ++c)
-      q[t][c] = t < nq ? __ldcg(a.q + static_cast<int64_t>(t0 + t) * q_dim + h * HD + c * 32 + lane) : 0.f;
+      q[t][c] = t >= nq ? 0.f
+                : fused ? s_fin[0][c * 32 + lane]
+                        : __ldcg(a.q + static_cast<int64_t>(t0 + t) * q_dim + h * HD + c * 32 + lane);
   float m[TQ], l[TQ], acc[TQ][NC];
 #pragma unroll
   for (int t = 0; t < TQ; ++t) {
@@ -167,14 +242,21 @@ __global__ void __launch_bounds__(kAttnThreadsArch) arch_attention_kernel(ArchAt
 #pragma unroll
     for (int c = 0; c < NC; ++c) acc[t][c] = 0.f;
   }
-  const float* kb = a.k_cache + kvh * HD + lane;
-  const float* vb = a.v_cache + kvh * HD + lane;
 
-  for (int p0 = begin + warp * U; p0 < end; p0 += kAttnWarpsArch * U) {
-    float kr[U][NC], vr[U][NC];
+  for (int p0 = p_start; p0 < end; p0 += kAttnWarpsArch * U) {
+    const bool first = p0 == p_start;
 #pragma unroll
     for (int u = 0; u < U; ++u) {
       const int p = p0 + u;
+      if (first && p < pos0) continue;  // loaded before the wait
+      if (fused && p == pos0) {  // this step's k, v: finished above, in shared memory
+#pragma unroll
+        for (int c = 0; c < NC; ++c) {
+          kr[u][c] = s_fin[TQ == 1 ? 1 : 0][c * 32 + lane];
+          vr[u][c] = s_fin[TQ == 1 ? 2 : 0][c * 32 + lane];
+        }
+        continue;
+      }
 #pragma unroll
       for (int c = 0; c < NC; ++c) {
         kr[u][c] = p < end ? __ldcg(kb + static_cast<int64_t>(p) * kv_dim + c * 32) : 0.f;
@@ -249,41 +331,75 @@ __global__ void __launch_bounds__(kAttnThreadsArch) arch_attention_kernel(ArchAt
   if (!s_last) return;
   __threadfence();
   const int64_t slot0 = static_cast<int64_t>(h) * a.max_splits;
+  if (warp == 0) {  // the splits' weights exp(m_s - max) and the total sum, one warp, two splits per lane
+    const float m0 = lane < n_splits ? __ldcg(a.part_ml + (slot0 + lane) * 2) : -INFINITY;
+    const float l0 = lane < n_splits ? __ldcg(a.part_ml + (slot0 + lane) * 2 + 1) : 0.f;
+    const float m1 = lane + 32 < n_splits ? __ldcg(a.part_ml + (slot0 + lane + 32) * 2) : -INFINITY;
+    const float l1 = lane + 32 < n_splits ? __ldcg(a.part_ml + (slot0 + lane + 32) * 2 + 1) : 0.f;
+    const float mx = detail::warp_max(fmaxf(m0, m1));
+    const float f0 = m0 == -INFINITY ? 0.f : expf(m0 - mx), f1 = m1 == -INFINITY ? 0.f : expf(m1 - mx);
+    const float sum = detail::warp_sum(l0 * f0 + l1 * f1);
+    if (lane < n_splits) s_w[lane] = f0;
+    if (lane + 32 < n_splits) s_w[lane + 32] = f1;
+    if (lane == 0) s_sum = sum;
+  }
+  __syncthreads();
   for (int d = threadIdx.x; d < HD; d += blockDim.x) {
-    float mx = -INFINITY;
-    for (int sp = 0; sp < n_splits; ++sp) mx = fmaxf(mx, __ldcg(a.part_ml + (slot0 + sp) * 2));
-    float sum = 0.f, o = 0.f;
-    for (int sp = 0; sp < n_splits; ++sp) {
-      const float ms = __ldcg(a.part_ml + (slot0 + sp) * 2);
-      const float f = ms == -INFINITY ? 0.f : expf(ms - mx);
-      sum += __ldcg(a.part_ml + (slot0 + sp) * 2 + 1) * f;
-      o += __ldcg(a.part_o + (slot0 + sp) * HD + d) * f;
-    }
-    store_attn(a, t0, h * HD + d, q_dim, o / sum);
+    float o = 0.f;
+#pragma unroll 8
+    for (int sp = 0; sp < n_splits; ++sp) o += s_w[sp] * __ldcg(a.part_o + (slot0 + sp) * HD + d);
+    store_attn(a, t0, h * HD + d, q_dim, o / s_sum);
   }
   if (threadIdx.x == 0) a.counters[h] = 0u;
 }
 
 // ------------------------------------------------------------------ post-norm + residual, GLU
 
-__global__ void __launch_bounds__(256) add_normed_kernel(const float* y, const float* w, float eps, int d, float* x) {
+constexpr int kAddThreads = 256, kAddPer = 16;  // rows of up to 4096 floats stay in registers
+
+// The norm weights are loaded before the programmatic wait; after it, y and x in one batch of loads per thread.
+__global__ void __launch_bounds__(kAddThreads) add_normed_kernel(const float* y, const float* w, float eps, int d,
+                                                                 float* x) {
   __shared__ float red[32];
   launch_dependents();
-  grid_dependency_wait();
   const int64_t base = static_cast<int64_t>(blockIdx.x) * d;
-  float scale = 1.f;
-  if (w != nullptr) {
-    float ss = 0.f;
+  if (d > kAddThreads * kAddPer) {  // wide rows: two plain passes
+    grid_dependency_wait();
+    float scale = 1.f;
+    if (w != nullptr) {
+      float ss = 0.f;
+      for (int i = threadIdx.x; i < d; i += blockDim.x) {
+        const float v = __ldcg(y + base + i);
+        ss += v * v;
+      }
+      scale = 1.f / sqrtf(detail::block_sum(ss, red) / static_cast<float>(d) + eps);
+    }
     for (int i = threadIdx.x; i < d; i += blockDim.x) {
       const float v = __ldcg(y + base + i);
-      ss += v * v;
+      x[base + i] = __ldcg(x + base + i) + (w != nullptr ? v * scale * w[i] : v);
     }
-    const float total = detail::block_sum(ss, red);
-    scale = 1.f / sqrtf(total / static_cast<float>(d) + eps);
+    return;
   }
-  for (int i = threadIdx.x; i < d; i += blockDim.x) {
-    const float v = __ldcg(y + base + i);
-    x[base + i] = __ldcg(x + base + i) + (w != nullptr ? v * scale * w[i] : v);
+  float wv[kAddPer], yv[kAddPer], xv[kAddPer];
+#pragma unroll
+  for (int u = 0; u < kAddPer; ++u) {
+    const int i = threadIdx.x + u * kAddThreads;
+    wv[u] = w != nullptr && i < d ? w[i] : 1.f;
+  }
+  grid_dependency_wait();
+  float ss = 0.f;
+#pragma unroll
+  for (int u = 0; u < kAddPer; ++u) {
+    const int i = threadIdx.x + u * kAddThreads;
+    yv[u] = i < d ? __ldcg(y + base + i) : 0.f;
+    xv[u] = i < d ? __ldcg(x + base + i) : 0.f;
+    ss += yv[u] * yv[u];
+  }
+  const float scale = w != nullptr ? 1.f / sqrtf(detail::block_sum(ss, red) / static_cast<float>(d) + eps) : 1.f;
+#pragma unroll
+  for (int u = 0; u < kAddPer; ++u) {
+    const int i = threadIdx.x + u * kAddThreads;
+    if (i < d) x[base + i] = xv[u] + (w != nullptr ? yv[u] * scale * wv[u] : yv[u]);
   }
 }
 
@@ -366,6 +482,13 @@ void launch_arch_attention(const ArchAttnArgs& a, cudaStream_t s) {
   if (a.max_splits < 1 || a.max_splits > kArchAttnMaxSplits) throw EngineError("attention: bad split capacity");
   if (a.max_splits > 1 && (a.n != 1 || a.part_o == nullptr || a.part_ml == nullptr || a.counters == nullptr))
     throw EngineError("attention: the context split serves one query and needs its scratch");
+  if (a.fused_finish) {
+    const QkvFinishArgs& f = a.finish;
+    if (a.n != 1 || f.qkv == nullptr || f.rope_table == nullptr || f.k_cache == nullptr || f.v_cache == nullptr ||
+        f.pos0 != a.pos0 || f.n_heads != a.n_heads || f.n_kv_heads != a.n_kv_heads || f.head_dim != a.head_dim ||
+        (f.q_norm == nullptr) != (f.k_norm == nullptr))
+      throw EngineError("attention: bad fused QKV finish");
+  }
   const bool decode = a.n == 1;
   AttnFn k = nullptr;
   switch (a.head_dim / 32) {
@@ -385,7 +508,7 @@ void launch_arch_attention(const ArchAttnArgs& a, cudaStream_t s) {
 
 void launch_add_normed(const float* y, const float* w, float eps, int n, int d, float* x, cudaStream_t s) {
   if (n < 1 || d < 1) throw EngineError("add_normed: bad geometry");
-  launch(add_normed_kernel, dim3(n), dim3(256), 0, s, y, w, eps, d, x);
+  launch(add_normed_kernel, dim3(n), dim3(kAddThreads), 0, s, y, w, eps, d, x);
 }
 
 void launch_glu(const float* gate_up, int n, int d_ff, Activation act, float* out, bool split_operand,

@@ -5,13 +5,17 @@
 // these kernels do what lies between the projections.
 //
 // Decode, per layer (cuda_backend.cu, enqueue_decode_general):
-//   norm+QKV matvec (plain rows) -> qkv_finish (bias, QK-norm, RoPE, K/V append) -> arch_attention
+//   norm+QKV matvec (plain rows) -> arch_attention with the QKV finish fused in (bias, QK-norm, RoPE, K/V append)
 //   -> O matvec + residual            (post-norms: O matvec, then add_normed)
 //   -> norm+gate/up matvec + SiLU*up  (GELU: plain gate/up rows, then glu)
 //   -> down matvec + residual         (post-norms: down matvec, then add_normed)
-// plus one embedding kernel before the first layer and the final norm + lm_head + argmax after the last.
+// plus one embedding kernel before the first layer and the final norm + lm_head + argmax after the last: 5 launches
+// per layer (SiLU, no post-norms) to 8 (GELU and post-norms). Prompts run the same kernels around cuBLAS GEMMs, with
+// qkv_finish as its own launch over the chunk's tokens.
 // Every kernel here launches programmatically while programmatic_launch() is on, triggers its dependents at once and
-// calls grid_dependency_wait() in every block before it reads or writes anything a predecessor touches.
+// calls grid_dependency_wait() in every block before it reads or writes anything a predecessor touches. Before that
+// wait they load only weights, the position *pos0 (DecodeIO::pos or the prefill chunk's start, both written before the
+// graph or launch sequence starts) and cache rows before *pos0 (written by earlier steps or chunks).
 #pragma once
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
@@ -85,6 +89,12 @@ struct ArchAttnArgs {
   float* out = nullptr;
   __half* out_half = nullptr;
   bool split_operand = false;
+  // Decode (n == 1) with fused_finish: q and this position's k and v come raw, as the QKV projection row finish.qkv,
+  // and are finished here exactly as launch_qkv_finish does (finish's bias, QK-norm weights, eps, RoPE table and
+  // style; finish.pos0 must equal pos0); the block of each KV head's first query head that covers the position
+  // appends k and v to the caches. q (above) is then unused. One launch instead of two per layer.
+  bool fused_finish = false;
+  QkvFinishArgs finish;
 };
 void launch_arch_attention(const ArchAttnArgs& a, cudaStream_t s);
 

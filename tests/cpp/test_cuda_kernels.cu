@@ -2441,6 +2441,95 @@ TEST(CudaArch, AttentionDecodeWindowScaleSplitAtRealShapes) {
   }
 }
 
+// Decode attention with the QKV finish fused in: from the raw projection row it finishes q, k, v (bias, QK-norm,
+// RoPE in either style), attends over the cache with this position's k, v, and appends them (row pos only), for
+// the real shapes, split and unsplit, windowed and not.
+TEST(CudaArch, AttentionDecodeWithFusedQkvFinish) {
+  REQUIRE_GPU();
+  const int n_ctx = 4200;
+  for (const ArchShape& sh : kArchShapes) {
+    const int hd = sh.hd, q_dim = sh.n_heads * hd, kv_dim = sh.n_kv * hd, rows = q_dim + 2 * kv_dim;
+    const float scale = 1.f / std::sqrt(static_cast<float>(hd));
+    const std::vector<float> kc0 = random_vec(static_cast<size_t>(n_ctx) * kv_dim),
+                             vc0 = random_vec(static_cast<size_t>(n_ctx) * kv_dim);
+    const std::vector<float> bias = random_vec(rows, -0.5f, 0.5f), qn = random_vec(hd, 0.5f, 1.5f),
+                             kn = random_vec(hd, 0.5f, 1.5f);
+    DevBuf<float> bias_d(bias), qn_d(qn), kn_d(kn), out_d(q_dim);
+    const int max_splits = arch_attn_max_splits(n_ctx);
+    DevBuf<float> part_o(static_cast<size_t>(sh.n_heads) * max_splits * hd), part_ml(static_cast<size_t>(sh.n_heads) * max_splits * 2);
+    DevBuf<unsigned int> counters(std::vector<unsigned int>(sh.n_heads, 0u));
+    for (const RopeStyle style : {RopeStyle::Neox, RopeStyle::Interleaved}) {
+      const auto table = rope_table_host(n_ctx, hd, sh.base, 1.f, nullptr);
+      DevBuf<float2> table_d(table);
+      for (int pos : {0, 5, 600, 4100}) {
+        for (int splits : {1, max_splits}) {
+          SCOPED_TRACE(std::string(sh.name) + (style == RopeStyle::Neox ? " neox" : " interleaved") + " pos " +
+                       std::to_string(pos) + " max_splits " + std::to_string(splits));
+          const std::vector<float> raw = random_vec(rows, -2.f, 2.f);
+          std::vector<float> r = raw;
+          if (sh.bias)
+            for (int i = 0; i < rows; ++i) r[i] += bias[i];
+          if (sh.qk_norm) {
+            for (int h = 0; h < sh.n_heads; ++h) ref::rmsnorm(&r[h * hd], qn.data(), 1e-6f, hd, &r[h * hd]);
+            for (int h = 0; h < sh.n_kv; ++h) ref::rmsnorm(&r[q_dim + h * hd], kn.data(), 1e-6f, hd, &r[q_dim + h * hd]);
+          }
+          const float2* row = table.data() + static_cast<size_t>(pos) * hd / 2;
+          ref_rope_pairs(r.data(), sh.n_heads, hd, style, row);
+          ref_rope_pairs(r.data() + q_dim, sh.n_kv, hd, style, row);
+          std::vector<float> kc = kc0, vc = vc0;
+          std::copy(r.begin() + q_dim, r.begin() + q_dim + kv_dim, kc.begin() + static_cast<size_t>(pos) * kv_dim);
+          std::copy(r.begin() + q_dim + kv_dim, r.end(), vc.begin() + static_cast<size_t>(pos) * kv_dim);
+          const std::vector<float> want =
+              ref_attention_window(r.data(), kc.data(), vc.data(), sh.n_heads, sh.n_kv, hd, pos, sh.window, scale);
+          DevBuf<float> raw_d(raw), kc_d(kc0), vc_d(vc0);  // row pos holds stale values until the kernel appends
+          DevBuf<int32_t> pos_d(std::vector<int32_t>{pos});
+          QkvFinishArgs f;
+          f.qkv = raw_d.p;
+          f.pos0 = pos_d.p;
+          f.bias = sh.bias ? bias_d.p : nullptr;
+          f.q_norm = sh.qk_norm ? qn_d.p : nullptr;
+          f.k_norm = sh.qk_norm ? kn_d.p : nullptr;
+          f.eps = 1e-6f;
+          f.rope_table = table_d.p;
+          f.style = style;
+          f.n_heads = sh.n_heads;
+          f.n_kv_heads = sh.n_kv;
+          f.head_dim = hd;
+          f.k_cache = kc_d.p;
+          f.v_cache = vc_d.p;
+          ArchAttnArgs a;
+          a.k_cache = kc_d.p;
+          a.v_cache = vc_d.p;
+          a.pos0 = pos_d.p;
+          a.n = 1;
+          a.n_heads = sh.n_heads;
+          a.n_kv_heads = sh.n_kv;
+          a.head_dim = hd;
+          a.window = sh.window;
+          a.scale = scale;
+          a.max_splits = splits;
+          a.part_o = part_o.p;
+          a.part_ml = part_ml.p;
+          a.counters = counters.p;
+          a.out = out_d.p;
+          a.fused_finish = true;
+          a.finish = f;
+          for (int rep = 0; rep < 2; ++rep) {
+            out_d.poison();
+            launch_arch_attention(a, nullptr);
+            CUDA_CHECK(cudaDeviceSynchronize());
+            EXPECT_LE(max_abs_diff(out_d.download(), want), kTol) << "rep " << rep;
+          }
+          const auto gk = kc_d.download(), gv = vc_d.download();
+          EXPECT_LE(max_abs_diff(gk, kc), 1e-5) << "K cache: row pos appended, the rest untouched";
+          EXPECT_LE(max_abs_diff(gv, vc), 1e-5) << "V cache: row pos appended, the rest untouched";
+        }
+      }
+    }
+    EXPECT_EQ(counters.download(), std::vector<unsigned int>(sh.n_heads, 0u)) << "counters re-armed";
+  }
+}
+
 // Prompt attention: n queries at pos0.. over the cache (their own rows included), windows across the chunk, output as
 // fp32 rows and as fp16 GEMM operand rows (hi/lo split and plain).
 TEST(CudaArch, AttentionPromptCausalWindowAndOperandOutput) {
@@ -2736,7 +2825,7 @@ TEST(CudaArch, WholeModelsMatchCpuBackend) {
     const ModelSpec& s = m->spec;
     const int V = s.vocab, n = 100;
     if (!c.plain_expected) {
-      const int per_layer = 3 + (s.post_norms ? 2 : 1) + (s.activation == Activation::Silu ? 1 : 2) + (s.post_norms ? 2 : 1);
+      const int per_layer = 2 + (s.post_norms ? 2 : 1) + (s.activation == Activation::Silu ? 1 : 2) + (s.post_norms ? 2 : 1);
       EXPECT_EQ(gpu->kernels_per_token(), 2 + per_layer * s.n_layers);
     } else {
       EXPECT_EQ(gpu->kernels_per_token(), 5 * s.n_layers + 1);
@@ -2826,7 +2915,7 @@ TEST(CudaArch, GeneralPathOnPlainLlamaMatchesFusedPath) {
   auto fused = make_cuda_backend(m->spec, m->w, false);
   if (prev != nullptr) setenv("METALATTN_CUDA_GENERAL", saved.c_str(), 1);
   else unsetenv("METALATTN_CUDA_GENERAL");
-  EXPECT_EQ(general->kernels_per_token(), 2 + 6 * 3);
+  EXPECT_EQ(general->kernels_per_token(), 2 + 5 * 3);
   EXPECT_EQ(fused->kernels_per_token(), 5 * 3 + 1);
   decode_side_by_side(
       *m, *general, *fused, 280, [](int p) { return p < 3 || p % 31 == 0 || p >= 270; },

@@ -196,8 +196,8 @@ def test_arch_debug_hidden_states_match_cpu(arch_models, case):
 
 
 def test_arch_kernels_per_token_and_auto_device(arch_models):
-    expect = {  # embedding + per layer (QKV, finish, attention, O [+post-norm], gate/up [+GELU], down [+post-norm]) + lm_head
-        "qwen2": 2 + 6 * 2, "qwen3": 2 + 6 * 2, "gemma3": 2 + 9 * 3, "llama-linear-rope": 2 + 6 * 2,
+    expect = {  # embedding + per layer (QKV, finish+attention, O [+post-norm], gate/up [+GELU], down [+post-norm]) + lm_head
+        "qwen2": 2 + 5 * 2, "qwen3": 2 + 5 * 2, "gemma3": 2 + 8 * 3, "llama-linear-rope": 2 + 5 * 2,
         "llama3-rope-freqs": 5 * 2 + 1,  # the plain Llama layer keeps its fused five kernels
     }
     for case, n in expect.items():
@@ -206,11 +206,17 @@ def test_arch_kernels_per_token_and_auto_device(arch_models):
         assert m._engine.kernels_per_token == n, case
 
 
-# The real models' layer shapes (layers and vocabulary cut down; every matrix Q8_0, a type the CUDA backend reads).
+# The real models' layer shapes (layers and vocabulary cut down; Q8_0 unless stated, and once the Gemma 3 270M
+# Q4_K_M file's tensor types).
+_GEMMA3_270M_LAYERS = dict(arch="gemma3", n_layers=6, d_model=640, d_ff=2048, n_heads=4, n_kv_heads=1, head_dim=256,
+                           rope_base=1e6, rms_eps=1e-6, sliding_window=512, swa_pattern=6, tied=True)
 REAL_SHAPES = {
     # Gemma 3 270M: 6 layers so that layer 5 is global (pattern 6), window 512.
-    "gemma3-270m": dict(arch="gemma3", n_layers=6, d_model=640, d_ff=2048, n_heads=4, n_kv_heads=1, head_dim=256,
-                        rope_base=1e6, rms_eps=1e-6, sliding_window=512, swa_pattern=6, tied=True),
+    "gemma3-270m": _GEMMA3_270M_LAYERS,
+    "gemma3-270m-q4_k_m-types": dict(
+        _GEMMA3_270M_LAYERS, quant="q5_0", embd_quant="q8_0",
+        quants_by_part={"attn_output": "q4_k", "attn_v": ["q8_0", "q5_0", "q5_0", "q8_0", "q5_0", "q8_0"],
+                        "ffn_down": ["q6_k", "q4_k", "q4_k", "q6_k", "q4_k", "q6_k"]}),
     "qwen2.5-0.5b": dict(arch="qwen2", n_layers=3, d_model=896, d_ff=4864, n_heads=14, n_kv_heads=2, rope_base=1e6,
                          rms_eps=1e-6, tied=False),
     "qwen3-0.6b": dict(arch="qwen3", n_layers=3, d_model=1024, d_ff=3072, n_heads=16, n_kv_heads=8, head_dim=128,
@@ -222,8 +228,9 @@ REAL_SHAPES = {
 def test_arch_real_shapes_across_the_window(tmp_path_factory, case):
     from metalattn.testing import write_synthetic_gguf
 
-    path = write_synthetic_gguf(tmp_path_factory.mktemp("real") / f"{case}.gguf", quant="q8_0", vocab_size=8192,
-                                n_ctx=1024, seed=2, **REAL_SHAPES[case])
+    kw = {"quant": "q8_0", **REAL_SHAPES[case]}
+    path = write_synthetic_gguf(tmp_path_factory.mktemp("real") / f"{case}.gguf", vocab_size=8192, n_ctx=1024, seed=2,
+                                **kw)
     cpu = metalattn.load(path, device="cpu", n_ctx=1024)  # the SIMD paths: this is the larger model
     gpu = metalattn.load(path, device="cuda", n_ctx=1024)
     n = 600
