@@ -586,7 +586,7 @@ struct Blk<GgmlType::Q5_1> {
 // super-block read the same 16 bytes) and the block's scale d * sc and min dmin * m decoded after the loads.
 template <bool kFive>
 struct BlkK {
-  static constexpr int kUnroll = 4;
+  static constexpr int kUnroll = 2;
   uint4 q;
   uint4 hdr;
   uint32_t h;  // Q5_K: fifth bits
@@ -614,7 +614,7 @@ struct Blk<GgmlType::Q5_K> : BlkK<true> {};
 
 template <>
 struct Blk<GgmlType::Q6_K> {
-  static constexpr int kUnroll = 4;
+  static constexpr int kUnroll = 2;
   uint4 q;
   uint2 h;      // high bits xor 2: weights 0..15, 16..31
   uint32_t sw;  // fp16 d | int8 sc of weights 0..15 << 16 | int8 sc of 16..31 << 24
@@ -647,7 +647,7 @@ struct Blk<GgmlType::Q6_K> {
 // kWide8's block is a plain struct, not Blk<kWide8>: the kernels are templated on the block type, and nvcc's host stubs
 // cannot spell a kernel template argument that is not one of GgmlType's enumerators.
 struct BlkWide8 {
-  static constexpr int kUnroll = 3;
+  static constexpr int kUnroll = 1;
   uint4 q[2];  // int8 weights 0..15, 16..31
   uint4 sm;    // fp32 s0, s1, m0, m1
   __device__ __forceinline__ void load(const DevMatrix& W, int64_t blk) {
