@@ -17,7 +17,7 @@ PYTEST_K=${PYTEST_K:-arch}
     -DCMAKE_CUDA_ARCHITECTURES=90 > "$OUT/gtest_build.log" 2>&1 \
   && cmake --build /tmp/b -j"$(nproc)" --target test_cuda_kernels >> "$OUT/gtest_build.log" 2>&1 ) &
 build_pid=$!
-python3 -m pip install -q --no-build-isolation --no-deps --target /tmp/site . > "$OUT/pip.log" 2>&1
+python3 -m pip install -q --upgrade --no-build-isolation --no-deps --target /tmp/site . > "$OUT/pip.log" 2>&1
 pip_rc=$?
 wait $build_pid
 build_rc=$?
