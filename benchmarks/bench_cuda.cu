@@ -220,6 +220,7 @@ DevMatrix upload_matrix(const std::vector<const WeightView*>& parts, std::vector
   m.payload = static_cast<const uint8_t*>(put(p.payload.data(), p.payload.size()));
   m.scales = static_cast<const uint16_t*>(put(p.scales.data(), p.scales.size() * 2));
   m.aux = static_cast<const uint32_t*>(put(p.aux.data(), p.aux.size() * 4));
+  m.mma_scales = static_cast<const float2*>(put(p.mma_scales.data(), p.mma_scales.size() * 4));
   return m;
 }
 
@@ -459,6 +460,13 @@ int main(int argc, char** argv) {
           CUDA_CHECK(cudaMemcpy(c, p.aux.data(), p.aux.size() * 4, cudaMemcpyHostToDevice));
           bufs.push_back(c);
           m.aux = static_cast<uint32_t*>(c);
+        }
+        if (!p.mma_scales.empty()) {
+          void* c = nullptr;
+          CUDA_CHECK(cudaMalloc(&c, p.mma_scales.size() * 4));
+          CUDA_CHECK(cudaMemcpy(c, p.mma_scales.data(), p.mma_scales.size() * 4, cudaMemcpyHostToDevice));
+          bufs.push_back(c);
+          m.mma_scales = static_cast<float2*>(c);
         }
         return m;
       };

@@ -27,8 +27,10 @@ run_tests() {  # name filter timeout
   timeout "$limit" $T --gtest_filter="$filter" > "$OUT/$name.log" 2>&1
   local rc=$?
   # Failures with their context (the SCOPED_TRACE lines name type, GPU layout and shape), then the verdicts.
-  grep -E "^\[  FAILED|^\[       OK|^\[  PASSED|^\[  SKIPPED|Failure|Expected|Which is|actual|rel L2|Google Test trace|: (Q|WIDE|F|BF|llama|smollm|q5|q2|gate|down|QKV|lm_head|prompt|decode|weights)|random seed|\[ " \
-    "$OUT/$name.log" | head -150
+  grep -E "^\[  FAILED|^\[       OK|^\[  PASSED|^\[  SKIPPED|random seed|\[ [a-z0-9]" "$OUT/$name.log" | head -80
+  # Each failure with the lines that follow it: the expectation, the values and the SCOPED_TRACE context (type,
+  # GPU layout, shape, position).
+  grep -A12 -E ": Failure$" "$OUT/$name.log" | head -150
   local passed failed
   passed=$(grep -c "^\[       OK" "$OUT/$name.log")
   failed=$(grep -c "^\[  FAILED  \] [A-Za-z]*\.[A-Za-z]* (" "$OUT/$name.log")

@@ -298,6 +298,11 @@ DevMatrix CudaBackend::upload(const std::vector<const WeightView*>& parts) {
     CUDA_CHECK(cudaMemcpyAsync(aux, p.aux.data(), p.aux.size() * 4, cudaMemcpyHostToDevice, res_.stream));
     m.aux = aux;
   }
+  if (!p.mma_scales.empty()) {
+    float* ms = device_alloc<float>(p.mma_scales.size(), mem_.weights);
+    CUDA_CHECK(cudaMemcpyAsync(ms, p.mma_scales.data(), p.mma_scales.size() * 4, cudaMemcpyHostToDevice, res_.stream));
+    m.mma_scales = reinterpret_cast<const float2*>(ms);
+  }
   CUDA_CHECK(cudaStreamSynchronize(res_.stream));
   return m;
 }

@@ -183,6 +183,8 @@ PackedMatrix pack_matrix(const std::vector<const WeightView*>& parts, GgmlType t
   m.payload.assign(static_cast<size_t>(m.rows) * m.nb * pb, 0);
   m.scales.assign(static_cast<size_t>(m.rows) * m.nb * sc, 0);
   m.aux.assign(static_cast<size_t>(m.rows) * m.nb * aw, 0);
+  const int ms = mma_scale_count(target);
+  m.mma_scales.assign(static_cast<size_t>(m.rows) * m.nb * ms, 0.f);
   std::vector<float> row_f(static_cast<size_t>(m.nb) * 32, 0.f);
   int64_t out_row = 0;
   for (const WeightView* p : parts) {
@@ -190,6 +192,7 @@ PackedMatrix pack_matrix(const std::vector<const WeightView*>& parts, GgmlType t
       uint8_t* dst = m.payload.data() + static_cast<size_t>(out_row) * m.nb * pb;
       uint16_t* dsc = m.scales.data() + static_cast<size_t>(out_row) * m.nb * sc;
       uint32_t* daux = m.aux.data() + static_cast<size_t>(out_row) * m.nb * aw;
+      float* dms = m.mma_scales.data() + static_cast<size_t>(out_row) * m.nb * ms;
       const uint8_t* src = p->row(r);
       if (p->type == target) {
         switch (target) {
@@ -279,6 +282,15 @@ PackedMatrix pack_matrix(const std::vector<const WeightView*>& parts, GgmlType t
           case GgmlType::BF16: std::memcpy(dst, src, static_cast<size_t>(m.cols) * 2); break;
           case GgmlType::F32: std::memcpy(dst, src, static_cast<size_t>(m.cols) * 4); break;
           default: throw EngineError("pack_matrix: unsupported type");
+        }
+        if (ms > 0) {  // the prompt kernels' fp32 scales: wide_block's exact s, m of each block
+          for (int k = 0; k < m.nb; ++k) {
+            int8_t q[32];
+            float s2[2], m2[2];
+            wide_block(target, src, k, q, s2, m2);
+            dms[2 * k] = s2[0];
+            dms[2 * k + 1] = target == GgmlType::Q6_K ? s2[1] : -m2[0];
+          }
         }
       } else if (target == GgmlType::Q8_0 && (p->type == GgmlType::Q4_0 || p->type == GgmlType::Q5_0)) {
         for (int k = 0; k < m.nb; ++k) {

@@ -59,6 +59,10 @@ struct DevMatrix {
   const uint8_t* payload = nullptr;  // rows * nb * payload_bytes(type)
   const uint16_t* scales = nullptr;  // rows * nb * scale_count(type) fp16 values; null for float types
   const uint32_t* aux = nullptr;     // rows * nb * aux_words(type); null for the types without
+  // Q4_K / Q5_K: per block (d * sc, -dmin * m); Q6_K: (d * sc0, d * sc1), fp32 (exact). Read only by the few-token
+  // prompt projections (prompt_mma.cu), whose registers cannot hold the super-block headers: 8 bytes per 32 weights
+  // of device memory (0.25 B/weight), no decode traffic.
+  const float2* mma_scales = nullptr;
 };
 
 // The GPU-only type of mixed-type stacks (see DevMatrix). Not a GGUF type id (those are below 64).
@@ -106,7 +110,11 @@ __host__ __device__ inline int aux_words(GgmlType t) {
     default: return 0;
   }
 }
-// GPU bytes of one 32-weight block: payload, scales and aux together.
+// fp32 values per 32-weight block in DevMatrix::mma_scales.
+__host__ __device__ inline int mma_scale_count(GgmlType t) {
+  return t == GgmlType::Q4_K || t == GgmlType::Q5_K || t == GgmlType::Q6_K ? 2 : 0;
+}
+// GPU bytes of one 32-weight block that decode reads: payload, scales and aux together.
 __host__ __device__ inline int gpu_block_bytes(GgmlType t) {
   return payload_bytes(t) + 2 * scale_count(t) + 4 * aux_words(t);
 }
@@ -134,6 +142,7 @@ struct PackedMatrix {
   std::vector<uint8_t> payload;
   std::vector<uint16_t> scales;
   std::vector<uint32_t> aux;
+  std::vector<float> mma_scales;  // rows * nb * mma_scale_count(type)
 };
 
 // The type that holds every part exactly: their common type (kWide8 for Q2_K / Q3_K, which have no GPU layout of
@@ -680,7 +689,7 @@ enum class PromptMmaOut : int {
   SiluHalf = 2,     // W = [gate (d_ff rows); up (d_ff rows)]: out_slots row t = silu(gate . x_t) * (up . x_t)
 };
 struct PromptMmaArgs {
-  DevMatrix W;               // Q4_0, Q4_1 or Q8_0; cols a multiple of 32
+  DevMatrix W;               // any type prompt_mma_supported takes; cols a multiple of 32
   int n = 0;                 // tokens, 1..kPromptMmaMaxTokens
   // The input, exactly one of:
   const float* x = nullptr;  // [n][W.cols] fp32 rows, rmsnorm'ed here with norm_w (required) and eps

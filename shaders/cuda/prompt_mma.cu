@@ -1,5 +1,6 @@
 // Few-token prompt projections on tensor cores: Y = W . X for prompts of up to kPromptMmaMaxTokens tokens, read
-// straight from the quantized decode weights (Q4_0, Q4_1, Q8_0), each launched with programmatic dependent launch.
+// straight from the quantized decode weights (Q4_0, Q4_1, Q8_0, Q5_0, Q5_1, Q4_K, Q5_K, Q6_K and the wide int8 layout
+// of mixed stacks), each launched with programmatic dependent launch.
 //
 // Why: a 32-token prompt through the cuBLAS path costs ~48 us per layer, most of it four GEMM launches that the
 // programmatic chain cannot overlap. Here a layer is five of our own kernels (norm+QKV, attention, O+residual,
@@ -77,6 +78,8 @@ constexpr uint32_t kHalf1024x2 = 0x64006400u;
 
 template <>
 struct WBlock<GgmlType::Q4_0> {
+  static constexpr int kPrefetch = kMmaPrefetch;
+  static constexpr bool kStepScales = false;
   static constexpr bool kHasMin = false;
   uint32_t w[2];
   uint16_t d[2];
@@ -92,12 +95,14 @@ struct WBlock<GgmlType::Q4_0> {
     q4_pairs(w[0], step, kHalf1032x2, a[0], a[2]);
     q4_pairs(w[1], step, kHalf1032x2, a[1], a[3]);
   }
-  __device__ __forceinline__ float scale(int i) const { return __half2float(__ushort_as_half(d[i])); }
-  __device__ __forceinline__ float min(int) const { return 0.f; }
+  __device__ __forceinline__ float scale(int i, int) const { return __half2float(__ushort_as_half(d[i])); }
+  __device__ __forceinline__ float min(int, int) const { return 0.f; }
 };
 
 template <>
 struct WBlock<GgmlType::Q4_1> {
+  static constexpr int kPrefetch = kMmaPrefetch;
+  static constexpr bool kStepScales = false;
   static constexpr bool kHasMin = true;
   uint32_t w[2];
   uint32_t dm[2];  // fp16 d (low half), m (high half)
@@ -113,16 +118,18 @@ struct WBlock<GgmlType::Q4_1> {
     q4_pairs(w[0], step, kHalf1024x2, a[0], a[2]);
     q4_pairs(w[1], step, kHalf1024x2, a[1], a[3]);
   }
-  __device__ __forceinline__ float scale(int i) const {
+  __device__ __forceinline__ float scale(int i, int) const {
     return __half2float(__ushort_as_half(static_cast<uint16_t>(dm[i] & 0xffffu)));
   }
-  __device__ __forceinline__ float min(int i) const {
+  __device__ __forceinline__ float min(int i, int) const {
     return __half2float(__ushort_as_half(static_cast<uint16_t>(dm[i] >> 16)));
   }
 };
 
 template <>
 struct WBlock<GgmlType::Q8_0> {
+  static constexpr int kPrefetch = kMmaPrefetch;
+  static constexpr bool kStepScales = false;
   static constexpr bool kHasMin = false;
   uint32_t w[2][2];  // [row][step]: word 4 * step + c of the 32-byte payload
   uint16_t d[2];
@@ -140,8 +147,132 @@ struct WBlock<GgmlType::Q8_0> {
     q8_pairs(w[0][step], a[0], a[2]);
     q8_pairs(w[1][step], a[1], a[3]);
   }
-  __device__ __forceinline__ float scale(int i) const { return __half2float(__ushort_as_half(d[i])); }
-  __device__ __forceinline__ float min(int) const { return 0.f; }
+  __device__ __forceinline__ float scale(int i, int) const { return __half2float(__ushort_as_half(d[i])); }
+  __device__ __forceinline__ float min(int, int) const { return 0.f; }
+};
+
+// ---- the types of Q4_K_M files (DevMatrix in kernels.cuh has their layouts). The quants enter the MMA exactly as
+// fp16 integers (at most 6 bits), the fp32 scales (and mins) after the block's (or, per-16 scales, the step's) MMAs.
+
+// Four unsigned byte values (< 256) as two half2 of (value - bias): {bytes 0, 1} and {bytes 2, 3}.
+__device__ __forceinline__ void byte_pairs(uint32_t bytes, uint32_t bias_h2, uint32_t& p01, uint32_t& p23) {
+  const uint32_t h01 = __byte_perm(bytes, 0x64646464u, 0x4140), h23 = __byte_perm(bytes, 0x64646464u, 0x4342);
+  const __half2 b = *reinterpret_cast<const __half2*>(&bias_h2);
+  const __half2 r01 = __hsub2(*reinterpret_cast<const __half2*>(&h01), b);
+  const __half2 r23 = __hsub2(*reinterpret_cast<const __half2*>(&h23), b);
+  p01 = *reinterpret_cast<const uint32_t*>(&r01);
+  p23 = *reinterpret_cast<const uint32_t*>(&r23);
+}
+constexpr uint32_t kHalf1040x2 = 0x64106410u;  // fp16 1040 = 1024 + 16 (Q5_0's offset)
+constexpr uint32_t kHalf1056x2 = 0x64206420u;  // fp16 1056 = 1024 + 32 (Q6_K's offset)
+
+// Q5_0 / Q5_1 / Q4_K / Q5_K: a nibble payload word (elements 4c..4c+3: low nibbles, step 0; high nibbles, step 1),
+// with a Q5 aux word shifted right by c (kernels.cuh, q5_aux_bit: its bits for this word's bytes at bit 8k, step 1's
+// four higher). Q5_0's stored bits are inverted.
+template <GgmlType T>
+struct WBlockQ5K {
+  static constexpr bool kFive = T != GgmlType::Q4_K;
+  static constexpr bool kHasMin = T != GgmlType::Q5_0;
+  static constexpr int kPrefetch = kMmaPrefetch;
+  static constexpr bool kStepScales = false;
+  uint32_t w[2], h[2];
+  float2 sm[2];  // scale, min: fp16 d (and m) widened, or the K-quants' mma_scales
+  __device__ __forceinline__ void load(const DevMatrix& W, const int row[2], int blk, int c) {
+#pragma unroll
+    for (int i = 0; i < 2; ++i) {
+      const int64_t b = static_cast<int64_t>(row[i]) * W.nb + blk;
+      const bool ok = row[i] >= 0;
+      w[i] = ok ? __ldg(reinterpret_cast<const uint32_t*>(W.payload) + b * 4 + c) : 0u;
+      h[i] = kFive && ok ? __ldg(W.aux + b) >> c : 0u;
+      if constexpr (T == GgmlType::Q4_K || T == GgmlType::Q5_K) {
+        sm[i] = ok ? __ldg(W.mma_scales + b) : make_float2(0.f, 0.f);
+      } else if constexpr (T == GgmlType::Q5_1) {
+        const uint32_t dm = ok ? __ldg(reinterpret_cast<const unsigned int*>(W.scales) + b) : 0u;
+        sm[i] = make_float2(__half2float(__ushort_as_half(static_cast<uint16_t>(dm & 0xffffu))),
+                            __half2float(__ushort_as_half(static_cast<uint16_t>(dm >> 16))));
+      } else {
+        sm[i] = make_float2(ok ? __half2float(__ushort_as_half(__ldg(W.scales + b))) : 0.f, 0.f);
+      }
+    }
+  }
+  __device__ __forceinline__ void a_regs(int step, uint32_t a[4]) const {
+#pragma unroll
+    for (int i = 0; i < 2; ++i) {
+      uint32_t bytes = (w[i] >> (4 * step)) & 0x0f0f0f0fu;
+      if constexpr (T == GgmlType::Q5_0) bytes |= (~(h[i] >> (4 * step)) & 0x01010101u) << 4;
+      else if constexpr (kFive) bytes |= ((h[i] >> (4 * step)) & 0x01010101u) << 4;
+      byte_pairs(bytes, T == GgmlType::Q5_0 ? kHalf1040x2 : kHalf1024x2, a[i], a[i + 2]);
+    }
+  }
+  __device__ __forceinline__ float scale(int i, int) const { return sm[i].x; }
+  __device__ __forceinline__ float min(int i, int) const { return sm[i].y; }
+};
+template <>
+struct WBlock<GgmlType::Q5_0> : WBlockQ5K<GgmlType::Q5_0> {};
+template <>
+struct WBlock<GgmlType::Q5_1> : WBlockQ5K<GgmlType::Q5_1> {};
+template <>
+struct WBlock<GgmlType::Q4_K> : WBlockQ5K<GgmlType::Q4_K> {};
+template <>
+struct WBlock<GgmlType::Q5_K> : WBlockQ5K<GgmlType::Q5_K> {};
+
+// Q6_K: nibble payload word c plus the block's two aux words (high bits xor 2 of elements 0..15 and 16..31, two per
+// byte: kernels.cuh q6_aux_bit) shifted right by 2c; a scale per step (16 elements).
+template <>
+struct WBlock<GgmlType::Q6_K> {
+  static constexpr int kPrefetch = 4;
+  static constexpr bool kStepScales = true;
+  static constexpr bool kHasMin = false;
+  uint32_t w[2], h[2][2];
+  float2 sc[2];  // d * sc of elements 0..15, 16..31
+  __device__ __forceinline__ void load(const DevMatrix& W, const int row[2], int blk, int c) {
+#pragma unroll
+    for (int i = 0; i < 2; ++i) {
+      const int64_t b = static_cast<int64_t>(row[i]) * W.nb + blk;
+      const bool ok = row[i] >= 0;
+      w[i] = ok ? __ldg(reinterpret_cast<const uint32_t*>(W.payload) + b * 4 + c) : 0u;
+      const uint2 hh = ok ? __ldg(reinterpret_cast<const uint2*>(W.aux) + b) : make_uint2(0u, 0u);
+      h[i][0] = hh.x >> (2 * c);
+      h[i][1] = hh.y >> (2 * c);
+      sc[i] = ok ? __ldg(W.mma_scales + b) : make_float2(0.f, 0.f);
+    }
+  }
+  __device__ __forceinline__ void a_regs(int step, uint32_t a[4]) const {
+#pragma unroll
+    for (int i = 0; i < 2; ++i) {
+      const uint32_t hi2 = (h[i][step] & 0x03030303u) ^ 0x02020202u;  // the stored bits back to q6 >> 4
+      byte_pairs(((w[i] >> (4 * step)) & 0x0f0f0f0fu) | (hi2 << 4), kHalf1056x2, a[i], a[i + 2]);
+    }
+  }
+  __device__ __forceinline__ float scale(int i, int step) const { return step == 0 ? sc[i].x : sc[i].y; }
+  __device__ __forceinline__ float min(int, int) const { return 0.f; }
+};
+
+// kWide8 (a plain struct, not WBlock<kWide8>: nvcc's host stubs cannot spell a non-enumerator kernel argument):
+// int8 words c and 4 + c as Q8_0, fp32 scale and min per step.
+struct WBlockWide8 {
+  static constexpr int kPrefetch = 3;
+  static constexpr bool kStepScales = true;
+  static constexpr bool kHasMin = true;
+  uint32_t w[2][2];
+  uint4 sm[2];  // s0, s1, m0, m1 (float bits)
+  __device__ __forceinline__ void load(const DevMatrix& W, const int row[2], int blk, int c) {
+#pragma unroll
+    for (int i = 0; i < 2; ++i) {
+      const int64_t b = static_cast<int64_t>(row[i]) * W.nb + blk;
+      const bool ok = row[i] >= 0;
+      const uint32_t* p = reinterpret_cast<const uint32_t*>(W.payload) + b * 8 + c;
+      w[i][0] = ok ? __ldg(p) : 0u;
+      w[i][1] = ok ? __ldg(p + 4) : 0u;
+      sm[i] = ok ? __ldg(reinterpret_cast<const uint4*>(W.aux) + b) : make_uint4(0u, 0u, 0u, 0u);
+    }
+  }
+  __device__ __forceinline__ void a_regs(int step, uint32_t a[4]) const {
+    q8_pairs(w[0][step], a[0], a[2]);
+    q8_pairs(w[1][step], a[1], a[3]);
+  }
+  __device__ __forceinline__ float scale(int i, int step) const { return __uint_as_float(step == 0 ? sm[i].x : sm[i].y); }
+  __device__ __forceinline__ float min(int i, int step) const { return -__uint_as_float(step == 0 ? sm[i].z : sm[i].w); }
 };
 
 __device__ __forceinline__ void mma_16816(float c[4], const uint32_t a[4], uint32_t b0, uint32_t b1) {
@@ -238,7 +369,7 @@ __device__ __forceinline__ int tile_row(const PromptMmaArgs& a, int tile, int r)
 // recomputing the shared-memory address every time (SASS: 1,400 instructions in the slot kernel's loop against 650).
 // That and the argument reloads stage_x now avoids made the first version of this kernel slower than its
 // predecessor (H100 pp1 0.57 -> 0.77 ms); with both fixed, pp1 is 0.43 ms.
-template <GgmlType T, int RT, bool kNormed, int NT>
+template <typename WB, int RT, bool kNormed, int NT>
 __global__ void __launch_bounds__(kMmaThreads) prompt_mma_kernel(const PromptMmaArgs a) {
   extern __shared__ __align__(16) unsigned char mma_smem[];
   const int K = a.W.cols, nb = a.W.nb;
@@ -264,9 +395,10 @@ __global__ void __launch_bounds__(kMmaThreads) prompt_mma_kernel(const PromptMma
   // Before the wait: this warp's first weight blocks, and the norm weights (neither depends on earlier kernels).
   detail::launch_dependents();
   const int my_blocks = (nb - warp + kMmaWarps - 1) / kMmaWarps;
-  WBlock<T> pre[kMmaPrefetch][RT];
+  constexpr int kPre = WB::kPrefetch;
+  WB pre[kPre][RT];
 #pragma unroll
-  for (int j = 0; j < kMmaPrefetch; ++j)
+  for (int j = 0; j < kPre; ++j)
 #pragma unroll
     for (int rt = 0; rt < RT; ++rt)
       if (j < my_blocks) pre[j][rt].load(a.W, rows[rt], warp + j * kMmaWarps, c);
@@ -287,14 +419,53 @@ __global__ void __launch_bounds__(kMmaThreads) prompt_mma_kernel(const PromptMma
   // Normed input: this lane's sum of squares of token nt * 8 + g over the slots it loads.
   float ss[kMmaMaxTiles] = {};
   // One 32-column block of K for the RT row tiles: each B fragment (token tile, step) is loaded once for all tiles.
-  auto do_block = [&](const WBlock<T>(&wb)[RT], int blk) {
+  auto do_block = [&](const WB(&wb)[RT], int blk) {
     float part[RT][kMmaMaxTiles][4];
 #pragma unroll
     for (int rt = 0; rt < RT; ++rt)
 #pragma unroll
       for (int nt = 0; nt < kMmaMaxTiles; ++nt)
         part[rt][nt][0] = part[rt][nt][1] = part[rt][nt][2] = part[rt][nt][3] = 0.f;
-    float xsum[kMmaMaxTiles] = {};  // Q4_1: token nt * 8 + g's activations in this lane's slots of the block
+    float xsum[kMmaMaxTiles] = {};  // kHasMin: token nt * 8 + g's activations in this lane's slots of the block
+    // Adds the scaled partial tiles (and the min times the activation sums) to acc: once per block, or after each
+    // step (16 elements) for the types with a scale per 16 (Q6_K, kWide8), which then start the next step afresh.
+    auto apply = [&](int step) {
+      // Types with a min: the block's (step's) activation sum of token nt * 8 + g is spread over the lanes c of
+      // group g; this lane's accumulators hold tokens nt * 8 + 2c and + 2c + 1 (sum0, sum1).
+      float sum0[kMmaMaxTiles], sum1[kMmaMaxTiles];
+#pragma unroll
+      for (int nt = 0; nt < kMmaMaxTiles; ++nt) {
+        if (WB::kHasMin && nt < n_tiles) {
+          float xs = xsum[nt];
+          xs += __shfl_xor_sync(0xffffffffu, xs, 1);
+          xs += __shfl_xor_sync(0xffffffffu, xs, 2);
+          sum0[nt] = __shfl_sync(0xffffffffu, xs, 8 * c);
+          sum1[nt] = __shfl_sync(0xffffffffu, xs, 8 * c + 4);
+        }
+      }
+#pragma unroll
+      for (int rt = 0; rt < RT; ++rt) {
+        const float d0 = wb[rt].scale(0, step), d1 = wb[rt].scale(1, step);
+#pragma unroll
+        for (int nt = 0; nt < kMmaMaxTiles; ++nt) {
+          if (nt < n_tiles) {
+            float* ac = acc[rt][nt];
+            ac[0] += d0 * part[rt][nt][0];
+            ac[1] += d0 * part[rt][nt][1];
+            ac[2] += d1 * part[rt][nt][2];
+            ac[3] += d1 * part[rt][nt][3];
+            if constexpr (WB::kHasMin) {
+              const float s0 = sum0[nt], s1 = sum1[nt];
+              const float m0 = wb[rt].min(0, step), m1 = wb[rt].min(1, step);
+              ac[0] += m0 * s0;
+              ac[1] += m0 * s1;
+              ac[2] += m1 * s0;
+              ac[3] += m1 * s1;
+            }
+          }
+        }
+      }
+    };
 #pragma unroll
     for (int step = 0; step < 2; ++step) {
       uint32_t ar[RT][4];
@@ -312,8 +483,8 @@ __global__ void __launch_bounds__(kMmaThreads) prompt_mma_kernel(const PromptMma
             ss[nt] += (v.x * v.x + v.y * v.y) + (v.z * v.z + v.w * v.w);
             const float4 y = make_float4(v.x * nw.x, v.y * nw.y, v.z * nw.z, v.w * nw.w);
             xv = split_slot(y);
-            if constexpr (WBlock<T>::kHasMin) xsum[nt] += (y.x + y.y) + (y.z + y.w);
-          } else if constexpr (WBlock<T>::kHasMin) {
+            if constexpr (WB::kHasMin) xsum[nt] += (y.x + y.y) + (y.z + y.w);
+          } else if constexpr (WB::kHasMin) {
             xsum[nt] += slot_sum(xv);
           }
 #pragma unroll
@@ -323,48 +494,24 @@ __global__ void __launch_bounds__(kMmaThreads) prompt_mma_kernel(const PromptMma
           }
         }
       }
-    }
-    // Q4_1: the block's activation sum of token nt * 8 + g is spread over the lanes c of group g; this lane's
-    // accumulators hold tokens nt * 8 + 2c and + 2c + 1 (sum0, sum1).
-    float sum0[kMmaMaxTiles], sum1[kMmaMaxTiles];
+      if constexpr (WB::kStepScales) {
+        apply(step);
 #pragma unroll
-    for (int nt = 0; nt < kMmaMaxTiles; ++nt) {
-      if (WBlock<T>::kHasMin && nt < n_tiles) {
-        float xs = xsum[nt];
-        xs += __shfl_xor_sync(0xffffffffu, xs, 1);
-        xs += __shfl_xor_sync(0xffffffffu, xs, 2);
-        sum0[nt] = __shfl_sync(0xffffffffu, xs, 8 * c);
-        sum1[nt] = __shfl_sync(0xffffffffu, xs, 8 * c + 4);
+        for (int rt = 0; rt < RT; ++rt)
+#pragma unroll
+          for (int nt = 0; nt < kMmaMaxTiles; ++nt)
+            part[rt][nt][0] = part[rt][nt][1] = part[rt][nt][2] = part[rt][nt][3] = 0.f;
+#pragma unroll
+        for (int nt = 0; nt < kMmaMaxTiles; ++nt) xsum[nt] = 0.f;
       }
     }
-#pragma unroll
-    for (int rt = 0; rt < RT; ++rt) {
-      const float d0 = wb[rt].scale(0), d1 = wb[rt].scale(1);
-#pragma unroll
-      for (int nt = 0; nt < kMmaMaxTiles; ++nt) {
-        if (nt < n_tiles) {
-          float* ac = acc[rt][nt];
-          ac[0] += d0 * part[rt][nt][0];
-          ac[1] += d0 * part[rt][nt][1];
-          ac[2] += d1 * part[rt][nt][2];
-          ac[3] += d1 * part[rt][nt][3];
-          if constexpr (WBlock<T>::kHasMin) {
-            const float s0 = sum0[nt], s1 = sum1[nt];
-            const float m0 = wb[rt].min(0), m1 = wb[rt].min(1);
-            ac[0] += m0 * s0;
-            ac[1] += m0 * s1;
-            ac[2] += m1 * s0;
-            ac[3] += m1 * s1;
-          }
-        }
-      }
-    }
+    if constexpr (!WB::kStepScales) apply(0);
   };
 #pragma unroll
-  for (int j = 0; j < kMmaPrefetch; ++j)
+  for (int j = 0; j < kPre; ++j)
     if (j < my_blocks) do_block(pre[j], warp + j * kMmaWarps);
-  for (int j = kMmaPrefetch; j < my_blocks; ++j) {  // K beyond kMmaPrefetch blocks per warp: loaded here
-    WBlock<T> wb[RT];
+  for (int j = kPre; j < my_blocks; ++j) {  // K beyond kPre blocks per warp: loaded here
+    WB wb[RT];
 #pragma unroll
     for (int rt = 0; rt < RT; ++rt) wb[rt].load(a.W, rows[rt], warp + j * kMmaWarps, c);
     do_block(wb, warp + j * kMmaWarps);
@@ -438,31 +585,31 @@ int row_tiles(const PromptMmaArgs& a) {
 // Row tiles per block: 2 where one per block would leave more blocks than SMs to share (the gate/up projection).
 int row_tiles_per_block(const PromptMmaArgs& a) { return row_tiles(a) > 128 ? 2 : 1; }
 
-template <GgmlType T, int RT, int NT>
+template <typename WB, int RT, int NT>
 void launch_typed(const PromptMmaArgs& a, cudaStream_t s) {
   const MmaSmem lay(a.W.cols, NT, RT);
   const int tiles = row_tiles(a);
-  auto* kernel = a.x != nullptr ? prompt_mma_kernel<T, RT, true, NT> : prompt_mma_kernel<T, RT, false, NT>;
+  auto* kernel = a.x != nullptr ? prompt_mma_kernel<WB, RT, true, NT> : prompt_mma_kernel<WB, RT, false, NT>;
   detail::allow_dynamic_smem(kernel, static_cast<size_t>(lay.total));
   detail::launch_programmatic(kernel, dim3((tiles + RT - 1) / RT), dim3(kMmaThreads), static_cast<size_t>(lay.total),
                               s, a);
 }
 
-template <GgmlType T, int RT>
+template <typename WB, int RT>
 void launch_typed(const PromptMmaArgs& a, cudaStream_t s) {
   static_assert(kMmaMaxTiles == 4, "one case per token-tile count");
   switch ((a.n + 7) / 8) {
-    case 1: launch_typed<T, RT, 1>(a, s); break;
-    case 2: launch_typed<T, RT, 2>(a, s); break;
-    case 3: launch_typed<T, RT, 3>(a, s); break;
-    default: launch_typed<T, RT, 4>(a, s); break;
+    case 1: launch_typed<WB, RT, 1>(a, s); break;
+    case 2: launch_typed<WB, RT, 2>(a, s); break;
+    case 3: launch_typed<WB, RT, 3>(a, s); break;
+    default: launch_typed<WB, RT, 4>(a, s); break;
   }
 }
 
-template <GgmlType T>
+template <typename WB>
 void launch_typed(const PromptMmaArgs& a, cudaStream_t s) {
-  if (row_tiles_per_block(a) == 2) launch_typed<T, 2>(a, s);
-  else launch_typed<T, 1>(a, s);
+  if (row_tiles_per_block(a) == 2) launch_typed<WB, 2>(a, s);
+  else launch_typed<WB, 1>(a, s);
 }
 
 // ------------------------------------------------------------------ causal attention of a few-token prompt
@@ -624,7 +771,12 @@ static int device_smem_optin() {
 }
 
 bool prompt_mma_supported(GgmlType type, int cols, int d_ff_or_zero) {
-  if (type != GgmlType::Q4_0 && type != GgmlType::Q4_1 && type != GgmlType::Q8_0) return false;
+  switch (type) {
+    case GgmlType::Q4_0: case GgmlType::Q4_1: case GgmlType::Q8_0:
+    case GgmlType::Q5_0: case GgmlType::Q5_1: case GgmlType::Q4_K: case GgmlType::Q5_K: case GgmlType::Q6_K: break;
+    default:
+      if (type != kWide8) return false;
+  }
   if (cols % 32 != 0 || d_ff_or_zero % 8 != 0) return false;
   return MmaSmem(cols, kMmaMaxTiles, 2).total <= device_smem_optin();
 }
@@ -637,10 +789,21 @@ void launch_prompt_mma(const PromptMmaArgs& a, cudaStream_t s) {
   if (a.x != nullptr && a.norm_w == nullptr) throw EngineError("launch_prompt_mma: fp32 input needs norm weights");
   if ((a.out_kind == PromptMmaOut::SiluHalf) != (a.out_slots != nullptr) || (a.y == nullptr) == (a.out_slots == nullptr))
     throw EngineError("launch_prompt_mma: the output does not match out_kind");
+  if (mma_scale_count(a.W.type) > 0 && a.W.mma_scales == nullptr)
+    throw EngineError("launch_prompt_mma: K-quant matrix without its mma_scales");
+  if (a.W.type == kWide8) {
+    launch_typed<WBlockWide8>(a, s);
+    return;
+  }
   switch (a.W.type) {
-    case GgmlType::Q4_0: launch_typed<GgmlType::Q4_0>(a, s); break;
-    case GgmlType::Q4_1: launch_typed<GgmlType::Q4_1>(a, s); break;
-    case GgmlType::Q8_0: launch_typed<GgmlType::Q8_0>(a, s); break;
+    case GgmlType::Q4_0: launch_typed<WBlock<GgmlType::Q4_0>>(a, s); break;
+    case GgmlType::Q4_1: launch_typed<WBlock<GgmlType::Q4_1>>(a, s); break;
+    case GgmlType::Q8_0: launch_typed<WBlock<GgmlType::Q8_0>>(a, s); break;
+    case GgmlType::Q5_0: launch_typed<WBlock<GgmlType::Q5_0>>(a, s); break;
+    case GgmlType::Q5_1: launch_typed<WBlock<GgmlType::Q5_1>>(a, s); break;
+    case GgmlType::Q4_K: launch_typed<WBlock<GgmlType::Q4_K>>(a, s); break;
+    case GgmlType::Q5_K: launch_typed<WBlock<GgmlType::Q5_K>>(a, s); break;
+    case GgmlType::Q6_K: launch_typed<WBlock<GgmlType::Q6_K>>(a, s); break;
     default: throw EngineError("launch_prompt_mma: unsupported weight type");
   }
 }

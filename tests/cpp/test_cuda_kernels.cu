@@ -195,6 +195,7 @@ struct GpuMatrix {
   std::unique_ptr<DevBuf<uint8_t>> payload;
   std::unique_ptr<DevBuf<uint16_t>> scales;
   std::unique_ptr<DevBuf<uint32_t>> aux;
+  std::unique_ptr<DevBuf<float>> mma_scales;
 };
 GpuMatrix to_gpu(const std::vector<const WeightView*>& parts) {
   const PackedMatrix p = pack_matrix(parts, common_exact_type(parts));
@@ -212,6 +213,10 @@ GpuMatrix to_gpu(const std::vector<const WeightView*>& parts) {
   if (!p.aux.empty()) {
     g.aux = std::make_unique<DevBuf<uint32_t>>(p.aux);
     g.m.aux = g.aux->p;
+  }
+  if (!p.mma_scales.empty()) {
+    g.mma_scales = std::make_unique<DevBuf<float>>(p.mma_scales);
+    g.m.mma_scales = reinterpret_cast<const float2*>(g.mma_scales->p);
   }
   return g;
 }
@@ -2078,6 +2083,118 @@ TEST(CudaQuant, FusedQkvFfnAndLmHeadAtRealShapes) {
   }
 }
 
+// The few-token prompt projections (prompt_mma.cu) on each new type and on mixed stacks (kWide8), every output kind,
+// fp32 rmsnorm'ed input and slot input, at the real models' widths and every token-tile count.
+TEST(CudaQuant, PromptMmaProjectionsAtRealShapes) {
+  REQUIRE_GPU();
+  struct Case {
+    std::vector<GgmlType> parts;  // stacked (equal row counts)
+    int rows, cols;               // of the stack (SiluHalf: gate and up, rows = 2 * d_ff)
+    PromptMmaOut out;
+    bool normed;
+  };
+  const Case cases[] = {
+      {{GgmlType::Q5_0}, 960, 576, PromptMmaOut::Store, true},
+      {{GgmlType::Q5_0}, 576, 576, PromptMmaOut::AddResidual, false},
+      {{GgmlType::Q5_0, GgmlType::Q5_0}, 3072, 576, PromptMmaOut::SiluHalf, true},
+      {{GgmlType::Q4_K}, 576, 1536, PromptMmaOut::AddResidual, false},
+      {{GgmlType::Q6_K}, 576, 1536, PromptMmaOut::AddResidual, false},
+      {{GgmlType::Q5_1}, 640, 640, PromptMmaOut::Store, true},
+      {{GgmlType::Q5_K, GgmlType::Q5_K}, 2048, 512, PromptMmaOut::SiluHalf, true},
+      {{GgmlType::Q4_K}, 1536, 1536, PromptMmaOut::Store, true},  // (K 2048 exceeds the kernel's shared memory)
+      {{GgmlType::Q6_K}, 256, 1536, PromptMmaOut::Store, false},
+      {{GgmlType::Q4_K, GgmlType::Q6_K}, 1024, 512, PromptMmaOut::Store, true},      // kWide8 (Llama 3.2 QKV mix)
+      {{GgmlType::Q4_K, GgmlType::Q6_K}, 2048, 512, PromptMmaOut::SiluHalf, true},   // kWide8 gate/up
+      {{GgmlType::Q3_K}, 512, 1536, PromptMmaOut::AddResidual, false},               // kWide8
+      {{GgmlType::Q5_0, GgmlType::Q8_0}, 896, 896, PromptMmaOut::Store, true},      // widened to Q8_0
+  };
+  for (const Case& cs : cases) {
+    const int K = cs.cols, d_ff = cs.out == PromptMmaOut::SiluHalf ? cs.rows / 2 : 0;
+    const int part_rows = cs.rows / static_cast<int>(cs.parts.size());
+    std::vector<std::unique_ptr<HostMatrix>> mats;
+    std::vector<const WeightView*> parts;
+    for (GgmlType t : cs.parts) {
+      mats.push_back(random_matrix(t, part_rows, K, 1.f / std::sqrt(static_cast<float>(K))));
+      parts.push_back(&mats.back()->view);
+    }
+    GpuMatrix g = to_gpu(parts);
+    if (!prompt_mma_supported(g.m.type, K, d_ff)) {
+      ADD_FAILURE() << "prompt_mma_supported refuses " << layout_trace(cs.parts, g, cs.rows, K);
+      continue;
+    }
+    for (int n : {1, 7, 9, 17, 32}) {
+      SCOPED_TRACE(layout_trace(cs.parts, g, cs.rows, K) + " out " + std::to_string(static_cast<int>(cs.out)) +
+                   (cs.normed ? " normed" : " slots") + " n " + std::to_string(n));
+      const std::vector<float> x = random_vec(static_cast<size_t>(n) * K, -3.f, 3.f);
+      const std::vector<float> nw = random_vec(K, 0.5f, 1.5f);
+      std::vector<float> in(x.size());
+      SlotRows slots{{}, K};
+      if (cs.normed) {
+        for (int t = 0; t < n; ++t) {
+          const std::vector<float> row(x.begin() + static_cast<size_t>(t) * K, x.begin() + static_cast<size_t>(t + 1) * K);
+          const std::vector<float> h = ref_rmsnorm(row, nw, kEps);
+          std::copy(h.begin(), h.end(), in.begin() + static_cast<size_t>(t) * K);
+        }
+      } else {
+        slots = make_slot_rows(x, n, K, &in);
+      }
+      DevBuf<float> dx(x), dnw(nw);
+      DevBuf<__half> dxs(slots.h.empty() ? std::vector<__half>(1) : slots.h);
+      PromptMmaArgs a;
+      a.W = g.m;
+      a.n = n;
+      if (cs.normed) {
+        a.x = dx.p;
+        a.norm_w = dnw.p;
+        a.eps = kEps;
+      } else {
+        a.x_slots = dxs.p;
+      }
+      a.out_kind = cs.out;
+      a.d_ff = d_ff;
+      std::vector<std::vector<float>> want(n);
+      for (int t = 0; t < n; ++t)
+        want[t] = ref_stack_matvec(parts, std::vector<float>(in.begin() + static_cast<size_t>(t) * K,
+                                                             in.begin() + static_cast<size_t>(t + 1) * K));
+      if (cs.out == PromptMmaOut::SiluHalf) {
+        DevBuf<__half> out(static_cast<size_t>(n + 1) * 2 * d_ff);
+        out.poison();
+        a.out_slots = out.p;
+        launch_prompt_mma(a, nullptr);
+        const SlotRows got{out.download(), d_ff};
+        double err = 0;
+        for (int t = 0; t < n; ++t)
+          for (int j = 0; j < d_ff; ++j) {
+            const double e = std::fabs(got.value(t, j) - ref::silu(want[t][j]) * want[t][d_ff + j]);
+            err = std::isnan(e) ? INFINITY : std::max(err, e);
+          }
+        EXPECT_LE(err, kTol) << "silu(gate) * up";
+        EXPECT_EQ(got.poisoned(n), 2 * d_ff) << "row n written";
+      } else {
+        const bool add = cs.out == PromptMmaOut::AddResidual;
+        const std::vector<float> y0 = random_vec(static_cast<size_t>(n) * cs.rows);
+        DevBuf<float> dy(static_cast<size_t>(n + 1) * cs.rows);
+        dy.poison();
+        if (add) CUDA_CHECK(cudaMemcpy(dy.p, y0.data(), y0.size() * 4, cudaMemcpyHostToDevice));
+        a.y = dy.p;
+        launch_prompt_mma(a, nullptr);
+        const std::vector<float> got = dy.download();
+        double err = 0;
+        for (int t = 0; t < n; ++t)
+          for (int r = 0; r < cs.rows; ++r) {
+            const size_t i = static_cast<size_t>(t) * cs.rows + r;
+            const double e = std::fabs(got[i] - (want[t][r] + (add ? y0[i] : 0.f)));
+            err = std::isnan(e) ? INFINITY : std::max(err, e);
+          }
+        EXPECT_LE(err, kTol) << (add ? "y += W.x" : "y = W.x");
+        int64_t spare_written = 0;
+        for (size_t i = static_cast<size_t>(n) * cs.rows; i < got.size(); ++i) spare_written += !is_poison(got[i]);
+        EXPECT_EQ(spare_written, 0) << "row n written";
+      }
+    }
+  }
+}
+
 // ------------------------------------------------------------------ whole backend on mixed-type models
 
 namespace {
@@ -2160,8 +2277,8 @@ const TypedModelCase kTypedModels[] = {
 
 }  // namespace
 
-// Decode (graph, and the debug launches with every layer's residual stream) and prompts (the cuBLAS path, which these
-// types take; lengths that fit one few-token chunk and ones that do not) against the float reference forward.
+// Decode (graph, and the debug launches with every layer's residual stream) and prompts (the tensor-core few-token
+// path up to 32 tokens, cuBLAS beyond) against the float reference forward.
 TEST(CudaQuant, BackendOnMixedTypeModelsMatchesReference) {
   REQUIRE_GPU();
   for (const TypedModelCase& c : kTypedModels) {
@@ -2192,12 +2309,29 @@ TEST(CudaQuant, BackendOnMixedTypeModelsMatchesReference) {
       }
     }
     std::printf("[ %s: decode rel L2 vs reference, worst of %d positions %.2e ]\n", c.name, n, worst);
-    for (int len : {1, 9, 32, 33, 80}) {
+    // Prompts of up to 32 tokens take the tensor-core projections (prompt_mma.cu), longer ones cuBLAS; the short
+    // ones also against a backend with the tensor-core path off (METALATTN_CUDA_PROMPT_MMA=0), twice each (the
+    // second use replays a captured graph).
+    setenv("METALATTN_CUDA_PROMPT_MMA", "0", 1);
+    auto gemm_be = make_cuda_backend(m->spec, m->w, false);
+    unsetenv("METALATTN_CUDA_PROMPT_MMA");
+    for (int len : {1, 9, 32, 9, 32, 33, 80}) {
       SCOPED_TRACE("prompt of " + std::to_string(len) + " at 0");
-      std::vector<float> last(V, NAN);
+      std::vector<float> last(V, NAN), gemm_last(V, NAN);
       const ArgmaxResult r = be->forward_prompt(toks.data(), len, 0, last.data(), nullptr);
       expect_logits_close(last, dec[len - 1], 1e-3, "prompt last logits vs decode");
       EXPECT_EQ(r.token, ref::argmax(last.data(), V).token);
+      if (len <= kPromptMmaMaxTokens) {
+        gemm_be->forward_prompt(toks.data(), len, 0, gemm_last.data(), nullptr);
+        expect_logits_close(last, gemm_last, 1e-3, "tensor-core prompt vs cuBLAS prompt");
+      }
+    }
+    {
+      SCOPED_TRACE("prompt of 23 continuing at 9");
+      be->forward_prompt(toks.data(), 9, 0, nullptr, nullptr);
+      std::vector<float> last(V, NAN);
+      be->forward_prompt(toks.data() + 9, 23, 9, last.data(), nullptr);
+      expect_logits_close(last, dec[31], 1e-3, "continued few-token prompt vs decode");
     }
     {
       SCOPED_TRACE("prompt of 30 continuing at 50");
