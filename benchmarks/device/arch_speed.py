@@ -1,6 +1,7 @@
 """Decode and prompt speed of the CUDA general path on synthetic models shaped like Gemma 3 270M and Qwen2.5-0.5B
 (all layers, the real vocabularies, Q8_0: types every CUDA build reads), at short and long contexts. Run on the
 device after the package is built (benchmarks/device/arch.sh builds it):  python3 benchmarks/device/arch_speed.py"""
+import os
 import time
 
 import numpy as np
@@ -16,7 +17,8 @@ CASES = {
 
 for name, kw in CASES.items():
     path = f"/tmp/{name}.gguf"
-    write_synthetic_gguf(path, **{**kw, "n_ctx": 8192})
+    if not os.path.exists(path):
+        write_synthetic_gguf(path, **{**kw, "n_ctx": 8192})
     m = metalattn.load(path, device="cuda", n_ctx=8192)
     toks = np.random.default_rng(0).integers(0, m.vocab_size, 8192).tolist()
     for plen in (32, 2048, 7900):
