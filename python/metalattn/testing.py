@@ -20,7 +20,10 @@ from .gguf_model import GGUFModel
 SMOLLM2_135M: Dict[str, object] = dict(
     n_layers=30, d_model=576, d_ff=1536, n_heads=9, n_kv_heads=3, vocab_size=49152, n_ctx=8192,
     rope_base=100000.0, rms_eps=1e-5, quant="q4_0", embd_quant="q8_0", tied=True)
-
+# The larger SmolLM2 shapes, same layout (the decode-speed issue measures all three).
+SMOLLM2_360M: Dict[str, object] = dict(SMOLLM2_135M, n_layers=32, d_model=960, d_ff=2560, n_heads=15, n_kv_heads=5)
+SMOLLM2_1_7B: Dict[str, object] = dict(SMOLLM2_135M, n_layers=24, d_model=2048, d_ff=8192, n_heads=32, n_kv_heads=32,
+                                       rope_base=130000.0)
 
 
 def _more_bits(n_layers: int):
