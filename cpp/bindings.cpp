@@ -200,6 +200,8 @@ NB_MODULE(_core, m) {
       .def_prop_ro("vocab_size", [](PyEngine& p) { return p.e().spec().vocab; })
       .def_prop_ro("kernels_per_token", [](PyEngine& p) { return p.e().kernels_per_token(); })
       .def("reset", [](PyEngine& p) { p.e().reset(); })
+      .def("truncate", [](PyEngine& p, int n) { p.e().truncate(n); }, "n"_a,
+           "Keeps the first n tokens of the KV cache (0 <= n <= pos); the next token goes to position n.")
       .def("forward_token_greedy",
            [](PyEngine& p, int32_t token) {
              nb::gil_scoped_release release;

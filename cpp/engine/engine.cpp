@@ -30,6 +30,13 @@ void Engine::check_tokens(const int32_t* tokens, int n) const {
   }
 }
 
+void Engine::truncate(int n) {
+  if (n < 0 || n > pos_)
+    throw TokenRangeError("truncate(" + std::to_string(n) + "): the KV cache holds " + std::to_string(pos_) +
+                          " tokens; keep 0 to " + std::to_string(pos_) + " of them (out of range)");
+  pos_ = n;
+}
+
 ArgmaxResult Engine::forward_token_greedy(int32_t token) {
   check_tokens(&token, 1);
   const ArgmaxResult r = backend_->forward_token_greedy(token, pos_);

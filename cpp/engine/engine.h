@@ -17,6 +17,9 @@ class Engine {
   const char* device() const { return backend_->name(); }
   int pos() const { return pos_; }
   void reset() { pos_ = 0; }
+  // Keeps the first n tokens of the KV cache (0 <= n <= pos): the next token goes to position n. The backends
+  // write K/V at the position they are given, so entries past n are simply overwritten later (prefix reuse).
+  void truncate(int n);
 
   ArgmaxResult forward_token_greedy(int32_t token);
   void forward_token(int32_t token, float* logits);
