@@ -60,6 +60,8 @@ class GenerationChunk:
     index: int
     tokens_per_second: float
     finish_reason: Optional[str] = None  # "stop", "length" or "context" on the last chunk
+    logprob: Optional[float] = None  # with stream(logprobs=k): log-probability of `token` (raw logits' log-softmax)
+    top_logprobs: Optional[list] = None  # with logprobs=k: the k most likely [(token id, logprob)], best first
 
 
 @dataclass
@@ -69,6 +71,7 @@ class GenerationStats:
     generated_tokens: int = 0
     decode_seconds: float = 0.0
     finish_reason: str = ""
+    cached_tokens: int = 0  # prompt tokens reused from the KV cache (stream(reuse_prefix=True)), not prefilled
 
     @property
     def prefill_tokens_per_second(self) -> float:
@@ -83,6 +86,10 @@ class GenerationStats:
 
 class Model:
     """A loaded model: tokenizer + one inference engine (cpu or cuda) with its KV cache."""
+
+    # The token ids in the KV cache as stream() left them (prompt + fed tokens), for reuse_prefix; valid only
+    # while its length equals pos (any other forward call moves pos; reset()/truncate() clear or cut it).
+    _cache_tokens: Optional[list] = None
 
     def __init__(self, path: Union[str, os.PathLike], device: str = "auto", n_ctx: Optional[int] = None,
                  n_threads: Optional[int] = None, debug: Optional[bool] = None):
@@ -249,17 +256,47 @@ class Model:
 
     def reset(self) -> None:
         """Empties the KV cache (the next token goes to position 0)."""
+        self._cache_tokens = None
         self._engine.reset()
+
+    def truncate(self, n: int) -> None:
+        """Keeps the first n tokens of the KV cache (0 <= n <= pos): the next token goes to position n."""
+        cached = self._cache_tokens
+        self._cache_tokens = None
+        self._engine.truncate(int(n))
+        if cached is not None and len(cached) >= n:
+            self._cache_tokens = cached[:n]
+
+    def _reusable_prefix(self, ids: Sequence[int]) -> int:
+        """Tokens at the start of `ids` already in the KV cache, leaving at least one to run (its logits start
+        the generation)."""
+        cached = self._cache_tokens
+        if not cached or self.pos != len(cached):
+            return 0
+        n = min(len(cached), len(ids) - 1)
+        i = 0
+        while i < n and cached[i] == ids[i]:
+            i += 1
+        return i
 
     # ------------------------------------------------------------------ generation
     def stream(self, prompt: Union[str, Sequence[int]], max_tokens: int = 128, temperature: float = 0.0,
                top_k: int = 0, top_p: float = 1.0, seed: Optional[int] = None,
-               stop: Optional[Union[str, Sequence[str]]] = None) -> Iterator[GenerationChunk]:
+               stop: Optional[Union[str, Sequence[str]]] = None, reuse_prefix: bool = False,
+               logprobs: Optional[int] = None) -> Iterator[GenerationChunk]:
         """Generates from a fresh context, yielding text as it is produced. temperature=0 is greedy (argmax on
         the device); otherwise sampling with top_k / top_p. Ends at an end-of-text token, a stop string
-        (not included in the text), max_tokens, or the end of the context."""
+        (not included in the text), max_tokens, or the end of the context.
+
+        reuse_prefix=True keeps what the previous stream() left in the KV cache: the longest common prefix of the
+        prompt's tokens and the cached ones is not run again, only the rest is prefilled (the next turn of a chat
+        starts at once; last_stats.cached_tokens says how many were reused). The output is that of a fresh context.
+        logprobs=k (k >= 0) gives every chunk its token's log-probability and the k most likely tokens with theirs
+        (log-softmax of the raw logits); decoding then reads the logits on the host (greedy: their argmax)."""
         if max_tokens < 0:
             raise ValueError(f"max_tokens must be >= 0, got {max_tokens}")
+        if logprobs is not None and logprobs < 0:
+            raise ValueError(f"logprobs must be >= 0, got {logprobs}")
         stops = [stop] if isinstance(stop, str) else list(stop or [])
         if any(not s for s in stops):
             raise ValueError("stop strings must be non-empty")
@@ -267,17 +304,30 @@ class Model:
         greedy = temperature <= 0
         rng = np.random.default_rng(seed)
         stats = self.last_stats = GenerationStats(prompt_tokens=len(ids))
-        self.reset()
-        prompt_arr = self._check_prompt(ids)
+        keep = self._reusable_prefix(ids) if reuse_prefix and max_tokens > 0 else 0
+        if keep:
+            self.truncate(keep)
+        else:
+            self.reset()
+        prompt_arr = self._check_prompt(ids[keep:])
         if max_tokens == 0:
             stats.finish_reason = "length"
             return
+        stats.cached_tokens = keep
+        hist = (self._cache_tokens or [])[:keep]
+        self._cache_tokens = None
         t0 = time.perf_counter()
-        if greedy:
+        lp = top = None
+        if logprobs is not None:
+            token, lp, top = _choose(self._engine.forward_prompt_logits(prompt_arr, False), greedy, rng,
+                                     temperature, top_k, top_p, logprobs)
+        elif greedy:
             token = self._engine.forward_prompt(prompt_arr)
         else:
             token = sample(self._engine.forward_prompt_logits(prompt_arr, False), rng, temperature, top_k, top_p)
         t1 = time.perf_counter()
+        hist.extend(prompt_arr.tolist())
+        self._cache_tokens = hist  # grows with every token fed below
         stats.prefill_seconds = t1 - t0
         decoder = self.tokenizer.stream_decoder()
         pending = ""  # text held back because it may be the start of a stop string
@@ -308,20 +358,42 @@ class Model:
                 if not hit_stop_string:  # release what was held back: it did not become a stop string
                     text += pending + decoder.flush()
                 stats.finish_reason = finish
-                yield GenerationChunk(text, token, index, stats.decode_tokens_per_second, finish)
+                yield GenerationChunk(text, token, index, stats.decode_tokens_per_second, finish, lp, top)
                 return
-            yield GenerationChunk(text, token, index, stats.decode_tokens_per_second)
-            if greedy:
-                token = self._engine.forward_token_greedy(token)
+            yield GenerationChunk(text, token, index, stats.decode_tokens_per_second, None, lp, top)
+            fed = token
+            if logprobs is not None:
+                token, lp, top = _choose(self._engine.forward_token(fed), greedy, rng, temperature, top_k, top_p,
+                                         logprobs)
+            elif greedy:
+                token = self._engine.forward_token_greedy(fed)
             else:
-                token = sample(self._engine.forward_token(token), rng, temperature, top_k, top_p)
+                token = sample(self._engine.forward_token(fed), rng, temperature, top_k, top_p)
+            hist.append(fed)
             index += 1
 
     def generate(self, prompt: Union[str, Sequence[int]], max_tokens: int = 128, temperature: float = 0.0,
                  top_k: int = 0, top_p: float = 1.0, seed: Optional[int] = None,
-                 stop: Optional[Union[str, Sequence[str]]] = None) -> str:
+                 stop: Optional[Union[str, Sequence[str]]] = None, reuse_prefix: bool = False) -> str:
         """Generates and returns the text (without the prompt). See stream() for the arguments."""
-        return "".join(c.text for c in self.stream(prompt, max_tokens, temperature, top_k, top_p, seed, stop))
+        return "".join(c.text for c in self.stream(prompt, max_tokens, temperature, top_k, top_p, seed, stop,
+                                                   reuse_prefix=reuse_prefix))
+
+
+def _choose(logits: np.ndarray, greedy: bool, rng: np.random.Generator, temperature: float, top_k: int,
+            top_p: float, logprobs: int):
+    """The next token from a logits row (argmax or a draw), its log-probability and the `logprobs` best."""
+    token = int(np.argmax(logits)) if greedy else sample(logits, rng, temperature, top_k, top_p)
+    x = np.asarray(logits, dtype=np.float64)
+    m = np.max(x)
+    lps = x - (m + np.log(np.sum(np.exp(x - m))))
+    top = []
+    if logprobs > 0:
+        k = min(logprobs, lps.size)
+        idx = np.argpartition(-lps, k - 1)[:k]
+        idx = idx[np.argsort(-lps[idx], kind="stable")]
+        top = [(int(i), float(lps[i])) for i in idx]
+    return token, float(lps[token]), top
 
 
 def _longest_stop_prefix_suffix(text: str, stops: Sequence[str]) -> int:
