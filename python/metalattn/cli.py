@@ -1,4 +1,4 @@
-"""The `metalattn` command line: run, bench, info, perplexity, quantize."""
+"""The `metalattn` command line: run, chat, serve, bench, info, perplexity, quantize."""
 
 from __future__ import annotations
 
@@ -118,6 +118,28 @@ def cmd_quantize(args) -> int:
     return 0
 
 
+def cmd_serve(args) -> int:
+    try:
+        from . import server
+    except ImportError as e:
+        print(f"metalattn: error: {e}", file=sys.stderr)
+        return 1
+    if args.host not in ("127.0.0.1", "localhost", "::1") and not args.api_key:
+        print(f"metalattn: warning: serving on {args.host} without --api-key: anyone who can reach it may use it",
+              file=sys.stderr)
+    model = _load(args)
+    server.serve(model, host=args.host, port=args.port, api_key=args.api_key, aliases=[args.model],
+                 log_level=args.log_level)
+    return 0
+
+
+def cmd_chat(args) -> int:
+    from .interactive import run_chat
+
+    return run_chat(_load(args), system=args.system, max_tokens=args.max_tokens, temperature=args.temperature,
+                    top_k=args.top_k, top_p=args.top_p, seed=args.seed, verbose=args.verbose)
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="metalattn", description="Fast inference for small Llama-family GGUF models.")
     sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
@@ -134,6 +156,26 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
     r.add_argument("--no-echo", action="store_true", help="do not print the prompt before the generation")
     r.set_defaults(func=cmd_run)
+
+    c = sub.add_parser("chat", help="interactive chat in the terminal (the model's chat template, streamed)")
+    _add_model_args(c)
+    c.add_argument("--system", default=None, help="system prompt")
+    c.add_argument("-n", "--max-tokens", type=int, default=None, help="tokens per answer (default: to the context end)")
+    c.add_argument("--temperature", "--temp", type=float, default=0.0, help="0 = greedy (default)")
+    c.add_argument("--top-k", type=int, default=0, help="sample from the k most likely (0 = off)")
+    c.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass (1 = off)")
+    c.add_argument("--seed", type=int, default=None, help="sampling seed")
+    c.add_argument("-v", "--verbose", action="store_true", help="after each answer: tokens, cached prefix, speed")
+    c.set_defaults(func=cmd_chat)
+
+    v = sub.add_parser("serve", help="OpenAI-compatible HTTP server (needs the 'server' extra)")
+    _add_model_args(v)
+    v.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: this machine only)")
+    v.add_argument("--port", type=int, default=8080, help="port (default 8080)")
+    v.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on every request")
+    v.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"],
+                   help="uvicorn's log level (default info)")
+    v.set_defaults(func=cmd_serve)
 
     b = sub.add_parser("bench", help="prefill and decode tok/s, reported separately")
     _add_model_args(b)
