@@ -153,6 +153,9 @@ NB_MODULE(_core, m) {
     } catch (const metalattn::BackendUnsupported& e) {
       nb::object cls = nb::module_::import_("metalattn.errors").attr("BackendUnsupportedError");
       PyErr_SetString(cls.ptr(), e.what());
+    } catch (const metalattn::NonFiniteLogits& e) {
+      nb::object cls = nb::module_::import_("metalattn.errors").attr("NonFiniteError");
+      PyErr_SetString(cls.ptr(), e.what());
     } catch (const EngineError& e) {
       PyErr_SetString(PyExc_ValueError, e.what());
     }

@@ -230,7 +230,7 @@ ArgmaxResult argmax(const float* x, int n) {
     if (std::isnan(x[i])) continue;
     if (best < 0 || x[i] > best_v) { best = i; best_v = x[i]; }
   }
-  if (best < 0) throw EngineError("argmax: every logit is NaN");
+  if (best < 0) throw NonFiniteLogits("argmax: every logit is NaN");
   return {static_cast<uint32_t>(best), best_v};
 }
 

@@ -642,7 +642,7 @@ ArgmaxResult CudaBackend::finish_decode(int pos) {
   const ArgmaxResult r = *result_host_;
   if (r.token == kNoIndex) {
     io_shadow_valid_ = false;
-    throw EngineError("argmax: every logit is NaN");
+    throw NonFiniteLogits("argmax: every logit is NaN");
   }
   io_shadow_ = DecodeIO{static_cast<int32_t>(r.token), pos + 1};
   io_shadow_valid_ = true;
@@ -873,7 +873,7 @@ ArgmaxResult CudaBackend::forward_prompt(const int32_t* tokens, int n, int pos, 
   const ArgmaxResult r = *result_host_;
   if (last_logits != nullptr)
     CUDA_CHECK(cudaMemcpy(last_logits, logits_, s.vocab * sizeof(float), cudaMemcpyDefault));
-  if (r.token == kNoIndex) throw EngineError("argmax: every logit is NaN");
+  if (r.token == kNoIndex) throw NonFiniteLogits("argmax: every logit is NaN");
   return r;
 }
 

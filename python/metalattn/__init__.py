@@ -10,10 +10,15 @@ work without it.
 
 from .errors import (
     BackendUnsupportedError,
+    ContextChangedError,
     ContextOverflowError,
     DeviceError,
     GGUFError,
+    InvalidArgumentError,
     MetalattnError,
+    ModelClosedError,
+    NonFiniteError,
+    NonFiniteWeightsError,
     TokenError,
     UnsupportedModelError,
 )
@@ -32,6 +37,11 @@ __all__ = [
     "TokenError",
     "ContextOverflowError",
     "DeviceError",
+    "InvalidArgumentError",
+    "NonFiniteError",
+    "NonFiniteWeightsError",
+    "ModelClosedError",
+    "ContextChangedError",
     "__version__",
 ]
 

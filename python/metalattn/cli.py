@@ -74,6 +74,12 @@ def cmd_info(args) -> int:
 
         path = default_model_path()
     g = load_gguf(path)
+    if args.check:
+        from .integrity import check_tensors
+
+        t = time.perf_counter()
+        n = check_tensors(g, progress=sys.stderr.isatty())
+        print(f"check: {n} tensors finite ({time.perf_counter() - t:.2f} s)")
     c = g.config
     print(f"file: {path}")
     print(f"architecture: {c.arch}, file type: {g.file_type_name}")
@@ -189,6 +195,8 @@ def build_parser() -> argparse.ArgumentParser:
     i = sub.add_parser("info", help="model metadata and tensor table")
     i.add_argument("-m", "--model", help="GGUF file (default: SmolLM2-135M)")
     i.add_argument("--brief", action="store_true", help="omit the tensor table")
+    i.add_argument("--check", action="store_true",
+                   help="scan every tensor for NaN / infinity; exit 1 naming the first bad one")
     i.set_defaults(func=cmd_info)
 
     q = sub.add_parser("perplexity", help="perplexity of a text file (second half of each chunk scored)")

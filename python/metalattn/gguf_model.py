@@ -133,6 +133,13 @@ class GGUFModel:
     _all_tensors: List[Tuple[str, str, Tuple[int, ...], int]] = field(default_factory=list, repr=False)
     _dequant_cache: Dict[Any, np.ndarray] = field(default_factory=dict, repr=False)
 
+    def close(self) -> None:
+        """Drops every view of the memory map (weights, the reader), so the file is unmapped once no caller holds
+        one of its arrays."""
+        self.tensors = {}
+        self._dequant_cache.clear()
+        self._reader = None
+
     def tensor_table(self) -> List[Tuple[str, str, Tuple[int, ...], int]]:
         """Every tensor in the file, in file order: (name, type name, shape in row-major order (rows, cols), bytes)."""
         return list(self._all_tensors)

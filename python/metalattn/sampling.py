@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import numpy as np
 
+from .errors import InvalidArgumentError, NonFiniteError
+
 # Top-p first looks among this many most likely tokens (an O(V) partition instead of an O(V log V) sort of the
 # whole vocabulary) and sorts everything only when they do not already hold the requested mass.
 _NUCLEUS_PROBE = 1024
@@ -14,17 +16,17 @@ def sample(logits: np.ndarray, rng: np.random.Generator, temperature: float = 1.
            top_p: float = 1.0) -> int:
     """Draws one token id. NaN logits are never drawn; top_k=0 and top_p=1 disable those filters."""
     if temperature <= 0:
-        raise ValueError("temperature must be > 0 for sampling (use greedy decoding for 0)")
+        raise InvalidArgumentError("temperature must be > 0 for sampling (use greedy decoding for 0)")
     if not 0.0 < top_p <= 1.0:
-        raise ValueError(f"top_p must be in (0, 1], got {top_p}")
+        raise InvalidArgumentError(f"top_p must be in (0, 1], got {top_p}")
     if top_k < 0:
-        raise ValueError(f"top_k must be >= 0, got {top_k}")
+        raise InvalidArgumentError(f"top_k must be >= 0, got {top_k}")
     x = np.asarray(logits, dtype=np.float64)
     x = np.where(np.isnan(x), -np.inf, x)
     if (x == np.inf).any():  # an infinite logit takes all the mass; ties go to the lowest index
         return int(np.argmax(x == np.inf))
     if not np.isfinite(x).any():
-        raise ValueError("every logit is NaN or -inf: nothing to sample")
+        raise NonFiniteError("every logit is NaN or -inf: nothing to sample")
     candidates = np.arange(x.size)
     if 0 < top_k < x.size:
         candidates = np.argpartition(-x, top_k - 1)[:top_k]

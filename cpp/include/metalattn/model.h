@@ -114,6 +114,11 @@ struct ContextOverflow : EngineError {
 struct BackendUnsupported : EngineError {
   using EngineError::EngineError;
 };
+// Every logit of a step is NaN (the argmax has no candidate): almost always non-finite or corrupt weights; surfaces
+// as metalattn.NonFiniteError. The engine's position does not advance.
+struct NonFiniteLogits : EngineError {
+  using EngineError::EngineError;
+};
 
 // Checks every shape and type against the spec; throws EngineError naming the tensor.
 void validate_model(const ModelSpec& spec, const ModelWeights& w);
