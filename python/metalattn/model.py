@@ -441,8 +441,10 @@ class Model:
             stats.finish_reason = "length"
             return
         stats.cached_tokens = keep
-        hist = (self._cache_tokens or [])[:keep]
-        self._cache_tokens = None
+        # The history is written before each engine call: a call that fails leaves pos short of it (the next
+        # reuse_prefix sees the mismatch and starts afresh), and a Ctrl-C that lands as a call returns finds it right.
+        hist = (self._cache_tokens or [])[:keep] + prompt_arr.tolist()
+        self._cache_tokens = hist  # grows with every token fed below
         t0 = time.perf_counter()
         lp = top = None
         if logprobs is not None:
@@ -453,8 +455,6 @@ class Model:
         else:
             token = sample(self._engine.forward_prompt_logits(prompt_arr, False), rng, temperature, top_k, top_p)
         t1 = time.perf_counter()
-        hist.extend(prompt_arr.tolist())
-        self._cache_tokens = hist  # grows with every token fed below
         stats.prefill_seconds = t1 - t0
         decoder = self.tokenizer.stream_decoder()
         pending = ""  # text held back because it may be the start of a stop string
@@ -489,6 +489,7 @@ class Model:
                 return
             yield GenerationChunk(text, token, index, stats.decode_tokens_per_second, None, lp, top)
             fed = token
+            hist.append(fed)
             if logprobs is not None:
                 token, lp, top = _choose(self._engine.forward_token(fed), greedy, rng, temperature, top_k, top_p,
                                          logprobs)
@@ -496,7 +497,6 @@ class Model:
                 token = self._engine.forward_token_greedy(fed)
             else:
                 token = sample(self._engine.forward_token(fed), rng, temperature, top_k, top_p)
-            hist.append(fed)
             index += 1
 
     def generate(self, prompt: Union[str, Sequence[int]], max_tokens: int = 128, temperature: float = 0.0,
