@@ -198,10 +198,13 @@ def _require(metadata: Dict[str, Any], key: str, path: str, kind, what: str):
         raise GGUFError(f"{path}: metadata key {key!r} should be {kind.__name__} ({what}), got {value!r}") from None
 
 
-def _read_config(metadata: Dict[str, Any], path: str, embd_rows: Optional[int]) -> ModelConfig:
+def _read_config(metadata: Dict[str, Any], path: str, embd_rows: Optional[int],
+                 n_tensors: Optional[int] = None) -> ModelConfig:
     arch = metadata.get("general.architecture")
     if arch is None:
         raise GGUFError(f"{path}: missing metadata key 'general.architecture'")
+    if not isinstance(arch, str):
+        raise GGUFError(f"{path}: metadata key 'general.architecture' should be a string, got {arch!r}"[:300])
     if arch not in ARCHITECTURES:
         raise UnsupportedModelError(
             f"{path}: architecture {arch!r} is not supported (metalattn runs: {', '.join(sorted(ARCHITECTURES))})")
@@ -228,6 +231,11 @@ def _read_config(metadata: Dict[str, Any], path: str, embd_rows: Optional[int]) 
                      (key("attention.head_count_kv"), n_kv_heads), (key("context_length"), n_ctx)):
         if value <= 0:
             raise GGUFError(f"{path}: metadata key {k!r} must be positive, got {value}")
+    # Each layer needs its 7 matrices and 2 norms: a layer count the tensor table cannot hold is corrupt, and is
+    # refused before anything loops over the layers.
+    if n_tensors is not None and n_layers * 9 > n_tensors:
+        raise GGUFError(f"{path}: {key('block_count')} = {n_layers} layers need at least {9 * n_layers} tensors, "
+                        f"the file has {n_tensors}")
     if n_heads % n_kv_heads:
         raise GGUFError(f"{path}: {key('attention.head_count')} {n_heads} is not a multiple of "
                         f"{key('attention.head_count_kv')} {n_kv_heads}")
@@ -441,7 +449,7 @@ def load_gguf(path) -> GGUFModel:
 
     embd = infos.get("token_embd.weight")
     embd_rows = _row_major_shape(embd.shape)[0] if embd is not None and len(embd.shape) == 2 else None
-    config = _read_config(metadata, path, embd_rows)
+    config = _read_config(metadata, path, embd_rows, len(all_tensors))
     expected = _expected_shapes(config)
     if "rope_freqs.weight" in infos:  # Llama 3.1+ RoPE scaling: pair i turns by theta_i / rope_freqs[i]
         expected["rope_freqs.weight"] = (config.head_dim // 2,)
