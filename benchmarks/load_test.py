@@ -5,7 +5,7 @@
 
 Starts `metalattn serve` as a subprocess on a free 127.0.0.1 port, then `--clients` threads, each with its own
 `openai` client, send `--requests` requests in all: a mix of chat and completion, streaming and not, greedy
-(temperature 0) and sampled (temperature 0.8, a fixed seed per prompt), over 8 prompts. A request fails when it raises,
+(temperature 0) and sampled (temperature 0.8, a fixed seed per prompt), over 8 chat and 8 completion prompts. A request fails when it raises,
 times out (120 s), returns an empty answer, or, for the same (prompt, kind, sampling) key, returns a different text
 than the first answer for that key (greedy and seeded answers are deterministic, so any mixing up shows). The
 server's RSS (/proc/PID/status VmRSS) is read before the load, after the warm-up quarter of the requests, at the
@@ -25,7 +25,7 @@ import time
 import httpx
 import openai
 
-PROMPTS = [
+PROMPTS = [  # chat requests: instructions, through the template
     "What is the capital of France?",
     "Write one sentence about the sea.",
     "Name three colours.",
@@ -34,6 +34,16 @@ PROMPTS = [
     "Why is the sky blue? One sentence.",
     "Say hello in Spanish.",
     "What is a prime number?",
+]
+COMPLETION_PROMPTS = [  # completion requests: text to continue (an instruction model ends a bare question at once)
+    "The capital of France is",
+    "Once upon a time, there was a",
+    "The three primary colours are",
+    "To make a cup of tea, first",
+    "The sea is",
+    "In 1969, the first person to walk on the moon",
+    "My favourite food is",
+    "A prime number is",
 ]
 
 
@@ -92,8 +102,8 @@ def main(argv=None) -> int:
         warm = max(1, args.requests // 4)
 
         def one(c, i):
-            p = PROMPTS[i % len(PROMPTS)]
             kind = ("chat", "completion")[(i // len(PROMPTS)) % 2]
+            p = (PROMPTS if kind == "chat" else COMPLETION_PROMPTS)[i % len(PROMPTS)]
             stream = (i // (2 * len(PROMPTS))) % 2 == 1
             sampled = (i // (4 * len(PROMPTS))) % 2 == 1
             kw = dict(model=model_id, max_tokens=args.max_tokens, temperature=0.8 if sampled else 0,
