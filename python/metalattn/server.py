@@ -63,8 +63,15 @@ class APIError(Exception):
         return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
 
 
+class _AsciiJSON(JSONResponse):
+    """Error bodies echo parts of the request: ASCII-escaped, so that no input (a lone surrogate) can break them."""
+
+    def render(self, content: Any) -> bytes:
+        return json.dumps(content, ensure_ascii=True, separators=(",", ":")).encode("ascii")
+
+
 def error_response(err: APIError, headers: Optional[dict] = None) -> JSONResponse:
-    return JSONResponse(err.body(), status_code=err.status, headers=headers)
+    return _AsciiJSON(err.body(), status_code=err.status, headers=headers)
 
 
 # ---------------------------------------------------------------------------------------------------- validation
@@ -399,8 +406,24 @@ async def _json_body(request: Request) -> dict:
         body = json.loads(raw)
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise APIError(400, f"The request body is not valid JSON: {e}", code="invalid_json") from None
+    except RecursionError:
+        raise APIError(400, "The request body is nested too deeply", code="invalid_json") from None
     if not isinstance(body, dict):
         raise APIError(400, f"The request body must be a JSON object, got {_type_name(body)}", code="invalid_type")
+    stack = [body]
+    while stack:  # JSON may spell lone UTF-16 surrogates (\ud800), which no text can hold
+        v = stack.pop()
+        if isinstance(v, dict):
+            stack.extend(v.keys())
+            stack.extend(v.values())
+        elif isinstance(v, list):
+            stack.extend(v)
+        elif isinstance(v, str):
+            try:
+                v.encode("utf-8")
+            except UnicodeEncodeError:
+                raise APIError(400, "The request body holds a string with a lone UTF-16 surrogate (not text)",
+                               code="invalid_json") from None
     return body
 
 

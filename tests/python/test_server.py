@@ -242,12 +242,51 @@ def test_errors(server, client, syn_path):
     for body, code in raw:
         r = httpx.post(server.url + "/v1/completions", content=body, timeout=TIMEOUT)
         assert r.status_code == 400 and r.json()["error"]["code"] == code, (body, r.text)
+    for body, code in [(b"[" * 100000 + b"]" * 100000, "invalid_json"),
+                       (b'{"model": "syn", "prompt": "a\\ud800b"}', "invalid_json"),
+                       (b'{"model": "\\udfff", "prompt": "x"}', "invalid_json"),
+                       (b'{"model": "syn", "prompt": "x", "temperature": NaN}', "invalid_value"),
+                       (b'{"model": "syn", "prompt": "x", "top_p": Infinity}', "invalid_value")]:
+        r = httpx.post(server.url + "/v1/completions", content=body, timeout=TIMEOUT)
+        assert r.status_code == 400 and r.json()["error"]["code"] == code, (body[:60], r.text)
     r = httpx.get(server.url + "/v1/nothing", timeout=TIMEOUT)
     assert r.status_code == 404 and r.json()["error"]["code"] == "not_found"
     r = httpx.get(server.url + "/v1/completions", timeout=TIMEOUT)
     assert r.status_code == 405 and "error" in r.json()
     # the server is still well and answers
     assert client.completions.create(model="syn", prompt="hi", max_tokens=2, temperature=0).usage.completion_tokens == 2
+
+
+def test_random_requests_never_break_the_server(server):
+    """300 requests with random values in random fields: every answer is a 200 or an OpenAI-style 4xx error."""
+    import random
+
+    vals = [None, True, False, 0, 1, -1, 2**31, 2**70, -2**70, 1e308, float("nan"), float("inf"), 0.5, "", "x", "syn",
+            [], [1], ["a"], [[1, 2]], {}, {"a": 1}, "\x00", [""], ["stop"] * 20, 20, 21, 5, [10**30], 300,
+            {"include_usage": "yes"}, [{"type": "image"}]]
+    fields = ["model", "messages", "prompt", "max_tokens", "max_completion_tokens", "temperature", "top_p", "top_k",
+              "seed", "stop", "stream", "logprobs", "top_logprobs", "n", "echo", "stream_options", "presence_penalty",
+              "suffix", "best_of"]
+    rng = random.Random(15)
+    with httpx.Client(timeout=TIMEOUT) as c:
+        for _ in range(300):
+            chat = rng.random() < 0.5
+            body = {"model": "syn", "max_tokens": 2}
+            body.update({"messages": [{"role": "user", "content": "hi"}]} if chat else {"prompt": "hi"})
+            for _ in range(rng.randint(1, 3)):
+                body[rng.choice(fields)] = rng.choice(vals)
+            if chat and rng.random() < 0.3:
+                body["messages"] = [rng.choice([{"role": rng.choice(vals), "content": rng.choice(vals)},
+                                                rng.choice(vals)])]
+            raw = json.dumps(body, allow_nan=True)
+            r = c.post(server.url + ("/v1/chat/completions" if chat else "/v1/completions"), content=raw)
+            assert r.status_code == 200 or 400 <= r.status_code < 500, (raw, r.text)
+            if r.status_code != 200:
+                err = r.json()["error"]
+                assert set(err) == {"message", "type", "param", "code"} and err["message"], raw
+            elif body.get("stream") is True:
+                assert r.text.endswith("data: [DONE]\n\n"), raw
+        assert c.get(server.url + "/health").json()["failed"] == 0
 
 
 def test_api_key(syn_path):
