@@ -38,6 +38,9 @@ def main(argv=None) -> int:
     ap.add_argument("-t", "--threads", type=int, default=None)
     ap.add_argument("--turns", type=int, default=10)
     ap.add_argument("--max-tokens", type=int, default=48)
+    ap.add_argument("--system-words", type=int, default=0,
+                    help="start the chat with a system prompt of this many words of tests/data/english_prose.txt "
+                         "(a long history from the first turn)")
     ap.add_argument("--json", default=None, help="write the per-turn figures here")
     args = ap.parse_args(argv)
     reuse = metalattn.load(args.model, device=args.device, n_threads=args.threads)
@@ -46,6 +49,12 @@ def main(argv=None) -> int:
         m.generate("Hello", max_tokens=4)
     reuse.reset()
     msgs, rows = [], []
+    if args.system_words:
+        import pathlib
+
+        prose = (pathlib.Path(__file__).resolve().parent.parent / "tests" / "data" / "english_prose.txt").read_text()
+        doc = " ".join(prose.split()[:args.system_words])
+        msgs.append({"role": "system", "content": "Answer questions; here is a text to refer to.\n\n" + doc})
     print(f"{reuse.path.name} on {reuse.device}, {args.turns} turns, answers up to {args.max_tokens} tokens")
     print(f"{'turn':>4} {'prompt':>7} {'cached':>7} {'TTFT reuse ms':>14} {'TTFT fresh ms':>14} {'same':>5}")
     for turn in range(args.turns):
@@ -69,7 +78,7 @@ def main(argv=None) -> int:
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"model": reuse.path.name, "device": reuse.device, "threads": reuse.n_threads,
-                       "max_tokens": args.max_tokens, "turns": rows}, f, indent=1)
+                       "max_tokens": args.max_tokens, "system_words": args.system_words, "turns": rows}, f, indent=1)
     return 0 if all(r["same"] for r in rows) else 1
 
 
