@@ -194,7 +194,7 @@ def _require(metadata: Dict[str, Any], key: str, path: str, kind, what: str):
                 raise ValueError
             return int(value)
         return float(value)
-    except (TypeError, ValueError):
+    except (TypeError, ValueError, OverflowError):  # OverflowError: int(inf)
         raise GGUFError(f"{path}: metadata key {key!r} should be {kind.__name__} ({what}), got {value!r}") from None
 
 
@@ -231,11 +231,11 @@ def _read_config(metadata: Dict[str, Any], path: str, embd_rows: Optional[int],
                      (key("attention.head_count_kv"), n_kv_heads), (key("context_length"), n_ctx)):
         if value <= 0:
             raise GGUFError(f"{path}: metadata key {k!r} must be positive, got {value}")
-    # Each layer needs its 7 matrices and 2 norms: a layer count the tensor table cannot hold is corrupt, and is
-    # refused before anything loops over the layers.
-    if n_tensors is not None and n_layers * 9 > n_tensors:
-        raise GGUFError(f"{path}: {key('block_count')} = {n_layers} layers need at least {9 * n_layers} tensors, "
-                        f"the file has {n_tensors}")
+    # A layer count the tensor table cannot hold (every layer has 9 or more tensors) is corrupt, and is refused
+    # before anything loops over the layers; a few layers too many are named by their first missing tensor below.
+    if n_tensors is not None and n_layers > n_tensors:
+        raise GGUFError(f"{path}: {key('block_count')} = {n_layers} layers, but the file holds only {n_tensors} "
+                        "tensors")
     if n_heads % n_kv_heads:
         raise GGUFError(f"{path}: {key('attention.head_count')} {n_heads} is not a multiple of "
                         f"{key('attention.head_count_kv')} {n_kv_heads}")

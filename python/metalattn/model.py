@@ -14,7 +14,7 @@ from typing import Iterator, Optional, Sequence, Union
 
 import numpy as np
 
-from .errors import (BackendUnsupportedError, ContextChangedError, ContextOverflowError, DeviceError,
+from .errors import (BackendUnsupportedError, ContextChangedError, ContextOverflowError, DeviceError, GGUFError,
                      InvalidArgumentError, MetalattnError, ModelClosedError, NonFiniteError, TokenError)
 from .sampling import sample
 
@@ -154,6 +154,9 @@ class Model:
                 self.tokenizer = Tokenizer.from_gguf_fields(self.gguf.metadata)
             except MetalattnError as e:  # the tokenizer's messages name the key; add the file
                 raise type(e)(f"{self.path}: {e}") from None
+            if self.tokenizer.vocab_size != self.gguf.config.vocab_size:  # every id the model emits must decode
+                raise GGUFError(f"{self.path}: tokenizer.ggml.tokens holds {self.tokenizer.vocab_size} tokens but "
+                                f"the model's vocabulary (token_embd.weight rows) is {self.gguf.config.vocab_size}")
         finally:
             if gc_was_enabled:
                 gc.enable()

@@ -32,6 +32,7 @@ import json
 import math
 import os
 import random
+import re
 import resource
 import select
 import signal
@@ -741,9 +742,15 @@ def campaign(seed: int, cases: int, jobs: int, timeout: float, mem_mb: int, devi
              start: int = 0, corpus_dir: Optional[str] = None, real: bool = True, progress: bool = True,
              save_dir: Optional[str] = None) -> dict:
     """Runs cases [start, start + cases) of campaign `seed` in forked children, `jobs` at a time."""
-    import metalattn.model  # noqa: F401 - imported once here, inherited by every child
-    import metalattn.integrity  # noqa: F401
+    # Imported once here and inherited by every child: the whole run tests the code as it was when it started.
     import gguf  # noqa: F401
+    import jinja2.sandbox  # noqa: F401
+
+    import metalattn.chat  # noqa: F401
+    import metalattn.convert  # noqa: F401
+    import metalattn.integrity  # noqa: F401
+    import metalattn.model  # noqa: F401
+    import metalattn.tokenizer  # noqa: F401
 
     corpus_dir = corpus_dir or os.path.join(tempfile.gettempdir(), "metalattn-fuzz-corpus")
     corpus = build_corpus(corpus_dir)
@@ -754,6 +761,7 @@ def campaign(seed: int, cases: int, jobs: int, timeout: float, mem_mb: int, devi
     workdir = tempfile.mkdtemp(prefix="metalattn-fuzz-")
     counts = collections.Counter()
     by_error = collections.Counter()
+    by_kind = collections.Counter()
     failures = []
     running = {}  # pid -> (index, read fd, deadline, chunks)
     next_index, end = start, start + cases
@@ -785,7 +793,11 @@ def campaign(seed: int, cases: int, jobs: int, timeout: float, mem_mb: int, devi
             result["exit_status"] = os.WEXITSTATUS(status) if os.WIFEXITED(status) else status
         counts[result["outcome"]] += 1
         if result["outcome"] == "metalattn":
-            by_error[result["error"].split(":")[0]] += 1
+            cls, _, msg = result["error"].partition(": ")
+            by_error[cls.rsplit(".", 1)[-1]] += 1
+            # What went wrong, without the case's path and numbers: a coverage profile of the run.
+            msg = re.sub(r"\S*case_\d+\.gguf(\.q8_0\.gguf)?:? ?", "", msg)
+            by_kind[re.sub(r"\d+", "N", msg)[:64]] += 1
         if result["outcome"] in BAD_OUTCOMES:
             failures.append(result)
             if save_dir:
@@ -835,6 +847,7 @@ def campaign(seed: int, cases: int, jobs: int, timeout: float, mem_mb: int, devi
             pass
     return dict(seed=seed, start=start, cases=cases, jobs=jobs, timeout=timeout, mem_mb=mem_mb, device=device,
                 seconds=round(time.time() - t0, 1), outcomes=dict(counts), errors=dict(by_error.most_common()),
+                messages=dict(by_kind.most_common(60)),
                 seed_files=sorted(corpus), failures=failures)
 
 

@@ -116,3 +116,24 @@ def test_architecture_of_the_wrong_type(tmp_path, vtype, value):
     # Found by seed 2 case 110: an array-valued general.architecture reached `arch in ARCHITECTURES` (TypeError).
     path = _mutated(tmp_path, "llama_f16", lambda g: _set(g, "general.architecture", value, vtype))
     _load_fails(path, GGUFError, "'general.architecture' should be a string")
+
+
+@pytest.mark.parametrize("value", [float("inf"), float("-inf"), float("nan"), 64.5])
+def test_integer_key_holding_a_non_integral_float(tmp_path, value):
+    # Found by seed 3 cases 1338 / 1427: an F64 inf in embedding_length / head_count reached int(inf) (OverflowError).
+    path = _mutated(tmp_path, "llama_bf16", lambda g: _set(g, "llama.embedding_length", value, fz.F64))
+    _load_fails(path, GGUFError, "'llama.embedding_length' should be int")
+
+
+def test_fewer_tokens_than_the_vocabulary(tmp_path):
+    # A tokens array shorter than token_embd: ids the model can emit would not decode (a TokenError mid-generation,
+    # not naming the file); now refused at load.
+    def cut(g):
+        for kv in g.kvs:
+            if kv[0] == b"tokenizer.ggml.tokens":
+                kv[2] = (kv[2][0], kv[2][1][:-10])
+            if kv[0] in (b"tokenizer.ggml.token_type", b"tokenizer.ggml.scores"):
+                kv[2] = (kv[2][0], kv[2][1][:-10])
+
+    path = _mutated(tmp_path, "llama_q4_0", cut)
+    _load_fails(path, GGUFError, "tokenizer.ggml.tokens holds 310 tokens", "320")
