@@ -139,9 +139,9 @@ def test_time_to_first_token_does_not_grow_with_history(tmp_path):
     t0 = time.perf_counter()
     next(model.stream(ids, max_tokens=1))
     fresh_ttft = time.perf_counter() - t0
-    early = min(reuse_ttft[1:3])
-    assert reuse_ttft[-1] < 3 * early + 0.01, (reuse_ttft, fresh_ttft)
-    assert fresh_ttft > 4 * reuse_ttft[-1], (reuse_ttft, fresh_ttft)
+    early, late = min(reuse_ttft[1:3]), min(reuse_ttft[-2:])  # min of two: one scheduling hiccup is not growth
+    assert late < 3 * early + 0.01, (reuse_ttft, fresh_ttft)
+    assert fresh_ttft > 4 * late, (reuse_ttft, fresh_ttft)
 
 
 def test_real_model_chat_matches_fresh():
