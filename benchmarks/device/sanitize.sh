@@ -11,6 +11,10 @@
 #   MEMCHECK_FLAGS extra memcheck flags (e.g. "--leak-check full")
 #   PYTEST         1 (default): also run tests/python/test_reliability.py -k cuda; 0: skip (and the pip build)
 # Prints one line per test and tool and a summary table; logs land in $OUT (or ./device-out).
+# A device call lasts at most 10 minutes: split the work, e.g.
+#   TOOLS=memcheck bash benchmarks/device/sanitize.sh                  (+ the Python reliability tests)
+#   TOOLS=racecheck SHARD=0/3 PYTEST=0 bash benchmarks/device/sanitize.sh   (then 1/3, 2/3)
+#   TOOLS=synccheck PYTEST=0 bash benchmarks/device/sanitize.sh
 set -o pipefail
 OUT=${OUT:-$PWD/device-out}
 mkdir -p "$OUT"
@@ -23,9 +27,9 @@ PYTEST=${PYTEST:-1}
 CS=$(command -v compute-sanitizer || echo /usr/local/cuda/bin/compute-sanitizer)
 [ -x "$CS" ] || { echo "compute-sanitizer not found (looked on PATH and in /usr/local/cuda/bin)"; exit 2; }
 
-# -lineinfo lets the sanitizer name the source line of a bad access.
+# The CUDA sources build with -lineinfo (CMakeLists.txt), so the sanitizer names the source line of a bad access.
 ( cmake -S . -B /tmp/bsan -G Ninja -DMETALATTN_BUILD_PYTHON=OFF -DMETALATTN_BUILD_TESTS=ON -DMETALATTN_CUDA=ON \
-    -DCMAKE_CUDA_ARCHITECTURES=90 -DCMAKE_CUDA_FLAGS=-lineinfo > "$OUT/san_build.log" 2>&1 \
+    -DCMAKE_CUDA_ARCHITECTURES=90 > "$OUT/san_build.log" 2>&1 \
   && cmake --build /tmp/bsan -j"$(nproc)" --target test_cuda_kernels >> "$OUT/san_build.log" 2>&1 ) &
 build_pid=$!
 pip_rc=0

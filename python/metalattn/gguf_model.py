@@ -7,6 +7,7 @@ core never sees a malformed model.
 from __future__ import annotations
 
 import os
+import stat
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional, Tuple
 
@@ -407,13 +408,20 @@ def _open_reader(path: str):
     import gguf  # deferred: importing gguf costs ~0.1 s and is only needed here
 
     try:
-        size = os.path.getsize(path)
+        st = os.stat(path)
     except OSError as e:
         raise GGUFError(f"{path}: cannot open: {e.strerror or e}") from e
+    if not stat.S_ISREG(st.st_mode):
+        kind = "a directory" if stat.S_ISDIR(st.st_mode) else "not a regular file"
+        raise GGUFError(f"{path}: not a GGUF file ({kind})")
+    size = st.st_size
     if size < 24:  # magic + version + tensor count + kv count
         raise GGUFError(f"{path}: not a GGUF file ({size} bytes, too short for a GGUF header)")
-    with open(path, "rb") as f:
-        magic = f.read(4)
+    try:
+        with open(path, "rb") as f:
+            magic = f.read(4)
+    except OSError as e:
+        raise GGUFError(f"{path}: cannot read: {e.strerror or e}") from e
     if magic != GGUF_MAGIC:
         raise GGUFError(f"{path}: not a GGUF file (magic {magic!r}, expected {GGUF_MAGIC!r})")
     try:

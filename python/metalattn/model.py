@@ -287,7 +287,10 @@ class Model:
             template = chat.builtin_template(tok.token_to_id)
         bos = tok.token_text(tok.bos_id) if tok.bos_id is not None else ""
         eos = tok.token_text(tok.eos_id) if tok.eos_id is not None else ""
-        text = chat.render(template, messages, add_generation_prompt, bos_token=bos, eos_token=eos, **extra)
+        try:
+            text = chat.render(template, messages, add_generation_prompt, bos_token=bos, eos_token=eos, **extra)
+        except chat.ChatTemplateError as e:  # the template is the file's: name it
+            raise chat.ChatTemplateError(f"{self.path}: {e}") from None
         if tok.add_bos and bos and text.startswith(bos):
             text = text[len(bos):]
         return text

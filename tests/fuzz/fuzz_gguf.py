@@ -303,7 +303,9 @@ OPTIONAL_KEYS = [
     ("tokenizer.ggml.pre", STRING, [b"qwen2", b"smollm", b"default", b"unknown-pre", b"\x80"]),
     ("tokenizer.chat_template", STRING, [b"{{", b"{% for m in messages %}{{ m.content }}{% endfor %}",
                                          b"{{ ''.__class__.__mro__ }}", b"{{ raise_exception('no') }}",
-                                         b"{% for i in range(10**9) %}{% endfor %}", b"\xff"]),
+                                         b"{% for i in range(10**9) %}{% endfor %}", b"\xff", b"{{ 'a' * 10**9 }}",
+                                         b"{% set ns = namespace(s='ab') %}{% for i in range(64) %}"
+                                         b"{% set ns.s = ns.s ~ ns.s %}{% endfor %}{{ ns.s }}"]),
     ("general.architecture", STRING, [b"llama", b"qwen2", b"qwen3", b"gemma3", b"gpt2", b"", b"\xff"]),
 ]
 

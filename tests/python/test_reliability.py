@@ -488,3 +488,33 @@ def test_tokenizer_errors_name_the_file(tmp_path):
     w.close()
     with pytest.raises(GGUFError, match="bad_tok.gguf.*tokenizer.ggml.tokens"):
         metalattn.load(tmp_path / "bad_tok.gguf", device="cpu")
+
+
+def test_paths_that_are_not_gguf_files(tmp_path):
+    (tmp_path / "dir.gguf").mkdir()
+    os.mkfifo(tmp_path / "fifo.gguf")
+    (tmp_path / "empty.gguf").write_bytes(b"")
+    cases = {tmp_path / "dir.gguf": "a directory", tmp_path / "fifo.gguf": "not a regular file",
+             tmp_path / "missing.gguf": "cannot open", tmp_path / "empty.gguf": "too short"}
+    for path, words in cases.items():
+        with pytest.raises(GGUFError) as e:
+            metalattn.load(path, device="cpu")
+        assert type(e.value) is GGUFError and str(path) in str(e.value) and words in str(e.value), e.value
+
+
+@pytest.mark.parametrize("template", [
+    "{{ 'a' * 10**9 }}", "{{ 9 ** 999999 }}", "{{ 'a'|center(10**9) }}", "{{ 'a'.ljust(2**30) }}", "{{ '%1000000000d' % 1 }}",
+    "{% set ns = namespace(s='ab') %}{% for i in range(64) %}{% set ns.s = ns.s ~ ns.s %}{% endfor %}{{ ns.s }}",
+    "{% set ns = namespace(s='ab') %}{% for i in range(64) %}{% set ns.s = ns.s + ns.s %}{% endfor %}{{ ns.s }}",
+    "{% for i in range(100000) %}{% for j in range(100000) %}x{% endfor %}{% endfor %}",
+    "{% for i in range(10**9) %}{% endfor %}"])
+def test_hostile_chat_template_is_stopped_quickly(small, tmp_path, template):
+    """A chat template is code from the file: bounded in what it builds (no minutes of work, no GB strings)."""
+    from metalattn.chat import ChatTemplateError
+
+    model = _load(small)
+    model.gguf.metadata["tokenizer.chat_template"] = template
+    t = time.perf_counter()
+    with pytest.raises(ChatTemplateError, match="small.gguf"):
+        model.apply_chat_template([{"role": "user", "content": "hi"}])
+    assert time.perf_counter() - t < 5.0
