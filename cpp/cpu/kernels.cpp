@@ -115,13 +115,9 @@ void quantize_acts(Isa isa, const float* x, int64_t n, block_q16_act* out) {
 namespace {
 // The weight types the SIMD tiles handle; Q2_K and Q3_K run the scalar reference on every ISA.
 bool simd_type(GgmlType t) { return t != GgmlType::Q2_K && t != GgmlType::Q3_K; }
-// The AVX-512 tiles cover the legacy and float types; the other quantized types take the AVX2 tiles there (the
-// int16 activations are the same bytes on every ISA).
-Isa tile_isa(Isa isa, GgmlType t) {
-  if (!simd_type(t)) return Isa::Scalar;
-  const bool legacy = t == GgmlType::Q4_0 || t == GgmlType::Q4_1 || t == GgmlType::Q8_0 || !is_quantized(t);
-  return isa == Isa::Avx512 && !legacy ? Isa::Avx2 : isa;
-}
+// Every SIMD type runs on each SIMD ISA (AVX-512: its own tiles for the legacy and float types, the AVX2 group tiles
+// with vpdpwssd for the others; the int16 activations are the same bytes on every ISA).
+Isa tile_isa(Isa isa, GgmlType t) { return simd_type(t) ? isa : Isa::Scalar; }
 }  // namespace
 
 bool uses_quantized_acts(Isa isa, GgmlType weight_type) {

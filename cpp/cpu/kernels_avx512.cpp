@@ -14,6 +14,7 @@
 
 #include <algorithm>
 #include <cstring>
+#include <type_traits>
 #include <vector>
 
 #include "kernels_isa.h"
@@ -286,9 +287,18 @@ void quantize_acts(const float* x, int64_t n, block_q16_act* out) {
   }
 }
 
+// Q5_0, Q5_1, Q4_K, Q5_K, Q6_K: the group tiles of the AVX2 kernels (group_tiles.h) with vpdpwssd on ymm registers.
+namespace groups {
+#define MA_GROUP_TILES_VNNI 1
+#include "group_tiles.h"
+}  // namespace groups
+
 void matmul(const WeightView& w, const float* X, const block_q16_act* Xq, int n_tok, float* Y, int64_t ldy,
             int64_t r0, int64_t r1) {
-  TiledMatmul<Isa>::matmul(w, X, Xq, n_tok, Y, ldy, r0, r1);
+  if (Isa::kAllQuantTypes || !is_quantized(w.type) || w.type == GgmlType::Q4_0 || w.type == GgmlType::Q4_1 ||
+      w.type == GgmlType::Q8_0)
+    return TiledMatmul<Isa>::matmul(w, X, Xq, n_tok, Y, ldy, r0, r1);
+  TiledMatmul<groups::GroupIsa>::matmul(w, X, Xq, n_tok, Y, ldy, r0, r1);
 }
 
 }  // namespace metalattn::cpu::avx512

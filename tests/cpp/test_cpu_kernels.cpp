@@ -10,6 +10,7 @@
 #include <cstring>
 #include <random>
 #include <stdexcept>
+#include <string>
 #include <thread>
 #include <vector>
 
@@ -515,6 +516,17 @@ TEST(QuantizedDot, ExtremeValuesDoNotOverflow) {
       }
     }
   }
+}
+
+// Every kernel test above runs each ISA this CPU supports and silently leaves out the others; this one test says so
+// (a skip in the ctest output) when a path could not be checked here, e.g. AVX-512 on an AVX2-only machine.
+TEST(Dispatch, EveryIsaPathRanHere) {
+  std::string missing;
+  for (Isa isa : {Isa::Avx2, Isa::Avx512})
+    if (!isa_supported(isa)) missing += std::string(missing.empty() ? "" : ", ") + isa_name(isa);
+  if (!missing.empty())
+    GTEST_SKIP() << "kernel tests skipped the " << missing << " path(s): this CPU lacks the instructions (best: "
+                 << isa_name(best_isa()) << "); they were compiled but not run";
 }
 
 TEST(Dispatch, MissingQuantizedActivationsThrow) {
