@@ -519,7 +519,7 @@ def _file_type_name(metadata: Dict[str, Any], tensors: Dict[str, WeightTensor]) 
             import gguf
 
             return gguf.LlamaFileType(int(ftype)).name.replace("MOSTLY_", "")
-        except (ValueError, TypeError):
+        except (ValueError, TypeError, OverflowError):  # an unknown id, a string, a list, inf
             return f"file_type {ftype}"
     # No declared file type: name the type most of the layer matrices use.
     counts: Dict[str, int] = {}

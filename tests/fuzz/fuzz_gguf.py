@@ -449,7 +449,7 @@ def m_array(rng, g):
 
 def m_tensor_dims(rng, g):
     t = rng.choice(g.tensors)
-    dims = list(t[1])
+    dims = list(t[1]) or [1]  # an earlier mutation may have left none
     op = rng.randrange(6)
     if op == 0:
         dims[rng.randrange(len(dims))] = _interesting_int(rng)
@@ -802,9 +802,12 @@ def campaign(seed: int, cases: int, jobs: int, timeout: float, mem_mb: int, devi
             by_kind[re.sub(r"\d+", "N", msg)[:64]] += 1
         if result["outcome"] in BAD_OUTCOMES:
             failures.append(result)
-            if save_dir:
+            if save_dir and result["outcome"] != "fuzzer_error":
                 os.makedirs(save_dir, exist_ok=True)
-                make_case(seed, index, corpus, dict(parsed), os.path.join(save_dir, f"case_{seed}_{index}.gguf"))
+                try:
+                    make_case(seed, index, corpus, parsed, os.path.join(save_dir, f"case_{seed}_{index}.gguf"))
+                except Exception as e:  # noqa: BLE001 - never lose the run over a file that could not be saved
+                    result["save_error"] = repr(e)
 
     try:
         while next_index < end or running:

@@ -137,3 +137,14 @@ def test_fewer_tokens_than_the_vocabulary(tmp_path):
 
     path = _mutated(tmp_path, "llama_q4_0", cut)
     _load_fails(path, GGUFError, "tokenizer.ggml.tokens holds 310 tokens", "320")
+
+
+@pytest.mark.parametrize("vtype,value", [(fz.F64, float("inf")), (fz.F32, float("nan")), (fz.STRING, b"Q4_0"),
+                                         (fz.U32, 2**32 - 1)])
+def test_odd_general_file_type_is_only_a_label(tmp_path, vtype, value):
+    # Found by seed 1 case 4144 of the long run: general.file_type = F64 inf reached int(inf) (OverflowError).
+    # The key only names the file's type for `metalattn info`: an odd value is shown as it is, and the model runs.
+    path = _mutated(tmp_path, "llama_q4_0", lambda g: _set(g, "general.file_type", value, vtype))
+    with metalattn.load(path, device="cpu", n_threads=1) as model:
+        assert model.gguf.file_type_name.startswith("file_type ")
+        assert model.generate("hello", max_tokens=2) is not None
