@@ -73,6 +73,10 @@ def cmd_info(args) -> int:
         from .model import default_model_path
 
         path = default_model_path()
+    else:
+        from .registry import resolve
+
+        path = resolve(path)  # a file, or a model name such as "qwen2.5-coder-0.5b"
     g = load_gguf(path)
     if args.check:
         from .integrity import check_tensors
