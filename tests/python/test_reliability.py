@@ -212,16 +212,16 @@ def _interrupt_somewhere(call, first_delay=0.01, deadline=20.0):
     delay = first_delay
     while time.time() < end:
         timer = _interrupt_after(delay)
+        finished = False
         try:
             call()
+            finished = True
+            timer.join()
+            time.sleep(0.2)  # a call faster than the timer: its signal lands here, and we try again
         except KeyboardInterrupt:
             timer.join()
-            return True
-        timer.join()
-        try:  # the signal may arrive just after the call: let it land here, then try again
-            time.sleep(0.05)
-        except KeyboardInterrupt:
-            pass
+            if not finished:
+                return True
         delay = delay / 2
     return False
 
