@@ -219,7 +219,7 @@ class CudaBackend final : public Backend {
   bool general_ = false;
   float* g_qkv_ = nullptr;     // decode: raw QKV projections [q_dim + 2 kv_dim]
   float* g_tmp_ = nullptr;     // decode: O / down projection before its post-norm [d_model]
-  float* g_gu_ = nullptr;      // decode: gate/up rows before GELU [2 d_ff]
+  float* g_xalt_ = nullptr;    // decode with post-norms: the residual stream's second buffer [d_model] (PreAdd)
   float* g_ptmp_ = nullptr;    // prefill: O / down GEMM output before its post-norm [chunk][d_model]
   int g_max_splits_ = 1;
   float *g_part_o_ = nullptr, *g_part_ml_ = nullptr;
@@ -925,7 +925,7 @@ void CudaBackend::setup_general(const ModelWeights& w) {
   }
   g_qkv_ = activation_alloc<float>(static_cast<size_t>(q_dim) + 2 * kv_dim);
   g_tmp_ = activation_alloc<float>(d);
-  g_gu_ = activation_alloc<float>(2 * static_cast<size_t>(s.d_ff));
+  if (s.post_norms) g_xalt_ = activation_alloc<float>(d);
   if (s.post_norms) g_ptmp_ = device_alloc<float>(static_cast<size_t>(chunk_) * d, mem_.scratch);
   g_max_splits_ = arch_attn_max_splits(s.n_ctx);
   g_part_o_ = device_alloc<float>(static_cast<size_t>(s.n_heads) * g_max_splits_ * s.head_dim, mem_.scratch);
@@ -934,12 +934,12 @@ void CudaBackend::setup_general(const ModelWeights& w) {
   CUDA_CHECK(cudaMemsetAsync(g_counters_, 0, s.n_heads * sizeof(unsigned int), st));
 }
 
-// Embedding, then per layer 5 launches (Qwen 2 / Qwen 3 style: SiLU, no post-norms) up to 8 (Gemma 3: GELU and
-// post-norms), then the final norm + lm_head + argmax.
+// Embedding, then per layer 5 launches (norm+QKV, attention with the QKV finish, O, norm+gate/up with the GLU
+// epilogue, down), then the final norm + lm_head + argmax; post-norm models fold each post-norm + residual add into
+// the next norm+matvec's staging (PreAdd) and add the last layer's in one more launch.
 int CudaBackend::general_kernels_per_token() const {
   const ModelSpec& s = spec_;
-  const int per_layer = 2 + (s.post_norms ? 2 : 1) + (s.activation == Activation::Silu ? 1 : 2) + (s.post_norms ? 2 : 1);
-  return 2 + per_layer * s.n_layers;
+  return 2 + 5 * s.n_layers + (s.post_norms ? 1 : 0);
 }
 
 QkvFinishArgs CudaBackend::finish_args(const DevLayer& L, const float* qkv, int n, const int32_t* pos0, float* q_out,
@@ -995,12 +995,28 @@ void CudaBackend::enqueue_decode_general(bool capture_hidden) {
   launch_embed_scaled(embd_, io_dev_, nullptr, 1, s.embed_scale, x_, st);
   after_launch();
   if (capture_hidden) CUDA_CHECK(cudaMemcpyAsync(hidden_, x_, d * sizeof(float), cudaMemcpyDefault, st));
+  // Post-norm models: the O / down projection's output waits in g_tmp_ (`pending`) for the next norm+matvec, which
+  // stages x + rmsnorm(g_tmp_) * post_norm and writes that sum to the other residual buffer (PreAdd). take_pending
+  // hands that add to the next launch and returns the launch's input; `x` then names the buffer holding the sum.
+  float* x = x_;
+  PreAdd pending;
+  auto take_pending = [&](PreAdd* pre) {
+    float* in = x;
+    *pre = pending;
+    pending = PreAdd{};
+    if (pre->y != nullptr) x = pre->x_next = x == x_ ? g_xalt_ : x_;
+    return in;
+  };
+  PreAdd pre;
   for (int l = 0; l < s.n_layers; ++l) {
     const DevLayer& L = layers_[l];
     float* kc = k_cache_ + l * layer_cache;
     float* vc = v_cache_ + l * layer_cache;
-    launch_norm_matvec(L.qkv, x_, L.attn_norm, s.rms_eps, g_qkv_, st);
+    const float* in = take_pending(&pre);
+    launch_norm_matvec(L.qkv, in, L.attn_norm, s.rms_eps, g_qkv_, st, pre);
     after_launch();
+    if (capture_hidden && l > 0)  // the previous layer's output (its post-norm add completed by the launch above)
+      CUDA_CHECK(cudaMemcpyAsync(hidden_ + static_cast<size_t>(l) * d, x, d * sizeof(float), cudaMemcpyDefault, st));
     ArchAttnArgs att = attention_args(L, q_, 1, pos, kc, vc);  // finishes q, k, v itself and appends k, v
     att.fused_finish = true;
     att.finish = finish_args(L, g_qkv_, 1, pos, nullptr, kc, vc);
@@ -1009,33 +1025,30 @@ void CudaBackend::enqueue_decode_general(bool capture_hidden) {
     after_launch();
     if (s.post_norms) {
       launch_norm_matvec(L.o, attn_out_, nullptr, 0.f, g_tmp_, st);
-      after_launch();
-      launch_add_normed(g_tmp_, L.post_attn_norm, s.rms_eps, 1, d, x_, st);
+      pending = PreAdd{g_tmp_, L.post_attn_norm, s.rms_eps, nullptr};
     } else {
-      launch_matvec_residual(L.o, attn_out_, x_, st);
+      launch_matvec_residual(L.o, attn_out_, x, st);
     }
     after_launch();
-    if (s.activation == Activation::Silu) {
-      launch_norm_matvec_silu_glu(L.gate_up, x_, L.ffn_norm, s.rms_eps, ffn_act_, st);
-    } else {
-      launch_norm_matvec(L.gate_up, x_, L.ffn_norm, s.rms_eps, g_gu_, st);
-      after_launch();
-      launch_glu(g_gu_, 1, s.d_ff, s.activation, ffn_act_, false, nullptr, st);
-    }
+    in = take_pending(&pre);
+    launch_norm_matvec_silu_glu(L.gate_up, in, L.ffn_norm, s.rms_eps, ffn_act_, st, s.activation, pre);
     after_launch();
     if (s.post_norms) {
       launch_norm_matvec(L.down, ffn_act_, nullptr, 0.f, g_tmp_, st);
-      after_launch();
-      launch_add_normed(g_tmp_, L.post_ffn_norm, s.rms_eps, 1, d, x_, st);
+      pending = PreAdd{g_tmp_, L.post_ffn_norm, s.rms_eps, nullptr};
     } else {
-      launch_matvec_residual(L.down, ffn_act_, x_, st);
+      launch_matvec_residual(L.down, ffn_act_, x, st);
     }
     after_launch();
-    if (capture_hidden)
-      CUDA_CHECK(cudaMemcpyAsync(hidden_ + static_cast<size_t>(l + 1) * d, x_, d * sizeof(float), cudaMemcpyDefault,
-                                 st));
   }
-  launch_norm_matvec_argmax(lm_head_, x_, out_norm_, s.rms_eps, logits_, argmax_, result_dev_, io_dev_, st);
+  if (pending.y != nullptr) {  // the last layer's post-norm + residual, in place
+    launch_add_normed(pending.y, pending.w, pending.eps, 1, d, x, st);
+    after_launch();
+  }
+  if (capture_hidden)
+    CUDA_CHECK(cudaMemcpyAsync(hidden_ + static_cast<size_t>(s.n_layers) * d, x, d * sizeof(float),
+                               cudaMemcpyDefault, st));
+  launch_norm_matvec_argmax(lm_head_, x, out_norm_, s.rms_eps, logits_, argmax_, result_dev_, io_dev_, st);
   after_launch();
 }
 

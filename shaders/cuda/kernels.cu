@@ -851,10 +851,24 @@ struct NormPrefetch {
 // second pass over x_s. x is read through L2 (it was written by the kernel before), in batches of kStageBatch loads
 // per thread, so the staging costs one round trip. With parts set, x[i] + parts[0][i] + ... + parts[n_parts-1][i]
 // (rows of `cols` floats, summed in that order) is staged instead: the split-K partials of the fused-layer path.
-// Ends with a barrier.
+// With add.y set (PreAdd, kernels.cuh), x + rmsnorm(add.y) * add.w is staged instead of x, as add_normed_kernel
+// computes it, and block 0 writes it to add.x_next. Ends with a barrier.
 __device__ __forceinline__ float stage_normed(const float* x, const float* __restrict__ norm_w, const NormPrefetch& pre,
                                               float eps, int cols, int n, float* x_s, float* red,
-                                              const float* parts = nullptr, int n_parts = 0) {
+                                              const float* parts = nullptr, int n_parts = 0,
+                                              const PreAdd& add = PreAdd{}) {
+  // PreAdd: y's reduction first, then the add as x is staged: two round trips to L2 and one block reduction more
+  // than plain staging. (Loading x, y and the post-norm weights of the first batch together ahead of the reduction,
+  // one round trip fewer, measured slower on the H100: Gemma 3 270M-shaped decode 1,853 -> 1,737 tok/s, NOTES.)
+  float add_scale = 0.f;
+  if (add.y != nullptr) {
+    float sy = 0.f;
+    for (int i = threadIdx.x; i < cols; i += blockDim.x) {
+      const float v = __ldcg(add.y + i);
+      sy += v * v;
+    }
+    add_scale = 1.f / sqrtf(detail::block_sum(sy, red) / static_cast<float>(cols) + add.eps);
+  }
   float ss = 0.f;
   for (int i0 = threadIdx.x, batch = 0; i0 < n; i0 += kStageBatch * blockDim.x, ++batch) {
     float v[kStageBatch], w[kStageBatch];
@@ -869,6 +883,16 @@ __device__ __forceinline__ float stage_normed(const float* x, const float* __res
       for (int u = 0; u < kStageBatch; ++u) {
         const int i = i0 + u * blockDim.x;
         if (i < cols) v[u] = sum_parts(v[u], parts, n_parts, cols, i);
+      }
+    }
+    if (add.y != nullptr) {
+#pragma unroll
+      for (int u = 0; u < kStageBatch; ++u) {
+        const int i = i0 + u * blockDim.x;
+        if (i < cols) {
+          v[u] = v[u] + __ldcg(add.y + i) * add_scale * __ldg(add.w + i);
+          if (blockIdx.x == 0) add.x_next[i] = v[u];
+        }
       }
     }
 #pragma unroll
@@ -895,13 +919,17 @@ enum class NormOut : int { Plain = 0, Qkv = 1, SiluGlu = 2 };
 
 struct NormMatvecArgs {
   NormOut mode = NormOut::Plain;
+  bool gelu = false;   // SiluGlu: GELU (tanh form) in place of SiLU
+  PreAdd pre;          // a residual add folded into the staging (see stage_normed)
   float* y = nullptr;  // Plain: the output rows; SiluGlu: the W.rows / 2 activations
   QkvTargets qkv;
   DevMatrix embed;           // Qkv with embed.payload set: x is row qkv.io->token of embed
   float* x_out = nullptr;    // ... and block 0 writes that row here (the residual stream)
 };
 
-template <typename B, int TPR>
+// PRE: the PreAdd variant (a.pre set), a separate instantiation so that the kernels of every other layer compile as
+// if it did not exist (a runtime test cost Qwen2.5-0.5B-shaped decode 2.5% on the H100).
+template <typename B, int TPR, bool PRE>
 __global__ void __launch_bounds__(512) norm_matvec_kernel(DevMatrix W, const float* __restrict__ x,
                                                           const float* __restrict__ norm_w, float eps,
                                                           NormMatvecArgs a) {
@@ -960,7 +988,7 @@ __global__ void __launch_bounds__(512) norm_matvec_kernel(DevMatrix W, const flo
   } else {
     grid_dependency_wait();
     trace.released();
-    scale = stage_normed(x, norm_w, nw, eps, W.cols, n, x_s, red);
+    scale = stage_normed(x, norm_w, nw, eps, W.cols, n, x_s, red, nullptr, 0, PRE ? a.pre : PreAdd{});
   }
 
   const float acc = rd.finish(W, row, sub, x_s) * scale;
@@ -973,7 +1001,12 @@ __global__ void __launch_bounds__(512) norm_matvec_kernel(DevMatrix W, const flo
     const int u = unit0 + threadIdx.x;
     if (threadIdx.x < units_per_block && u < units) {
       const float g = y_s[threadIdx.x], up = y_s[threadIdx.x + units_per_block];
-      a.y[u] = g / (1.f + expf(-g)) * up;
+      if (a.gelu) {  // the formula of glu_kernel (arch.cu) and the CPU reference
+        const float t = 0.7978845608028654f * g * (1.f + 0.044715f * g * g);
+        a.y[u] = 0.5f * g * (1.f + tanhf(t)) * up;
+      } else {
+        a.y[u] = g / (1.f + expf(-g)) * up;
+      }
     }
   } else {
     if (sub == 0) y_s[local] = acc;
@@ -1781,10 +1814,11 @@ typename Family::Fn quant_kernel_for(GgmlType t, const char* what) {
   }
 }
 
+template <bool PRE>
 struct NormKernels {
   using Fn = void (*)(DevMatrix, const float*, const float*, float, NormMatvecArgs);
   template <GgmlType T>
-  static Fn get() { return norm_matvec_kernel<typename BlkSel<T>::type, kMatvecTpr>; }
+  static Fn get() { return norm_matvec_kernel<typename BlkSel<T>::type, kMatvecTpr, PRE>; }
 };
 template <int TPR>
 struct ResidualKernels {
@@ -1825,7 +1859,7 @@ void run_norm_matvec(const DevMatrix& W, const float* x, const float* norm_w, fl
   // staging and normalizing x once for twice the rows. Measured in the decode chain (H100): 402 -> 390 us per
   // token; QKV at 512 threads was slower (391 -> 398) and O even, so they keep 256 (NOTES, "Fifth session").
   const Geometry g = matvec_geometry(W, kMatvecTpr, a.mode == NormOut::SiluGlu ? 512 : 256);
-  const NormKernels::Fn k = kernel_for<NormKernels>(W.type);
+  const auto k = a.pre.y != nullptr ? kernel_for<NormKernels<true>>(W.type) : kernel_for<NormKernels<false>>(W.type);
   allow_smem(k, g.smem);
   launch(k, dim3(g.grid), dim3(g.threads), g.smem, s, W, x, norm_w, eps, a);
 }
@@ -1861,21 +1895,31 @@ void launch_dequant_to_half(const DevMatrix& W, __half* out, cudaStream_t s) {
   CUDA_CHECK_LAUNCH();
 }
 
+static void check_pre_add(const PreAdd& pre, const float* x) {
+  if (pre.y != nullptr && (pre.w == nullptr || pre.x_next == nullptr || pre.x_next == x))
+    throw EngineError("norm matvec: a folded residual add needs its norm weights and a separate output buffer");
+}
+
 void launch_norm_matvec(const DevMatrix& W, const float* x, const float* norm_w, float eps, float* y,
-                        cudaStream_t s) {
+                        cudaStream_t s, const PreAdd& pre) {
+  check_pre_add(pre, x);
   NormMatvecArgs a;
   a.mode = NormOut::Plain;
   a.y = y;
+  a.pre = pre;
   run_norm_matvec(W, x, norm_w, eps, a, s);
 }
 
 void launch_norm_matvec_silu_glu(const DevMatrix& W, const float* x, const float* norm_w, float eps, float* act,
-                                 cudaStream_t s) {
+                                 cudaStream_t s, Activation act_fn, const PreAdd& pre) {
   // Every block takes units_per_block units of each half, so a grid of rows / rows-per-block blocks
   // covers exactly the units when the halves are equal.
   if (W.rows % 2 != 0) throw EngineError("gate/up matvec: the stacked matrix needs two equal halves");
+  check_pre_add(pre, x);
   NormMatvecArgs a;
   a.mode = NormOut::SiluGlu;
+  a.gelu = act_fn == Activation::GeluTanh;
+  a.pre = pre;
   a.y = act;
   run_norm_matvec(W, x, norm_w, eps, a, s);
 }

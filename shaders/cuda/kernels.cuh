@@ -530,12 +530,25 @@ void allow_dynamic_smem(K kernel, size_t smem) {
 // x[0..d) = row io->token of emb.
 void launch_embed(const DevMatrix& emb, const DecodeIO* io, float* x, cudaStream_t s);
 
+// A residual add folded into the staging of the next norm+matvec (post-norm architectures such as Gemma 3): the
+// kernel's input is x + rmsnorm(y, w, eps) instead of x, and block 0 writes that sum to x_next (a different buffer
+// than x: the other blocks are still reading x), which then carries the residual stream. Saves the add_normed launch
+// between a post-normed projection and the next layer or half-layer.
+struct PreAdd {
+  const float* y = nullptr;  // nullptr: no add
+  const float* w = nullptr;
+  float eps = 0.f;
+  float* x_next = nullptr;
+};
+
 // y = W . rmsnorm(x, norm_w, eps); norm_w == nullptr: plain y = W . x.
-void launch_norm_matvec(const DevMatrix& W, const float* x, const float* norm_w, float eps, float* y, cudaStream_t s);
-// W = [gate; up] stacked (two halves of W.rows / 2 rows): act[u] = silu(g_u) * up_u with g, up = W . rmsnorm(x).
-// The FFN's activation leaves this kernel finished, so the down projection stages it with plain loads.
+void launch_norm_matvec(const DevMatrix& W, const float* x, const float* norm_w, float eps, float* y, cudaStream_t s,
+                        const PreAdd& pre = {});
+// W = [gate; up] stacked (two halves of W.rows / 2 rows): act[u] = act_fn(g_u) * up_u with g, up = W . rmsnorm(x),
+// act_fn SiLU or GELU (tanh form). The FFN's activation leaves this kernel finished, so the down projection stages
+// it with plain loads.
 void launch_norm_matvec_silu_glu(const DevMatrix& W, const float* x, const float* norm_w, float eps, float* act,
-                                 cudaStream_t s);
+                                 cudaStream_t s, Activation act_fn = Activation::Silu, const PreAdd& pre = {});
 
 // W = [wq; wk; wv] stacked. q_out = rope(q); k rows (roped) and v rows go to row io->pos of the layer's caches.
 struct QkvTargets {

@@ -2727,6 +2727,57 @@ TEST(CudaArch, AttentionPromptCausalWindowAndOperandOutput) {
   }
 }
 
+// The post-norm + residual add folded into the next norm+matvec (PreAdd) and the GELU epilogue of the gate/up kernel,
+// as the general decode path uses them (Gemma 3: 5 launches per layer instead of 8), against the unfused host
+// composition: x_next = x + rmsnorm(y0, w0); then W . rmsnorm(x_next, nw), or gelu/silu(gate) * up of it.
+TEST(CudaArch, NormMatvecFoldedPostNormAddAndGeluEpilogue) {
+  REQUIRE_GPU();
+  for (const ArchShape& sh : kArchShapes) {
+    const int d = sh.d, ff = sh.d_ff;
+    for (GgmlType t : {GgmlType::Q8_0, GgmlType::Q5_0, GgmlType::F16}) {
+      SCOPED_TRACE(std::string(sh.name) + " " + type_name(t));
+      auto wg = random_matrix(t, ff, d, 0.05f), wu = random_matrix(t, ff, d, 0.05f);
+      GpuMatrix gu = to_gpu({&wg->view, &wu->view}), g1 = to_gpu({&wg->view});
+      const std::vector<float> x = random_vec(d, -3.f, 3.f), y0 = random_vec(d, -20.f, 20.f),
+                               w0 = random_vec(d, 0.5f, 1.5f), nw = random_vec(d, 0.5f, 1.5f);
+      std::vector<float> xn = y0;
+      ref::rmsnorm(xn.data(), w0.data(), kEps, d, xn.data());
+      for (int i = 0; i < d; ++i) xn[i] += x[i];
+      const std::vector<float> h = ref_rmsnorm(xn, nw, kEps);
+      const std::vector<float> g = ref_matvec(wg->view, h), u = ref_matvec(wu->view, h);
+
+      DevBuf<float> dx(x), dy0(y0), dw0(w0), dnw(nw), dxn(d), dy(ff), dact(ff + 64);
+      dxn.poison();
+      dy.poison();
+      launch_norm_matvec(g1.m, dx.p, dnw.p, kEps, dy.p, nullptr, PreAdd{dy0.p, dw0.p, kEps, dxn.p});
+      EXPECT_LE(max_abs_diff(dxn.download(), xn), 1e-5) << "x_next";
+      EXPECT_EQ(dx.download(), x) << "the input residual buffer must stay as it was";
+      EXPECT_LE(max_abs_diff(dy.download(), g), kTol) << "plain rows after the folded add";
+
+      for (Activation act : {Activation::GeluTanh, Activation::Silu}) {
+        dxn.poison();
+        dact.poison();
+        launch_norm_matvec_silu_glu(gu.m, dx.p, dnw.p, kEps, dact.p, nullptr, act, PreAdd{dy0.p, dw0.p, kEps, dxn.p});
+        std::vector<float> want(ff);
+        for (int j = 0; j < ff; ++j) {
+          const double gj = g[j];
+          const double a = act == Activation::Silu ? gj / (1 + std::exp(-gj))
+                                                   : 0.5 * gj * (1 + std::tanh(0.7978845608028654 * (gj + 0.044715 * gj * gj * gj)));
+          want[j] = static_cast<float>(a * u[j]);
+        }
+        const std::vector<float> got = dact.download();
+        EXPECT_LE(max_abs_diff(std::vector<float>(got.begin(), got.begin() + ff), want), kTol)
+            << (act == Activation::Silu ? "silu" : "gelu") << " epilogue after the folded add";
+        for (int i = ff; i < ff + 64; ++i) EXPECT_TRUE(is_poison(got[i])) << "written past d_ff at " << i;
+        EXPECT_LE(max_abs_diff(dxn.download(), xn), 1e-5) << "x_next (gate/up)";
+      }
+      // The sum may not overwrite the buffer the other blocks are reading.
+      EXPECT_THROW(launch_norm_matvec(g1.m, dx.p, dnw.p, kEps, dy.p, nullptr, PreAdd{dy0.p, dw0.p, kEps, dx.p}),
+                   EngineError);
+    }
+  }
+}
+
 TEST(CudaArch, EmbedScaledAddNormedAndGlu) {
   REQUIRE_GPU();
   for (const ArchShape& sh : kArchShapes) {
@@ -2959,8 +3010,8 @@ TEST(CudaArch, WholeModelsMatchCpuBackend) {
     const ModelSpec& s = m->spec;
     const int V = s.vocab, n = 100;
     if (!c.plain_expected) {
-      const int per_layer = 2 + (s.post_norms ? 2 : 1) + (s.activation == Activation::Silu ? 1 : 2) + (s.post_norms ? 2 : 1);
-      EXPECT_EQ(gpu->kernels_per_token(), 2 + per_layer * s.n_layers);
+      // Post-norm + residual adds fold into the next layer's kernels (PreAdd), the last layer's is one more launch.
+      EXPECT_EQ(gpu->kernels_per_token(), 2 + 5 * s.n_layers + (s.post_norms ? 1 : 0));
     } else {
       EXPECT_EQ(gpu->kernels_per_token(), 5 * s.n_layers + 1);
     }
