@@ -6,6 +6,7 @@ core never sees a malformed model.
 """
 from __future__ import annotations
 
+import math
 import os
 import stat
 from dataclasses import dataclass, field
@@ -226,6 +227,11 @@ def _read_config(metadata: Dict[str, Any], path: str, embd_rows: Optional[int],
     if key("rope.freq_base") in metadata:
         rope_base = _require(metadata, key("rope.freq_base"), path, float, "RoPE base")
     rms_eps = _require(metadata, key("attention.layer_norm_rms_epsilon"), path, float, "RMSNorm epsilon")
+    if not (math.isfinite(rope_base) and rope_base > 0):
+        raise GGUFError(f"{path}: metadata key {key('rope.freq_base')!r} must be a positive number, got {rope_base}")
+    if not (math.isfinite(rms_eps) and rms_eps >= 0):
+        raise GGUFError(f"{path}: metadata key {key('attention.layer_norm_rms_epsilon')!r} must be a finite number "
+                        f">= 0, got {rms_eps}")
 
     for k, value in ((key("block_count"), n_layers), (key("embedding_length"), d_model),
                      (key("feed_forward_length"), d_ff), (key("attention.head_count"), n_heads),
@@ -264,7 +270,7 @@ def _read_config(metadata: Dict[str, Any], path: str, embd_rows: Optional[int],
     scaling = metadata.get(key("rope.scaling.type"))
     if scaling == "linear":
         factor = _require(metadata, key("rope.scaling.factor"), path, float, "linear RoPE scaling factor")
-        if factor <= 0:
+        if not (math.isfinite(factor) and factor > 0):
             raise GGUFError(f"{path}: {key('rope.scaling.factor')} must be positive, got {factor}")
         rope_scale = 1.0 / factor
     elif scaling not in (None, "none"):
@@ -296,6 +302,9 @@ def _read_config(metadata: Dict[str, Any], path: str, embd_rows: Optional[int],
         swa_base = spec.swa_rope_base
         if key("rope.freq_base_swa") in metadata:
             swa_base = _require(metadata, key("rope.freq_base_swa"), path, float, "RoPE base of windowed layers")
+            if not (math.isfinite(swa_base) and swa_base > 0):
+                raise GGUFError(f"{path}: metadata key {key('rope.freq_base_swa')!r} must be a positive number, "
+                                f"got {swa_base}")
         layers = tuple((swa_base, 1.0, window) if w else (rope_base, rope_scale, 0) for w in windowed)
     elif rope_scale != 1.0:
         layers = tuple((rope_base, rope_scale, 0) for _ in range(n_layers))

@@ -148,3 +148,24 @@ def test_odd_general_file_type_is_only_a_label(tmp_path, vtype, value):
     with metalattn.load(path, device="cpu", n_threads=1) as model:
         assert model.gguf.file_type_name.startswith("file_type ")
         assert model.generate("hello", max_tokens=2) is not None
+
+
+@pytest.mark.parametrize("key,value", [("llama.rope.freq_base", 0.0), ("llama.rope.freq_base", float("nan")),
+                                       ("llama.rope.freq_base", -1e4),
+                                       ("llama.attention.layer_norm_rms_epsilon", float("inf")),
+                                       ("llama.attention.layer_norm_rms_epsilon", -1e-5)])
+def test_rope_base_and_epsilon_out_of_domain(tmp_path, key, value):
+    # Found by the 10,000-case run (seed 1): 29 files with a zero / negative / NaN RoPE base got past the loader and
+    # were refused by the C++ engine as a bare MetalattnError ("could not set up the cpu backend"); now a GGUFError
+    # naming the key.
+    path = _mutated(tmp_path, "llama_q4_0", lambda g: _set(g, key, value, fz.F32))
+    _load_fails(path, GGUFError, repr(key))
+
+
+def test_rope_scaling_factor_and_windowed_base_out_of_domain(tmp_path):
+    path = _mutated(tmp_path, "llama_q4_0", lambda g: (_set(g, "llama.rope.scaling.type", b"linear", fz.STRING),
+                                                       _set(g, "llama.rope.scaling.factor", float("nan"), fz.F32)),
+                    name="factor.gguf")
+    _load_fails(path, GGUFError, "llama.rope.scaling.factor must be positive")
+    path = _mutated(tmp_path, "gemma3", lambda g: _set(g, "gemma3.rope.freq_base_swa", 0.0, fz.F32), name="swa.gguf")
+    _load_fails(path, GGUFError, "'gemma3.rope.freq_base_swa' must be a positive number")
