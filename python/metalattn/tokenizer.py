@@ -59,9 +59,29 @@ KEY_SCORES = "tokenizer.ggml.scores"
 KEY_ADD_SPACE_PREFIX = "tokenizer.ggml.add_space_prefix"
 SPM_SPACE = "\u2581"  # SentencePiece's visible space
 
-# Texts of special tokens that end a turn in the chat formats of the models we run or may run.
-_END_OF_TURN_TEXTS = ("<|im_end|>", "<|endoftext|>", "<|eot_id|>", "<|eom_id|>", "<|end_of_text|>", "<|end|>", "</s>",
-                      "<end_of_turn>", "<eos>")
+# Token texts that llama.cpp's vocabulary loader (the version llama-cpp-python 0.3.36 vendors) treats as control
+# tokens whatever type the file gives them, logging "control-looking token ... its type will be overridden": the
+# end-of-generation markers (which also end generation) and the fill-in-the-middle markers (of which the pad, repo and
+# file-separator ones end generation too). Applying the same override keeps token ids identical to llama.cpp's, e.g.
+# "</s>" written in text is one token in Qwen2.5 (a normal-typed entry there) and plain text in Gemma 3 when special
+# tokens are not parsed (a user-defined entry there, which would otherwise always match).
+_END_OF_GENERATION_TEXTS = (
+    "<|eot_id|>", "<|im_end|>", "<|end|>", "<|return|>", "<|call|>", "<|flush|>", "<|calls|>", "<end_of_turn>",
+    "<|endoftext|>", "</s>", "<|eom_id|>", "<EOT>", "_<EOT>", "[EOT]", "[EOS]", "<|end_of_text|>", "<end_of_utterance>",
+    "<eos>", "<turn|>", "<|tool_response>", "<\uff5cend\u2581of\u2581sentence\uff5c>", "[e~[",
+    "<|fim_pad|>", "<fim-pad>", "<fim_pad>", "<PAD>", "[PAD]",
+    "<|fim_repo|>", "<|repo_name|>", "<fim-repo>", "<REPO>", "<reponame>", "<|file_sep|>",
+)
+_FILL_IN_THE_MIDDLE_TEXTS = (
+    "<|fim_prefix|>", "<fim-prefix>", "<fim_prefix>", "<\uff5cfim\u2581begin\uff5c>", "<PRE>", "\u2581<PRE>",
+    "<|code_prefix|>", "<|prefix|>",
+    "<|fim_suffix|>", "<fim-suffix>", "<fim_suffix>", "<\uff5cfim\u2581hole\uff5c>", "<SUF>", "\u2581<SUF>",
+    "<|code_suffix|>", "<|suffix|>",
+    "<|fim_middle|>", "<fim-middle>", "<fim_middle>", "<\uff5cfim\u2581end\uff5c>", "<MID>", "\u2581<MID>",
+    "<|code_middle|>", "<|middle|>",
+)
+# ... except that "</s>" stays a normal token in vocabularies that end turns with one of these.
+_KEEPS_END_TAG_NORMAL = ("<|tool_response>", "<|plamo:eos|>")
 
 
 def _bytes_to_unicode() -> List[str]:
@@ -264,6 +284,15 @@ class Tokenizer:
         self.add_space_prefix = add_space_prefix
         self._scores = scores
         self._tokens = tokens
+        # llama.cpp's control-type override (see _END_OF_GENERATION_TEXTS); the file's own types stay as they were.
+        forced = set(_END_OF_GENERATION_TEXTS) | set(_FILL_IN_THE_MIDDLE_TEXTS)
+        if any(text in tokens for text in _KEEPS_END_TAG_NORMAL):
+            forced.discard("</s>")
+        forced_ids = [token_id for token_id, text in enumerate(tokens) if text in forced]
+        if forced_ids:
+            token_types = list(token_types)
+            for token_id in forced_ids:
+                token_types[token_id] = TokenType.CONTROL
         self._token_types = token_types
         self.bos_id = bos_id
         self.eos_id = eos_id
@@ -306,9 +335,9 @@ class Tokenizer:
         ends = set(eot_ids)
         if eos_id is not None:
             ends.add(eos_id)
-        for text in _END_OF_TURN_TEXTS:
+        for text in _END_OF_GENERATION_TEXTS:
             token_id = self._literal_ids.get(text)
-            if token_id is not None:
+            if token_id is not None and self._token_types[token_id] == TokenType.CONTROL:
                 ends.add(token_id)
         self.eot_ids: FrozenSet[int] = frozenset(ends)
 

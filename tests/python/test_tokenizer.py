@@ -170,7 +170,8 @@ def test_metadata_of_smollm2(smollm2):
     assert smollm2.pre == "smollm"
     assert smollm2.bos_id == 1 and smollm2.eos_id == 2
     assert smollm2.token_to_piece(1) == "<|im_start|>"
-    assert smollm2.eot_ids == {0, 2}  # <|endoftext|> and <|im_end|> (= eos)
+    # <|endoftext|>, <|im_end|> (= eos) and <reponame>, a fill-in-the-middle marker llama.cpp ends generation at too
+    assert smollm2.eot_ids == {0, 2, 4}
     assert smollm2.is_special(2) and not smollm2.is_special(17)
     assert smollm2.add_bos is False
 
@@ -539,5 +540,34 @@ def test_real_model_ids_identical_to_llama_cpp(name):
         pytest.skip(str(e))
     fixture = _llamacpp_fixture()
     tok = Tokenizer.from_gguf_path(path)
+    assert len(fixture["ids"][name]) == len(fixture["ids_plain"][name]) == len(fixture["corpus"])
     for text, ids in zip(fixture["corpus"], fixture["ids"][name]):
         assert tok.encode(text) == ids, text[:80]
+    # Special tokens as plain text (llama-tokenize --no-bos --no-parse-special).
+    for text, ids in zip(fixture["corpus"], fixture["ids_plain"][name]):
+        assert tok.encode(text, add_bos=False, parse_special=False) == ids, text[:80]
+
+
+def test_control_type_override_follows_llama_cpp():
+    # llama.cpp treats end-of-generation and fill-in-the-middle texts as control tokens whatever their file type: a
+    # normal-typed "</s>" is parsed as one token (and ends generation), a user-defined one is text without special
+    # parsing; "</s>" stays normal where "<|tool_response>" marks turns.
+    from metalattn.tokenizer import TokenType
+
+    base = ["<", "/", "s", ">", "x"]
+
+    def make(extra, types):
+        tokens = base + extra
+        return Tokenizer(tokens=tokens, token_types=[TokenType.NORMAL] * len(base) + types, merges=[], pre="default",
+                         bos_id=None, eos_id=None)
+
+    normal = make(["</s>"], [TokenType.NORMAL])
+    assert normal.encode("x</s>x") == [4, 5, 4]
+    assert normal.encode("x</s>x", parse_special=False) == [4, 0, 1, 2, 3, 4]
+    assert 5 in normal.eot_ids and normal.is_special(5)
+    user = make(["</s>"], [TokenType.USER_DEFINED])
+    assert user.encode("x</s>x") == [4, 5, 4]
+    assert user.encode("x</s>x", parse_special=False) == [4, 0, 1, 2, 3, 4]
+    kept = make(["</s>", "<|tool_response>"], [TokenType.NORMAL, TokenType.CONTROL])
+    assert kept.encode("x</s>x") == [4, 0, 1, 2, 3, 4]
+    assert 5 not in kept.eot_ids and 6 in kept.eot_ids
