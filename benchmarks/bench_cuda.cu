@@ -3,14 +3,13 @@
 // prompt, and the time of each decode kernel (each captured 200 times in a graph and replayed, without PDL).
 //   bench_cuda [n_ctx=2048]
 // Environment: METALATTN_CUDA_PDL=0 turns off Programmatic Dependent Launch in the decode graph,
-// METALATTN_CUDA_PREFILL_SPLIT=0 runs the prefill GEMMs on fp16 weights and activations, one K-slice;
-// METALATTN_CUDA_LAYER_FUSED=1 the experimental two-kernel layers. `bench_cuda <n_ctx> kernels` runs only the
-// per-kernel section (for profilers); `bench_cuda <n_ctx> trace` (a -DMETALATTN_TRACE build, see
-// benchmarks/device/trace.sh) shows where a decode step's time goes inside the kernel chain. `bench_cuda <n_ctx>
-// q4_k_m` runs the whole benchmark on the same shapes with the tensor types of the real SmolLM2-135M Q4_K_M file
-// (q, k, o, gate, up Q5_0; v Q8_0 / Q5_0 and down Q6_K / Q4_K alternating by layer; token_embd Q8_0); `bench_cuda
-// <n_ctx> types` times one matvec per weight type at Llama 3.2 1B's shapes (graph replay, effective GB/s of the GPU
-// layout's bytes).
+// METALATTN_CUDA_PREFILL_SPLIT=0 runs the prefill GEMMs on fp16 weights and activations, one K-slice.
+// `bench_cuda <n_ctx> kernels` runs only the per-kernel section (for profilers); `bench_cuda <n_ctx> trace` (a
+// -DMETALATTN_TRACE build, see benchmarks/device/trace.sh) shows where a decode step's time goes inside the kernel
+// chain. `bench_cuda <n_ctx> q4_k_m` runs the whole benchmark on the same shapes with the tensor types of the real
+// SmolLM2-135M Q4_K_M file (q, k, o, gate, up Q5_0; v Q8_0 / Q5_0 and down Q6_K / Q4_K alternating by layer;
+// token_embd Q8_0); `bench_cuda <n_ctx> types` times one matvec per weight type at Llama 3.2 1B's shapes (graph
+// replay, effective GB/s of the GPU layout's bytes).
 #include <algorithm>
 #include <chrono>
 #include <cmath>
@@ -146,8 +145,7 @@ double graph_time_us(cudaStream_t s, F body, int reps = 200) {
 // Per kernel kind: median time from the previous kernel's exit to this kernel's release from its programmatic
 // wait (the chain hand-over), and from release to exit (the work after the wait), over several decode steps.
 void print_decode_trace(Backend& be, const std::vector<int32_t>& prompt, int n_layers) {
-  const char* names[kTraceKinds] = {"norm+gate/up", "norm+qkv",   "matvec+residual", "attention",
-                                    "lm_head+argmax", "attn layer", "ffn layer"};
+  const char* names[kTraceKinds] = {"norm+gate/up", "norm+qkv", "matvec+residual", "attention", "lm_head+argmax"};
   for (int pos : {32, 160, 1000}) {
     ArgmaxResult r = be.forward_prompt(prompt.data(), pos, 0, nullptr, nullptr);
     for (int i = 0; i < 3; ++i) r = be.forward_token_greedy(static_cast<int32_t>(r.token), pos + i);  // warm-up

@@ -87,9 +87,9 @@ bool env_flag(const char* name, bool fallback) {
 struct Resources {
   cudaStream_t stream = nullptr;
   cublasHandle_t cublas = nullptr;
-  // Decode graphs, one per DecodeVariant, each captured at first use.
-  cudaGraph_t graph[3] = {nullptr, nullptr, nullptr};
-  cudaGraphExec_t graph_exec[3] = {nullptr, nullptr, nullptr};
+  // Decode graphs, one per DecodeVariant (short, long), each captured at first use.
+  cudaGraph_t graph[2] = {nullptr, nullptr};
+  cudaGraphExec_t graph_exec[2] = {nullptr, nullptr};
   std::vector<void*> device;
   std::vector<void*> pinned;
   // Prefill graphs, one per chunk length (a small LRU); exec stays null until the length's second use.
@@ -140,12 +140,11 @@ class CudaBackend final : public Backend {
   void forward_token_debug(int32_t token, int pos, float* hidden, float* logits) override;
   ArgmaxResult forward_prompt(const int32_t* tokens, int n, int pos, float* last_logits, float* all_logits) override;
   MemoryInfo memory_info() const override { return mem_; }
-  // 5 per layer, plus the final norm + lm_head + argmax; 2 per layer on the experimental fused-layer path, which
-  // serves the first kLayerFusedMaxPositions positions (beyond, 5 again).
+  // 5 per layer, plus the final norm + lm_head + argmax.
   int kernels_per_token() const override {
     if (general_) return general_kernels_per_token();
     if (spec_.n_layers == 0) return 2;
-    return (layer_fused_max_npos_ > 0 ? 2 : 5) * spec_.n_layers + 1;
+    return 5 * spec_.n_layers + 1;
   }
 
  private:
@@ -181,17 +180,13 @@ class CudaBackend final : public Backend {
   void after_launch();
   // Decode graphs by context length: while attention runs in one pass, one block per query head with all K/V rows
   // in shared memory (more SMs share the latency-bound work); once the context is split, one block per KV head per
-  // chunk (each KV head's rows read once, one combine per KV head). The experimental fused-layer path (two kernels
-  // per layer, kernels.cuh) replaces the first when it is on; forward_token_debug always takes the five-kernel
-  // layers, which expose the residual stream after each layer.
-  enum DecodeVariant { kDecodeShort = 0, kDecodeLong = 1, kDecodeLayerFused = 2 };
-  DecodeVariant decode_variant_at(int pos, bool need_hidden = false) const {
+  // chunk (each KV head's rows read once, one combine per KV head).
+  enum DecodeVariant { kDecodeShort = 0, kDecodeLong = 1 };
+  DecodeVariant decode_variant_at(int pos) const {
     if (general_) return kDecodeShort;  // one graph: its attention picks the context split at run time
-    if (!need_hidden && pos + 1 <= layer_fused_max_npos_) return kDecodeLayerFused;
     return pos + 1 <= kAttnSinglePassMax ? kDecodeShort : kDecodeLong;
   }
   void enqueue_decode(bool capture_hidden, DecodeVariant variant);
-  void enqueue_decode_layer_fused();
   void run_decode(int pos);
   ArgmaxResult finish_decode(int pos);
   void gemm(const __half* w, int rows, int cols, int n, const __half* a, float* c, float beta);
@@ -232,9 +227,6 @@ class CudaBackend final : public Backend {
   // Prompt chunks of at most kPromptMmaMaxTokens tokens take the tensor-core projections of prompt_mma.cu instead of
   // cuBLAS (METALATTN_CUDA_PROMPT_MMA=0 turns that off; needs every layer matrix in a type it reads).
   bool prompt_mma_ = false;
-  // Decode takes the fused-layer path while pos + 1 <= this (0: not asked for with METALATTN_CUDA_LAYER_FUSED=1,
-  // or the model's geometry or weight types are not supported there).
-  int layer_fused_max_npos_ = 0;
   Resources res_;
   MemoryInfo mem_;
 
@@ -254,11 +246,6 @@ class CudaBackend final : public Backend {
   float* ffn_act_ = nullptr;  // [d_ff]: silu(gate) * up, the down projection's input
   AttnScratch attn_;
   float* attn_out_ = nullptr;  // [q_dim]: attention output, the O projection's input
-  // fused-layer path: the residual after attention, and the split-K partials of the O and down projections
-  float* x_mid_ = nullptr;     // [d_model]
-  float* o_part_ = nullptr;    // [n_heads][d_model]
-  float* d_part_ = nullptr;    // [d_ff / kFfnSlice][d_model]
-  int n_down_parts_ = 0;
   ArgmaxScratch argmax_;
   DecodeIO io_shadow_{0, 0};
   bool io_shadow_valid_ = false;
@@ -409,21 +396,6 @@ CudaBackend::CudaBackend(const ModelSpec& spec, const ModelWeights& w, bool debu
   attn_.counters = device_alloc<unsigned int>(spec.n_heads, mem_.scratch);  // one per head block
   CUDA_CHECK(cudaMemsetAsync(attn_.counters, 0, spec.n_heads * sizeof(unsigned int), res_.stream));
   attn_out_ = activation_alloc<float>(q_dim);
-  {
-    // OFF by default: on H100 it measured slower than the five-kernel layers (benchmarks/NOTES.md, "fused-layer
-    // decode"); METALATTN_CUDA_LAYER_FUSED=1 turns it on.
-    bool ok = !general_ && env_flag("METALATTN_CUDA_LAYER_FUSED", false) && L > 0;
-    for (const DevLayer& dl : layers_)
-      ok = ok && layer_fused_supported(spec.head_dim, d, spec.d_ff, dl.qkv.type, dl.o.type, dl.gate_up.type,
-                                       dl.down.type);
-    if (ok) {
-      layer_fused_max_npos_ = std::min(spec.n_ctx, kLayerFusedMaxPositions);
-      n_down_parts_ = spec.d_ff / kFfnSlice;
-      x_mid_ = activation_alloc<float>(d);
-      o_part_ = activation_alloc<float>(static_cast<size_t>(spec.n_heads) * d);
-      d_part_ = activation_alloc<float>(static_cast<size_t>(n_down_parts_) * d);
-    }
-  }
   argmax_.capacity = argmax_partials_needed(lm_head_);
   argmax_.partials = device_alloc<ArgmaxPartial>(argmax_.capacity, mem_.scratch);
   argmax_.counter = device_alloc<unsigned int>(1, mem_.scratch);
@@ -555,62 +527,10 @@ void CudaBackend::enqueue_decode(bool capture_hidden, DecodeVariant variant) {
   after_launch();
 }
 
-// Two kernels per layer (kernels.cuh, "fused-layer decode"): the residual stream alternates between x_ (layer input)
-// and x_mid_ (after attention), and the down partials of the last layer are added by the lm_head's staging.
-void CudaBackend::enqueue_decode_layer_fused() {
-  const ModelSpec& s = spec_;
-  const size_t layer_cache = static_cast<size_t>(s.n_ctx) * s.kv_dim();
-  cudaStream_t st = res_.stream;
-  for (int l = 0; l < s.n_layers; ++l) {
-    const DevLayer& L = layers_[l];
-    AttnLayerArgs a;
-    a.qkv = L.qkv;
-    a.o = L.o;
-    a.norm_w = L.attn_norm;
-    a.eps = s.rms_eps;
-    if (l == 0) {
-      a.embed = embd_;
-    } else {
-      a.x_in = x_;
-      a.parts = d_part_;
-      a.n_parts = n_down_parts_;
-    }
-    a.x_out = x_mid_;
-    a.o_part = o_part_;
-    a.io = io_dev_;
-    a.rope_table = rope_;
-    a.k_cache = k_cache_ + l * layer_cache;
-    a.v_cache = v_cache_ + l * layer_cache;
-    a.n_heads = s.n_heads;
-    a.n_kv_heads = s.n_kv_heads;
-    a.pos_cap = layer_fused_max_npos_;
-    launch_attention_layer(a, st);
-    after_launch();
-    FfnLayerArgs f;
-    f.gate_up = L.gate_up;
-    f.down = L.down;
-    f.norm_w = L.ffn_norm;
-    f.eps = s.rms_eps;
-    f.x_in = x_mid_;
-    f.o_part = o_part_;
-    f.n_heads = s.n_heads;
-    f.x_out = x_;
-    f.d_part = d_part_;
-    launch_ffn_layer(f, st);
-    after_launch();
-  }
-  launch_norm_matvec_argmax(lm_head_, x_, out_norm_, s.rms_eps, logits_, argmax_, result_dev_, io_dev_, st, d_part_,
-                            n_down_parts_);
-  after_launch();
-}
-
 // The host knows the position, so it picks the graph (see DecodeVariant).
 void CudaBackend::run_decode(int pos) {
   const DecodeVariant variant = decode_variant_at(pos);
-  auto enqueue = [&] {
-    if (variant == kDecodeLayerFused) enqueue_decode_layer_fused();
-    else enqueue_decode(false, variant);
-  };
+  auto enqueue = [&] { enqueue_decode(false, variant); };
   if (debug_) {
     enqueue();
     return;
@@ -664,7 +584,7 @@ void CudaBackend::forward_token(int32_t token, int pos, float* logits) {
 
 void CudaBackend::forward_token_debug(int32_t token, int pos, float* hidden, float* logits) {
   set_io(token, pos);
-  enqueue_decode(true, decode_variant_at(pos, /*need_hidden=*/true));
+  enqueue_decode(true, decode_variant_at(pos));
   finish_decode(pos);
   CUDA_CHECK(cudaMemcpy(hidden, hidden_, static_cast<size_t>(spec_.n_layers + 1) * spec_.d_model * sizeof(float),
                         cudaMemcpyDefault));

@@ -805,33 +805,11 @@ struct RowDotB {
   }
 };
 
-template <GgmlType T, int TPR>
-using RowDot = RowDotB<typename BlkSel<T>::type, TPR>;
-
 constexpr int kStageBatch = 8;  // activation loads each thread issues before using any
 
 __device__ __forceinline__ int smem_index(int i) { return (i >> 5) * kSmemBlockStride + (i & 31); }
 
 // ------------------------------------------------------------------ fused RMSNorm + matvec
-
-// Stages x[0..n) (zero past `cols`) into the padded shared layout and scales it by rmsnorm when norm_w is set.
-// Loads first, in batches of kStageBatch per thread: the staging costs one L2 round trip, not one per element.
-// Ends with a barrier.
-// v + parts[0][i] + parts[1][i] + ... in that order (rows `stride` floats apart); the loads of up to kPartsBatch
-// parts are all issued before the first add, so a few dozen parts cost one or two L2 round trips, not one each.
-constexpr int kPartsBatch = 16;
-__device__ __forceinline__ float sum_parts(float v, const float* parts, int n_parts, int stride, int i) {
-  for (int p0 = 0; p0 < n_parts; p0 += kPartsBatch) {
-    float t[kPartsBatch];
-#pragma unroll
-    for (int p = 0; p < kPartsBatch; ++p)
-      t[p] = p0 + p < n_parts ? __ldcg(parts + static_cast<int64_t>(p0 + p) * stride + i) : 0.f;
-#pragma unroll
-    for (int p = 0; p < kPartsBatch; ++p)
-      if (p0 + p < n_parts) v += t[p];
-  }
-  return v;
-}
 
 // Norm weights of the first staging batch, loaded before the programmatic wait (they are weights, so this takes
 // one L2 round trip out of the critical path).
@@ -849,13 +827,10 @@ struct NormPrefetch {
 // Stages x[0..n) (zero past `cols`) times the norm weights into the padded shared layout and returns rmsnorm's
 // 1/rms (1 without norm_w), which the caller applies to its dot products: W.(x*w) / rms = W.rmsnorm(x), with no
 // second pass over x_s. x is read through L2 (it was written by the kernel before), in batches of kStageBatch loads
-// per thread, so the staging costs one round trip. With parts set, x[i] + parts[0][i] + ... + parts[n_parts-1][i]
-// (rows of `cols` floats, summed in that order) is staged instead: the split-K partials of the fused-layer path.
-// With add.y set (PreAdd, kernels.cuh), x + rmsnorm(add.y) * add.w is staged instead of x, as add_normed_kernel
-// computes it, and block 0 writes it to add.x_next. Ends with a barrier.
+// per thread, so the staging costs one round trip. With add.y set (PreAdd, kernels.cuh), x + rmsnorm(add.y) * add.w
+// is staged instead of x, as add_normed_kernel computes it, and block 0 writes it to add.x_next. Ends with a barrier.
 __device__ __forceinline__ float stage_normed(const float* x, const float* __restrict__ norm_w, const NormPrefetch& pre,
                                               float eps, int cols, int n, float* x_s, float* red,
-                                              const float* parts = nullptr, int n_parts = 0,
                                               const PreAdd& add = PreAdd{}) {
   // PreAdd: y's reduction first, then the add as x is staged: two round trips to L2 and one block reduction more
   // than plain staging. (Loading x, y and the post-norm weights of the first batch together ahead of the reduction,
@@ -877,13 +852,6 @@ __device__ __forceinline__ float stage_normed(const float* x, const float* __res
       const int i = i0 + u * blockDim.x;
       v[u] = i < cols ? __ldcg(x + i) : 0.f;
       w[u] = batch == 0 ? pre.w[u] : (norm_w != nullptr && i < cols ? __ldg(norm_w + i) : 1.f);
-    }
-    if (parts != nullptr) {
-#pragma unroll
-      for (int u = 0; u < kStageBatch; ++u) {
-        const int i = i0 + u * blockDim.x;
-        if (i < cols) v[u] = sum_parts(v[u], parts, n_parts, cols, i);
-      }
     }
     if (add.y != nullptr) {
 #pragma unroll
@@ -988,7 +956,7 @@ __global__ void __launch_bounds__(512) norm_matvec_kernel(DevMatrix W, const flo
   } else {
     grid_dependency_wait();
     trace.released();
-    scale = stage_normed(x, norm_w, nw, eps, W.cols, n, x_s, red, nullptr, 0, PRE ? a.pre : PreAdd{});
+    scale = stage_normed(x, norm_w, nw, eps, W.cols, n, x_s, red, PRE ? a.pre : PreAdd{});
   }
 
   const float acc = rd.finish(W, row, sub, x_s) * scale;
@@ -1022,8 +990,6 @@ __global__ void __launch_bounds__(512) norm_matvec_kernel(DevMatrix W, const flo
 // ------------------------------------------------------------------ final norm + lm_head + argmax
 
 struct ArgmaxArgs {
-  const float* parts = nullptr;  // optional split-K partials added to x (see stage_normed)
-  int n_parts = 0;
   bool prefetch_l2 = false;      // the rows of later passes go to L2 before the wait (when they fit there)
   float* logits = nullptr;
   ArgmaxScratch am;
@@ -1076,7 +1042,7 @@ __global__ void __launch_bounds__(256) norm_matvec_argmax_kernel(DevMatrix W, co
   }
   grid_dependency_wait();
   trace.released();
-  const float scale = stage_normed(x, norm_w, nw, eps, W.cols, W.nb * 32, x_s, red, a.parts, a.n_parts);
+  const float scale = stage_normed(x, norm_w, nw, eps, W.cols, W.nb * 32, x_s, red);
 
   ArgmaxPartial best{0.f, kNoIndex};
   for (; base < W.rows; base += stride) {  // block-uniform: every lane takes part in the group shuffles
@@ -1364,94 +1330,33 @@ __global__ void __launch_bounds__(kAttnThreads) attention_decode_kernel(const fl
   if (threadIdx.x == 0) p.counters[head_block] = 0u;  // re-armed for the next launch
 }
 
-// ------------------------------------------------------------------ fused-layer decode (short contexts)
-// See kernels.cuh: two kernels per layer, attention_layer (one block per query head) and ffn_layer (one block per
-// kFfnSlice hidden units), each finishing with a split-K share of its output projection.
+// ------------------------------------------------------------------ short-context decode attention
+// Up to kAttnSinglePassMax positions (the decode graph's single-pass regime), head_dim 64: one block of
+// kShortAttnThreads per query head with every K and V row in shared memory.
 
-constexpr int kLayerThreads = 512;
-constexpr int kLayerHd = 64;              // head_dim of the fused path
-constexpr int kLayerTpr = 8;              // lanes per QKV / gate / up row: 512 / 8 = 64 rows per pass
-constexpr int kLayerKStride = kLayerHd + 8;  // padded K rows: the 8 float4 loads of a quarter warp hit 32 banks
-constexpr int kLayerOwned = kLayerFusedMaxDModel / kLayerThreads;       // residual elements per thread
-constexpr int kLayerSplitRows = kLayerFusedMaxDModel / (kLayerThreads / 2);  // W_o / W_down rows per thread
-constexpr int kLayerPvGroups = kLayerThreads / kLayerHd;                 // position groups of the P.V product
-static_assert(kLayerTpr * kLayerHd == kLayerThreads, "one QKV pass covers one head's 64 rows");
-static_assert(kLayerTpr * kFfnSlice == kLayerThreads, "one gate (or up) pass covers one slice");
-static_assert(2 * kLayerFusedMaxPositions <= kLayerThreads, "two threads per position in the score pass");
-static_assert(kLayerHd == 64 && kFfnSlice == 64, "a thread pair covers the two 32-column blocks of a split-K row");
-static_assert(kLayerFusedMaxPositions == kAttnSinglePassMax, "the short attention serves the single-pass regime");
+constexpr int kShortAttnThreads = 512;
+constexpr int kShortAttnHd = 64;                     // the one head_dim it serves
+constexpr int kShortAttnKStride = kShortAttnHd + 8;  // padded K rows: the 8 float4 loads of a quarter warp hit 32 banks
+constexpr int kShortAttnPvGroups = kShortAttnThreads / kShortAttnHd;  // position groups of the P.V product
+static_assert(2 * kAttnSinglePassMax <= kShortAttnThreads, "two threads per position in the score pass");
 
 // Score buffers hold a multiple of 4 floats, so the buffers after them stay 16-byte aligned for float4 access.
 __host__ __device__ inline int score_slots(int pos_cap) { return (pos_cap + 3) / 4 * 4; }
 
-inline size_t attention_layer_smem_bytes(int nb, int pos_cap) {
-  return (static_cast<size_t>(pos_cap) * (kLayerKStride + kLayerHd) + static_cast<size_t>(nb) * kSmemBlockStride +
-          3 * kLayerHd + score_slots(pos_cap) + kLayerPvGroups * kLayerHd + 2 * kSmemBlockStride) *
-         sizeof(float);
-}
-inline size_t ffn_layer_smem_bytes(int nb) {
-  return (static_cast<size_t>(nb) * kSmemBlockStride + 2 * kSmemBlockStride) * sizeof(float);
-}
-
-// The residual elements a thread owns are i = threadIdx.x + k * kLayerThreads. Stages x_s = x * norm_w (rmsnorm's
-// 1/rms is applied to the dot products instead, so the staging needs no second pass), optionally writes x to
-// x_out, and returns 1/rms.
-__device__ __forceinline__ float stage_owned(const float (&xv)[kLayerOwned], const float (&nw)[kLayerOwned], int d,
-                                             float eps, float* x_out, float* x_s, float* red) {
-  float ss = 0.f;
-#pragma unroll
-  for (int k = 0; k < kLayerOwned; ++k) {
-    const int i = threadIdx.x + k * kLayerThreads;
-    if (i < d) {
-      if (x_out != nullptr) x_out[i] = xv[k];
-      x_s[smem_index(i)] = xv[k] * nw[k];
-      ss += xv[k] * xv[k];
-    }
-  }
-  const float total = detail::block_sum(ss, red);  // its barriers also publish x_s
-  return 1.f / sqrtf(total / static_cast<float>(d) + eps);
-}
-
-// A thread pair per output row (rows threadIdx.x / 2 + k * kLayerThreads / 2), one 32-column block each: the
-// split-K share of a projection over the 64 input columns starting at block col_block.
-template <GgmlType T>
-struct SplitRows {
-  Blk<T> blk[kLayerSplitRows];
-  __device__ __forceinline__ void prefetch(const DevMatrix& W, int col_block) {
-    const int half = threadIdx.x & 1, row0 = threadIdx.x >> 1;
-#pragma unroll
-    for (int k = 0; k < kLayerSplitRows; ++k) {
-      const int r = row0 + k * (kLayerThreads / 2);
-      if (r < W.rows) blk[k].load(W, static_cast<int64_t>(r) * W.nb + col_block + half);
-    }
-  }
-  // in_s: the 64 inputs in the padded layout (two blocks kSmemBlockStride apart). out[r] = the row's partial dot.
-  __device__ __forceinline__ void finish(const DevMatrix& W, const float* in_s, float* out) const {
-    const int half = threadIdx.x & 1, row0 = threadIdx.x >> 1;
-#pragma unroll
-    for (int k = 0; k < kLayerSplitRows; ++k) {
-      const int r = row0 + k * (kLayerThreads / 2);
-      float acc = r < W.rows ? blk[k].dot(in_s + half * kSmemBlockStride) : 0.f;
-      acc += __shfl_xor_sync(0xffffffffu, acc, 1);
-      if (half == 0 && r < W.rows) out[r] = acc;
-    }
-  }
-};
-
-// Attention of one query head (head_dim 64) over n_pos <= kLayerFusedMaxPositions positions whose q, K rows
-// (kLayerKStride apart) and V rows are all in shared memory; kLayerThreads threads. Scores: a thread pair per
-// position, each half of the dot product (float4 chunks 2c + half); softmax: one warp; P.V: kLayerPvGroups
+// Attention of one query head (head_dim 64) over n_pos <= kAttnSinglePassMax positions whose q, K rows
+// (kShortAttnKStride apart) and V rows are all in shared memory; kShortAttnThreads threads. Scores: a thread pair
+// per position, each half of the dot product (float4 chunks 2c + half); softmax: one warp; P.V: kShortAttnPvGroups
 // position groups x 64 dims, then a fixed-order sum. Returns output element threadIdx.x in threads < 64.
-// sc: [n_pos], pv: [kLayerPvGroups][64], sum_exp: one shared float. Starts and ends with all threads in step.
+// sc: [n_pos], pv: [kShortAttnPvGroups][64], sum_exp: one shared float. Starts and ends with all threads in step.
 __device__ __forceinline__ float attend_head64(const float* q_s, const float* k_s, const float* v_s, int n_pos,
                                                float* sc, float* pv, float* sum_exp) {
-  constexpr int HD = kLayerHd;
+  constexpr int HD = kShortAttnHd;
   const int tid = threadIdx.x;
   {
     const int t = tid >> 1, half = tid & 1;
     float acc0 = 0.f, acc1 = 0.f;
     if (t < n_pos) {
-      const float4* k4 = reinterpret_cast<const float4*>(k_s + t * kLayerKStride);
+      const float4* k4 = reinterpret_cast<const float4*>(k_s + t * kShortAttnKStride);
       const float4* q4 = reinterpret_cast<const float4*>(q_s);
 #pragma unroll
       for (int c = 0; c < HD / 8; c += 2) {
@@ -1484,9 +1389,9 @@ __device__ __forceinline__ float attend_head64(const float* q_s, const float* k_
     const int g = tid / HD, e = tid % HD;
     float acc0 = 0.f, acc1 = 0.f;
     int t = g;
-    for (; t + kLayerPvGroups < n_pos; t += 2 * kLayerPvGroups) {
+    for (; t + kShortAttnPvGroups < n_pos; t += 2 * kShortAttnPvGroups) {
       acc0 += sc[t] * v_s[t * HD + e];
-      acc1 += sc[t + kLayerPvGroups] * v_s[(t + kLayerPvGroups) * HD + e];
+      acc1 += sc[t + kShortAttnPvGroups] * v_s[(t + kShortAttnPvGroups) * HD + e];
     }
     if (t < n_pos) acc0 += sc[t] * v_s[t * HD + e];
     pv[g * HD + e] = acc0 + acc1;
@@ -1495,29 +1400,30 @@ __device__ __forceinline__ float attend_head64(const float* q_s, const float* k_
   float o = 0.f;
   if (tid < HD) {
 #pragma unroll
-    for (int g = 0; g < kLayerPvGroups; ++g) o += pv[g * HD + tid];
+    for (int g = 0; g < kShortAttnPvGroups; ++g) o += pv[g * HD + tid];
     o /= *sum_exp;
   }
   return o;
 }
 
-// Short-context decode attention, head_dim 64: one block of kLayerThreads per query head; the K and V rows of
+// Short-context decode attention, head_dim 64: one block of kShortAttnThreads per query head; the K and V rows of
 // earlier steps are copied into shared memory before the programmatic wait, and after it only q and this step's
-// K and V rows come from L2 (one round trip). n_pos = io->pos + 1 <= pos_cap <= kLayerFusedMaxPositions.
-__global__ void __launch_bounds__(kLayerThreads) attention_decode_short_kernel(const float* q, const float* k_cache,
-                                                                               const float* v_cache,
-                                                                               const DecodeIO* io, int n_heads,
-                                                                               int n_kv_heads, int pos_cap,
-                                                                               float* __restrict__ out) {
-  constexpr int HD = kLayerHd;
+// K and V rows come from L2 (one round trip). n_pos = io->pos + 1 <= pos_cap <= kAttnSinglePassMax.
+__global__ void __launch_bounds__(kShortAttnThreads) attention_decode_short_kernel(const float* q,
+                                                                                   const float* k_cache,
+                                                                                   const float* v_cache,
+                                                                                   const DecodeIO* io, int n_heads,
+                                                                                   int n_kv_heads, int pos_cap,
+                                                                                   float* __restrict__ out) {
+  constexpr int HD = kShortAttnHd;
   KernelTrace trace(kTraceAttention);
   detail::launch_dependents();
   extern __shared__ float4 smem_dyn[];
-  float* k_s = reinterpret_cast<float*>(smem_dyn);  // [pos_cap][kLayerKStride]
-  float* v_s = k_s + pos_cap * kLayerKStride;        // [pos_cap][HD]
+  float* k_s = reinterpret_cast<float*>(smem_dyn);  // [pos_cap][kShortAttnKStride]
+  float* v_s = k_s + pos_cap * kShortAttnKStride;    // [pos_cap][HD]
   float* q_s = v_s + pos_cap * HD;                   // [HD]
   float* sc = q_s + HD;                              // [score_slots(pos_cap)]
-  float* pv = sc + score_slots(pos_cap);             // [kLayerPvGroups][HD]
+  float* pv = sc + score_slots(pos_cap);             // [kShortAttnPvGroups][HD]
   __shared__ float sum_exp;
   const int head = blockIdx.x, kvh = head / (n_heads / n_kv_heads), kv_dim = n_kv_heads * HD;
   const int pos = io->pos, n_pos = pos + 1;  // io was written before this graph launch
@@ -1525,9 +1431,9 @@ __global__ void __launch_bounds__(kLayerThreads) attention_decode_short_kernel(c
   const int tid = threadIdx.x;
   const float* k_head = k_cache + kvh * HD;
   const float* v_head = v_cache + kvh * HD;
-  for (int c = tid; c < pos * (HD / 4); c += kLayerThreads) {
+  for (int c = tid; c < pos * (HD / 4); c += kShortAttnThreads) {
     const int t = c / (HD / 4), j = c % (HD / 4);
-    cp_async16(k_s + t * kLayerKStride + 4 * j, k_head + static_cast<int64_t>(t) * kv_dim + 4 * j);
+    cp_async16(k_s + t * kShortAttnKStride + 4 * j, k_head + static_cast<int64_t>(t) * kv_dim + 4 * j);
     cp_async16(v_s + t * HD + 4 * j, v_head + static_cast<int64_t>(t) * kv_dim + 4 * j);
   }
   grid_dependency_wait();
@@ -1536,7 +1442,7 @@ __global__ void __launch_bounds__(kLayerThreads) attention_decode_short_kernel(c
     reinterpret_cast<float4*>(q_s)[tid] = __ldcg(reinterpret_cast<const float4*>(q + head * HD) + tid);
   } else if (tid < HD / 2) {
     const int j = tid - HD / 4;
-    reinterpret_cast<float4*>(k_s + pos * kLayerKStride)[j] =
+    reinterpret_cast<float4*>(k_s + pos * kShortAttnKStride)[j] =
         __ldcg(reinterpret_cast<const float4*>(k_head + static_cast<int64_t>(pos) * kv_dim) + j);
   } else if (tid < 3 * HD / 4) {
     const int j = tid - HD / 2;
@@ -1548,172 +1454,6 @@ __global__ void __launch_bounds__(kLayerThreads) attention_decode_short_kernel(c
   trace.mark(0);
   const float o = attend_head64(q_s, k_s, v_s, n_pos, sc, pv, &sum_exp);
   if (tid < HD) out[head * HD + tid] = o;
-}
-
-template <GgmlType T>
-__global__ void __launch_bounds__(kLayerThreads) attention_layer_kernel(AttnLayerArgs a) {
-  constexpr int HD = kLayerHd, TPR = kLayerTpr, kHalf = HD / 2;
-  KernelTrace trace(kTraceAttnLayer);
-  detail::launch_dependents();
-  extern __shared__ float4 smem_dyn[];
-  const DevMatrix& W = a.qkv;
-  const int d = W.cols, pos_cap = a.pos_cap;
-  float* k_s = reinterpret_cast<float*>(smem_dyn);  // [pos_cap][kLayerKStride]
-  float* v_s = k_s + pos_cap * kLayerKStride;        // [pos_cap][HD]
-  float* x_s = v_s + pos_cap * HD;                   // normed residual, padded layout
-  float* qkv_s = x_s + W.nb * kSmemBlockStride;      // [3][HD]: q (roped in place), k, v of this step
-  float* sc = qkv_s + 3 * HD;                        // [score_slots(pos_cap)] scores, then exp(score - max)
-  float* pv = sc + score_slots(pos_cap);             // [kLayerPvGroups][HD] P.V partial sums
-  float* att_s = pv + kLayerPvGroups * HD;           // the head's attention output, padded layout
-  __shared__ float red[32];
-  __shared__ float sum_exp;
-
-  const int head = blockIdx.x, group = a.n_heads / a.n_kv_heads, kvh = head / group;
-  const int q_dim = a.n_heads * HD, kv_dim = a.n_kv_heads * HD;
-  const int pos = a.io->pos, n_pos = pos + 1;  // io was written before this graph launch
-  if (n_pos > pos_cap) __trap();
-  const int tid = threadIdx.x, lr = tid / TPR, sub = tid % TPR;
-  const int q_row = head * HD + lr, k_row = q_dim + kvh * HD + lr, v_row = q_dim + kv_dim + kvh * HD + lr;
-
-  // Before the wait, everything that does not come from the kernels before: weights, norm weights, the RoPE
-  // factors of this position, the cache rows of earlier steps, and in layer 0 the embedding row.
-  RowDot<T, TPR> rq, rk, rv;
-  rq.prefetch(W, q_row, sub);
-  rk.prefetch(W, k_row, sub);
-  rv.prefetch(W, v_row, sub);
-  SplitRows<T> o_rows;
-  o_rows.prefetch(a.o, head * (HD / 32));
-  float nw[kLayerOwned], xv[kLayerOwned];
-#pragma unroll
-  for (int k = 0; k < kLayerOwned; ++k) {
-    const int i = tid + k * kLayerThreads;
-    nw[k] = i < d ? a.norm_w[i] : 0.f;
-    xv[k] = 0.f;
-  }
-  float2 cs = make_float2(1.f, 0.f);
-  if (tid < HD) cs = a.rope_table[static_cast<int64_t>(pos) * kHalf + tid % kHalf];
-  const float* k_head = a.k_cache + kvh * HD;
-  const float* v_head = a.v_cache + kvh * HD;
-  for (int c = tid; c < pos * (HD / 4); c += kLayerThreads) {
-    const int t = c / (HD / 4), j = c % (HD / 4);
-    cp_async16(k_s + t * kLayerKStride + 4 * j, k_head + static_cast<int64_t>(t) * kv_dim + 4 * j);
-    cp_async16(v_s + t * HD + 4 * j, v_head + static_cast<int64_t>(t) * kv_dim + 4 * j);
-  }
-  const bool embed = a.embed.payload != nullptr;
-  if (embed) {
-    const int64_t token = a.io->token;
-#pragma unroll
-    for (int k = 0; k < kLayerOwned; ++k) {
-      const int i = tid + k * kLayerThreads;
-      if (i < d) xv[k] = detail::load_weight(a.embed, token, i);
-    }
-  }
-
-  grid_dependency_wait();
-  trace.released();
-
-  if (!embed) {
-#pragma unroll
-    for (int k = 0; k < kLayerOwned; ++k) {
-      const int i = tid + k * kLayerThreads;
-      if (i < d) xv[k] = sum_parts(__ldcg(a.x_in + i), a.parts, a.n_parts, d, i);
-    }
-  }
-  const float inv_rms = stage_owned(xv, nw, d, a.eps, head == 0 ? a.x_out : nullptr, x_s, red);
-  trace.mark(0);
-
-  const float yq = rq.finish(W, q_row, sub, x_s) * inv_rms;
-  const float yk = rk.finish(W, k_row, sub, x_s) * inv_rms;
-  const float yv = rv.finish(W, v_row, sub, x_s) * inv_rms;
-  if (sub == 0) {
-    qkv_s[lr] = yq;
-    qkv_s[HD + lr] = yk;
-    qkv_s[2 * HD + lr] = yv;
-  }
-  __syncthreads();
-
-  // RoPE (pair 2i, 2i+1 turns by angle i) on q in place and on k; this step's k and v rows join the staged
-  // cache rows, and the group's first block also appends them to the cache in global memory.
-  const bool appends = head % group == 0;
-  const int64_t cache_row = static_cast<int64_t>(pos) * kv_dim + kvh * HD;
-  if (tid < HD) {
-    const int pr = tid % kHalf;
-    float* src = qkv_s + (tid < kHalf ? 0 : HD) + 2 * pr;
-    const float x0 = src[0], x1 = src[1];
-    const float r0 = x0 * cs.x - x1 * cs.y, r1 = x0 * cs.y + x1 * cs.x;
-    if (tid < kHalf) {
-      src[0] = r0;
-      src[1] = r1;
-    } else {
-      k_s[pos * kLayerKStride + 2 * pr] = r0;
-      k_s[pos * kLayerKStride + 2 * pr + 1] = r1;
-      if (appends) {
-        a.k_cache[cache_row + 2 * pr] = r0;
-        a.k_cache[cache_row + 2 * pr + 1] = r1;
-      }
-    }
-  } else if (tid < 2 * HD) {
-    const int e = tid - HD;
-    const float v = qkv_s[2 * HD + e];
-    v_s[pos * HD + e] = v;
-    if (appends) a.v_cache[cache_row + e] = v;
-  }
-  trace.mark(1);
-  cp_async_wait_all();
-  __syncthreads();
-  trace.mark(2);
-
-  const float o = attend_head64(qkv_s, k_s, v_s, n_pos, sc, pv, &sum_exp);
-  if (tid < HD) att_s[smem_index(tid)] = o;
-  __syncthreads();
-  trace.mark(3);
-  o_rows.finish(a.o, att_s, a.o_part + static_cast<int64_t>(head) * d);
-}
-
-template <GgmlType T>
-__global__ void __launch_bounds__(kLayerThreads) ffn_layer_kernel(FfnLayerArgs a) {
-  constexpr int TPR = kLayerTpr;
-  KernelTrace trace(kTraceFfnLayer);
-  detail::launch_dependents();
-  extern __shared__ float4 smem_dyn[];
-  const DevMatrix& W = a.gate_up;
-  const int d = W.cols, d_ff = W.rows / 2, slice = blockIdx.x;
-  float* x_s = reinterpret_cast<float*>(smem_dyn);  // normed residual, padded layout
-  float* h_s = x_s + W.nb * kSmemBlockStride;        // silu(gate) * up of the slice, padded layout
-  __shared__ float red[32];
-  const int tid = threadIdx.x, lr = tid / TPR, sub = tid % TPR;
-  const int gate_row = slice * kFfnSlice + lr, up_row = d_ff + gate_row;
-
-  RowDot<T, TPR> rg, ru;
-  rg.prefetch(W, gate_row, sub);
-  ru.prefetch(W, up_row, sub);
-  SplitRows<T> down_rows;
-  down_rows.prefetch(a.down, slice * (kFfnSlice / 32));
-  float nw[kLayerOwned], xv[kLayerOwned];
-#pragma unroll
-  for (int k = 0; k < kLayerOwned; ++k) {
-    const int i = tid + k * kLayerThreads;
-    nw[k] = i < d ? a.norm_w[i] : 0.f;
-    xv[k] = 0.f;
-  }
-
-  grid_dependency_wait();
-  trace.released();
-
-#pragma unroll
-  for (int k = 0; k < kLayerOwned; ++k) {
-    const int i = tid + k * kLayerThreads;
-    if (i < d) xv[k] = sum_parts(__ldcg(a.x_in + i), a.o_part, a.n_heads, d, i);
-  }
-  const float inv_rms = stage_owned(xv, nw, d, a.eps, slice == 0 ? a.x_out : nullptr, x_s, red);
-  trace.mark(0);
-
-  const float g = rg.finish(W, gate_row, sub, x_s) * inv_rms;
-  const float u = ru.finish(W, up_row, sub, x_s) * inv_rms;
-  if (sub == 0) h_s[smem_index(lr)] = g / (1.f + expf(-g)) * u;
-  __syncthreads();
-  trace.mark(1);
-  down_rows.finish(a.down, h_s, a.d_part + static_cast<int64_t>(slice) * d);
 }
 
 // ------------------------------------------------------------------ embedding, argmax, dequant
@@ -1784,7 +1524,6 @@ Geometry lm_head_geometry(const DevMatrix& W) {
 }
 
 // The one switch from a weight type to a kernel instantiation: Family::get<T>() names the kernel for type T.
-// quant_kernel_for serves kernels instantiated for the quantized types only.
 template <typename Family>
 typename Family::Fn kernel_for(GgmlType t) {
   if (t == kWide8) return Family::template get<kWide8>();
@@ -1804,15 +1543,6 @@ typename Family::Fn kernel_for(GgmlType t) {
   }
   throw EngineError(std::string("matvec: unsupported weight type ") + gpu_type_name(t));
 }
-template <typename Family>
-typename Family::Fn quant_kernel_for(GgmlType t, const char* what) {
-  switch (t) {
-    case GgmlType::Q4_0: return Family::template get<GgmlType::Q4_0>();
-    case GgmlType::Q4_1: return Family::template get<GgmlType::Q4_1>();
-    case GgmlType::Q8_0: return Family::template get<GgmlType::Q8_0>();
-    default: throw EngineError(std::string(what) + ": unsupported weight type");
-  }
-}
 
 template <bool PRE>
 struct NormKernels {
@@ -1831,16 +1561,6 @@ struct ArgmaxKernels {
   using Fn = void (*)(DevMatrix, const float*, const float*, float, ArgmaxArgs);
   template <GgmlType T>
   static Fn get() { return norm_matvec_argmax_kernel<typename BlkSel<T>::type, TPR>; }
-};
-struct AttnLayerKernels {
-  using Fn = void (*)(AttnLayerArgs);
-  template <GgmlType T>
-  static Fn get() { return attention_layer_kernel<T>; }
-};
-struct FfnLayerKernels {
-  using Fn = void (*)(FfnLayerArgs);
-  template <GgmlType T>
-  static Fn get() { return ffn_layer_kernel<T>; }
 };
 
 template <typename K>
@@ -1947,7 +1667,7 @@ void launch_embed_norm_matvec_qkv(const DevMatrix& emb, float* x, const DevMatri
 
 void launch_norm_matvec_argmax(const DevMatrix& W, const float* x, const float* norm_w, float eps, float* logits,
                                const ArgmaxScratch& scratch, ArgmaxResult* result, DecodeIO* io_next,
-                               cudaStream_t s, const float* parts, int n_parts) {
+                               cudaStream_t s) {
   const Geometry g = lm_head_geometry(W);
   const auto k = pick(g.tpr, kernel_for<ArgmaxKernels<8>>(W.type), kernel_for<ArgmaxKernels<16>>(W.type),
                       kernel_for<ArgmaxKernels<32>>(W.type));
@@ -1970,8 +1690,6 @@ void launch_norm_matvec_argmax(const DevMatrix& W, const float* x, const float* 
   const size_t matrix_bytes =
       static_cast<size_t>(W.rows) * W.nb * gpu_block_bytes(W.type);
   a.prefetch_l2 = matrix_bytes <= static_cast<size_t>(l2_bytes) * 3 / 5;
-  a.parts = parts;
-  a.n_parts = parts != nullptr ? n_parts : 0;
   a.logits = logits;
   a.am = scratch;
   a.result = result;
@@ -2024,50 +1742,17 @@ void launch_attention_decode(const float* q, const float* k_cache, const float* 
          n_heads, n_kv_heads, heads_per_block, chunk_cap, stage_rows, p, out);
 }
 
-bool layer_fused_supported(int head_dim, int d_model, int d_ff, GgmlType qkv, GgmlType o, GgmlType gate_up,
-                           GgmlType down) {
-  const bool quant = qkv == GgmlType::Q4_0 || qkv == GgmlType::Q4_1 || qkv == GgmlType::Q8_0;
-  return quant && o == qkv && gate_up == qkv && down == qkv && head_dim == kLayerHd && d_model % 32 == 0 &&
-         d_model <= kLayerFusedMaxDModel && d_ff % kFfnSlice == 0;
-}
-
-void launch_attention_layer(const AttnLayerArgs& a, cudaStream_t s) {
-  const int q_dim = a.n_heads * kLayerHd;
-  if (!layer_fused_supported(kLayerHd, a.qkv.cols, 2 * kFfnSlice, a.qkv.type, a.o.type, a.qkv.type, a.qkv.type) ||
-      a.n_kv_heads < 1 || a.n_heads % a.n_kv_heads != 0 || a.qkv.rows != q_dim + 2 * a.n_kv_heads * kLayerHd ||
-      a.o.cols != q_dim || a.o.rows != a.qkv.cols)
-    throw EngineError("attention layer: unsupported geometry or weight types");
-  if (a.pos_cap < 1 || a.pos_cap > kLayerFusedMaxPositions) throw EngineError("attention layer: bad position capacity");
-  if (a.embed.payload != nullptr && a.embed.cols != a.qkv.cols) throw EngineError("attention layer: bad embedding");
-  const AttnLayerKernels::Fn k = quant_kernel_for<AttnLayerKernels>(a.qkv.type, "attention layer");
-  const size_t smem = attention_layer_smem_bytes(a.qkv.nb, a.pos_cap);
-  allow_smem(k, smem);
-  launch(k, dim3(a.n_heads), dim3(kLayerThreads), smem, s, a);
-}
-
-void launch_ffn_layer(const FfnLayerArgs& a, cudaStream_t s) {
-  const int d_ff = a.gate_up.rows / 2;
-  if (!layer_fused_supported(kLayerHd, a.gate_up.cols, d_ff, a.gate_up.type, a.down.type, a.gate_up.type,
-                             a.gate_up.type) ||
-      a.gate_up.rows != 2 * d_ff || a.down.cols != d_ff || a.down.rows != a.gate_up.cols)
-    throw EngineError("ffn layer: unsupported geometry or weight types");
-  const FfnLayerKernels::Fn k = quant_kernel_for<FfnLayerKernels>(a.gate_up.type, "ffn layer");
-  const size_t smem = ffn_layer_smem_bytes(a.gate_up.nb);
-  allow_smem(k, smem);
-  launch(k, dim3(d_ff / kFfnSlice), dim3(kLayerThreads), smem, s, a);
-}
-
 void launch_attention_decode_short(const float* q, const float* k_cache, const float* v_cache, const DecodeIO* io,
                                    int n_heads, int n_kv_heads, int head_dim, int pos_cap, float* out,
                                    cudaStream_t s) {
-  if (head_dim != kLayerHd) throw EngineError("short decode attention needs head_dim 64");
+  if (head_dim != kShortAttnHd) throw EngineError("short decode attention needs head_dim 64");
   if (n_kv_heads < 1 || n_heads % n_kv_heads != 0) throw EngineError("attention: unsupported head grouping");
-  if (pos_cap < 1 || pos_cap > kLayerFusedMaxPositions) throw EngineError("short decode attention: bad capacity");
-  const size_t smem = (static_cast<size_t>(pos_cap) * (kLayerKStride + kLayerHd) + score_slots(pos_cap) + kLayerHd +
-                       kLayerPvGroups * kLayerHd) * sizeof(float);
+  if (pos_cap < 1 || pos_cap > kAttnSinglePassMax) throw EngineError("short decode attention: bad capacity");
+  const size_t smem = (static_cast<size_t>(pos_cap) * (kShortAttnKStride + kShortAttnHd) + score_slots(pos_cap) +
+                       kShortAttnHd + kShortAttnPvGroups * kShortAttnHd) * sizeof(float);
   allow_smem(attention_decode_short_kernel, smem);
-  launch(attention_decode_short_kernel, dim3(n_heads), dim3(kLayerThreads), smem, s, q, k_cache, v_cache, io, n_heads,
-         n_kv_heads, pos_cap, out);
+  launch(attention_decode_short_kernel, dim3(n_heads), dim3(kShortAttnThreads), smem, s, q, k_cache, v_cache, io,
+         n_heads, n_kv_heads, pos_cap, out);
 }
 
 void launch_argmax(const float* x, int n, const ArgmaxScratch& scratch, ArgmaxResult* result, DecodeIO* io_next,

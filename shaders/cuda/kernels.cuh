@@ -235,9 +235,7 @@ enum TraceKind : int {
   kTraceResidual = 2,
   kTraceAttention = 3,
   kTraceLmHead = 4,
-  kTraceAttnLayer = 5,
-  kTraceFfnLayer = 6,
-  kTraceKinds = 7
+  kTraceKinds = 5
 };
 constexpr int kTraceCapacity = 1024;
 // Clears the trace; returns false when the build has no trace.
@@ -567,61 +565,10 @@ void launch_embed_norm_matvec_qkv(const DevMatrix& emb, float* x, const DevMatri
                                   const QkvTargets& t, cudaStream_t s);
 
 // logits = W . rmsnorm(x); then argmax of the logits into *result (device or mapped-host pointer); if io_next is
-// non-null, also io_next->token = argmax, io_next->pos += 1. With parts set, x + parts[0] + ... + parts[n_parts-1]
-// (rows of W.cols floats, added in that order) takes the place of x.
+// non-null, also io_next->token = argmax, io_next->pos += 1.
 void launch_norm_matvec_argmax(const DevMatrix& W, const float* x, const float* norm_w, float eps, float* logits,
                                const ArgmaxScratch& scratch, ArgmaxResult* result, DecodeIO* io_next,
-                               cudaStream_t s, const float* parts = nullptr, int n_parts = 0);
-
-// ------------------------------------------------------------------ fused-layer decode (short contexts)
-// While the context is short (n_pos <= kLayerFusedMaxPositions) a layer is two kernels instead of five:
-//   attention_layer: one block per query head. Residual x = x_in + the previous layer's down partials (the head-0
-//     block writes x to x_out), rmsnorm, the head's q rows and its KV head's k and v rows (each block of a group
-//     recomputes k and v; the group's first block appends them to the cache), RoPE, attention over the cache rows
-//     (copied to shared memory before the programmatic wait), and the head's split-K share of the O projection:
-//     o_part[head] = W_o[:, head's columns] . attention(head).
-//   ffn_layer: one block per kFfnSlice hidden units. x = x_in + o_part[0] + ... (the slice-0 block writes x to
-//     x_out), rmsnorm, the slice's gate and up rows, silu(gate) * up, and its split-K share of the down
-//     projection: d_part[slice] = W_down[:, slice's columns] . h.
-// The next layer's attention_layer (or the final norm + lm_head) adds the d_part rows while staging x. Partials are
-// always added in the same order, so results are deterministic. Each block's weights, norm weights, RoPE factors
-// and cache rows are loaded before the programmatic wait; after it, one L2 round trip stages the residual.
-constexpr int kLayerFusedMaxPositions = 256;
-constexpr int kFfnSlice = 64;  // hidden units per ffn_layer block: two 32-column blocks of W_down
-constexpr int kLayerFusedMaxDModel = 1024;
-struct AttnLayerArgs {
-  DevMatrix qkv, o;  // qkv = [wq; wk; wv] stacked; same weight type as o
-  const float* norm_w = nullptr;
-  float eps = 0.f;
-  const float* x_in = nullptr;   // residual stream in (unused when embed is set)
-  const float* parts = nullptr;  // [n_parts][d_model] partials to add to x_in
-  int n_parts = 0;
-  DevMatrix embed;               // layer 0: x = row io->token of embed
-  float* x_out = nullptr;        // x, written by block 0
-  float* o_part = nullptr;       // [n_heads][d_model]
-  const DecodeIO* io = nullptr;
-  const float2* rope_table = nullptr;
-  float* k_cache = nullptr;      // this layer: [n_ctx][kv_dim]
-  float* v_cache = nullptr;
-  int n_heads = 0, n_kv_heads = 0;
-  int pos_cap = 0;               // sizes shared memory; io->pos + 1 must not exceed it (the kernel traps)
-};
-struct FfnLayerArgs {
-  DevMatrix gate_up, down;       // gate_up = [w_gate; w_up] stacked; same weight type as down
-  const float* norm_w = nullptr;
-  float eps = 0.f;
-  const float* x_in = nullptr;   // residual stream in
-  const float* o_part = nullptr; // [n_heads][d_model] partials to add to x_in
-  int n_heads = 0;
-  float* x_out = nullptr;        // x, written by block 0
-  float* d_part = nullptr;       // [d_ff / kFfnSlice][d_model]
-};
-// The geometry and weight types the fused-layer kernels handle: head_dim 64, d_model a multiple of 32 up to
-// kLayerFusedMaxDModel, d_ff a multiple of kFfnSlice, and all four layer matrices Q4_0, Q4_1 or Q8_0 alike.
-bool layer_fused_supported(int head_dim, int d_model, int d_ff, GgmlType qkv, GgmlType o, GgmlType gate_up,
-                           GgmlType down);
-void launch_attention_layer(const AttnLayerArgs& a, cudaStream_t s);
-void launch_ffn_layer(const FfnLayerArgs& a, cudaStream_t s);
+                               cudaStream_t s);
 
 // residual += W . x
 void launch_matvec_residual(const DevMatrix& W, const float* x, float* residual, cudaStream_t s);
@@ -635,7 +582,7 @@ void launch_attention_decode(const float* q, const float* k_cache, const float* 
 
 // Short contexts, head_dim 64 (the decode graph's single-pass regime): one block per query head with all K and V
 // rows in shared memory. Same result as launch_attention_decode within float rounding. io->pos + 1 must not exceed
-// pos_cap (<= kLayerFusedMaxPositions; the kernel traps).
+// pos_cap (<= kAttnSinglePassMax; the kernel traps).
 void launch_attention_decode_short(const float* q, const float* k_cache, const float* v_cache, const DecodeIO* io,
                                    int n_heads, int n_kv_heads, int head_dim, int pos_cap, float* out,
                                    cudaStream_t s);
