@@ -32,7 +32,9 @@ PROMPTS = ["the capital of france is", "once upon a time", "hello world", "the q
 def small(tmp_path_factory):
     from metalattn.testing import write_synthetic_gguf
 
-    return write_synthetic_gguf(tmp_path_factory.mktemp("rel") / "small.gguf", n_ctx=1024, seed=3)
+    # head_dim 32 (64 / 2 heads): the smallest the CUDA backend runs, so the CUDA variants use the same file.
+    return write_synthetic_gguf(tmp_path_factory.mktemp("rel") / "small.gguf", n_heads=2, n_kv_heads=1, n_ctx=1024,
+                                seed=3)
 
 
 @pytest.fixture(scope="module")
