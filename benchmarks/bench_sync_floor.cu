@@ -3,7 +3,11 @@
 //   1. a graph of N tiny kernels, each reading what the previous one wrote, launched plainly;
 //   2. the same with programmatic dependent launch (griddepcontrol);
 //   3. one persistent cooperative kernel that crosses N grid-wide barriers (one block per SM), each phase reading
-//      what another block wrote before the barrier.
+//      what another block wrote before the barrier;
+//   4. one persistent kernel (one block per SM) whose N steps hop from SM to SM: step s runs on block s % blocks once
+//      the counter says step s - 1 is done (acquire load, spinning), reads what that step wrote, writes its own and
+//      releases the counter: the point-to-point hand-over a persistent decode kernel's instructions would use
+//      instead of a kernel boundary or a grid barrier.
 // Build: nvcc -O3 -arch=sm_90 -std=c++17 benchmarks/bench_sync_floor.cu -o /tmp/bench_sync_floor
 #include <cuda_runtime.h>
 
@@ -58,6 +62,25 @@ __global__ void persistent_kernel(Barrier* bar, float* buf, int n_steps, int n) 
   }
   if (blockIdx.x == 0 && threadIdx.x == 0) bar->epoch += 1;
 }
+
+// Counter value for step s of this launch: epoch * n_steps + s (the counter keeps counting across graph replays).
+__global__ void handover_kernel(unsigned* counter, const unsigned* epoch, float* buf, int n_steps) {
+  const unsigned base = *epoch * static_cast<unsigned>(n_steps);
+  for (int s = blockIdx.x; s < n_steps; s += gridDim.x) {
+    if (threadIdx.x == 0) {
+      while (static_cast<int>(ld_acquire(counter) - (base + static_cast<unsigned>(s))) < 0) {
+      }
+    }
+    __syncthreads();
+    const int i = threadIdx.x % 256;
+    const float v = __ldcg(buf + (s & 1) * 256 + i) + 1.f;
+    buf[((s + 1) & 1) * 256 + i] = v;
+    __syncthreads();
+    if (threadIdx.x == 0) asm volatile("red.release.gpu.global.add.u32 [%0], 1;" ::"l"(counter) : "memory");
+  }
+}
+
+__global__ void bump_epoch(unsigned* epoch) { *epoch += 1; }
 
 static float median(std::vector<float> v) {
   std::sort(v.begin(), v.end());
@@ -146,6 +169,26 @@ int main(int argc, char** argv) {
                 n_steps, us / n_steps);
     CK(cudaGraphExecDestroy(exec));
     CK(cudaGraphDestroy(g));
+  }
+
+  unsigned* counter;
+  CK(cudaMalloc(&counter, 2 * sizeof(unsigned)));
+  CK(cudaMemset(counter, 0, 2 * sizeof(unsigned)));
+  for (int blocks : {2, 32, n_sms}) {
+    for (int threads : {128, 512}) {
+      cudaGraph_t g;
+      CK(cudaStreamBeginCapture(s, cudaStreamCaptureModeThreadLocal));
+      handover_kernel<<<blocks, threads, 0, s>>>(counter, counter + 1, buf, n_steps);
+      bump_epoch<<<1, 1, 0, s>>>(counter + 1);
+      CK(cudaStreamEndCapture(s, &g));
+      cudaGraphExec_t exec;
+      CK(cudaGraphInstantiate(&exec, g, 0));
+      const float us = time_graph(exec, s, 50);
+      std::printf("hand-over     blocks=%3d x %d: %8.1f us for %d SM-to-SM steps = %.3f us/step\n", blocks, threads, us,
+                  n_steps, us / n_steps);
+      CK(cudaGraphExecDestroy(exec));
+      CK(cudaGraphDestroy(g));
+    }
   }
   CK(cudaDeviceSynchronize());
   return 0;

@@ -1593,6 +1593,33 @@ TEST(CudaBackend, DecodeAcrossTheShortToLongAttentionSwitchOver) {
       });
 }
 
+// The default decode (graphs, short then split attention) and the eager debug decode against the reference forward
+// at SmolLM2's layer shapes for each legacy layer type, across the short-attention limit, and with a capacity (41)
+// that is not a multiple of 4.
+TEST(CudaBackend, DecodeMatchesReferenceForEachLayerTypeAndOddCapacity) {
+  REQUIRE_GPU();
+  struct Case {
+    GgmlType t;
+    int n_ctx;
+  };
+  for (const Case c : {Case{GgmlType::Q4_0, 264}, Case{GgmlType::Q4_1, 264}, Case{GgmlType::Q8_0, 264},
+                       Case{GgmlType::Q4_0, 41}}) {
+    const int limit = std::min(c.n_ctx, kAttnSinglePassMax), n = std::min(c.n_ctx, limit + 6);
+    SCOPED_TRACE(std::string("layer type ") + type_name(c.t) + ", n_ctx " + std::to_string(c.n_ctx));
+    auto m = make_model(3, 2048, c.n_ctx, c.t, GgmlType::Q8_0);
+    auto graph = make_cuda_backend(m->spec, m->w, false);
+    auto eager = make_cuda_backend(m->spec, m->w, true);
+    EXPECT_EQ(graph->kernels_per_token(), 5 * 3 + 1);
+    decode_side_by_side(
+        *m, *graph, *eager, n,
+        [&](int p) { return p < 3 || p % 37 == 0 || (p >= limit - 2 && p <= limit + 1) || p == n - 1; },
+        [](const std::vector<float>& lg, const std::vector<float>& le, const std::vector<float>& want) {
+          expect_logits_close(lg, want, 1e-3, "graph decode logits vs reference");
+          expect_logits_close(le, want, 1e-3, "eager decode logits vs reference");
+        });
+  }
+}
+
 TEST(CudaBackend, RejectsBadInputsAndOutOfMemoryWithoutLeaking) {
   REQUIRE_GPU();
   auto m = make_model(2, 512, 64, GgmlType::Q8_0, GgmlType::Q8_0, 128, 256, 2, 1);
