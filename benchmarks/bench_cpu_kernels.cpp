@@ -4,7 +4,7 @@
 // Usage: bench_cpu_kernels [n_threads] [sections] [types]
 //   sections: comma-separated subset of bandwidth,pool,matvec,matmul,smollm2,decode (default: all)
 //   types:    comma-separated weight types for the matvec/matmul tables, e.g. Q5_0,Q4_K (default: all timed)
-// METALATTN_CPU_ISA picks the ISA (default: the best one).
+// METALATTN_CPU_ISA picks the ISA (default: the best one). BENCH_CPU_TIME=1 times by CPU time (see now_s).
 #include <algorithm>
 #include <chrono>
 #include <cstdio>
@@ -14,6 +14,7 @@
 #include <memory>
 #include <random>
 #include <strings.h>
+#include <time.h>
 #include <vector>
 
 #include "cpu/kernels.h"
@@ -24,7 +25,15 @@ using namespace metalattn::cpu;
 
 namespace {
 
+// BENCH_CPU_TIME=1: time by this process's CPU time instead of the wall clock. With 1 thread that excludes the time
+// the OS gave other processes, the one robust timing on a shared machine (with more threads it counts spinning).
 double now_s() {
+  static const bool cpu_time = std::getenv("BENCH_CPU_TIME") != nullptr && std::getenv("BENCH_CPU_TIME")[0] == '1';
+  if (cpu_time) {
+    timespec ts;
+    clock_gettime(CLOCK_PROCESS_CPUTIME_ID, &ts);
+    return ts.tv_sec + ts.tv_nsec * 1e-9;
+  }
   return std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch()).count();
 }
 

@@ -58,19 +58,30 @@ alignas(64) const uint8_t kZeroBlock[64] = {};  // stands in for the blocks past
 
 void group_pack_acts(const block_q16_act* xq, int nb, int n_tok, ActGroup* out) {
   const int ng = (nb + kGroupBlocks - 1) / kGroupBlocks;
+  // Words of 8 consecutive elements reordered to [the 4 even | the 4 odd]; two such halves then combine (unpacklo /
+  // unpackhi of 64-bit halves) into the 8 even and the 8 odd elements of 16.
+  const __m128i deinterleave = _mm_setr_epi8(0, 1, 4, 5, 8, 9, 12, 13, 2, 3, 6, 7, 10, 11, 14, 15);
+  const __m128i ones = _mm_set1_epi16(1);
+  auto hsum = [](__m128i v) {  // the 4 int32 lanes added
+    v = _mm_add_epi32(v, _mm_shuffle_epi32(v, _MM_SHUFFLE(1, 0, 3, 2)));
+    return _mm_cvtsi128_si32(_mm_add_epi32(v, _mm_shuffle_epi32(v, _MM_SHUFFLE(2, 3, 0, 1))));
+  };
   for (int t = 0; t < n_tok; ++t) {
     for (int g = 0; g < ng; ++g) {
       ActGroup& a = out[t * ng + g];
-      std::memset(&a, 0, sizeof(a));
+      if (kGroupBlocks * (g + 1) > nb) std::memset(&a, 0, sizeof(a));  // a partial group: the missing blocks add 0
       for (int lane = 0; lane < kGroupBlocks; ++lane) {
         const int j = kLaneBlock[lane], blk = kGroupBlocks * g + j;
         if (blk >= nb) continue;
         const block_q16_act& b = xq[static_cast<int64_t>(t) * nb + blk];
-        int half[2] = {0, 0};
-        for (int e = 0; e < 32; ++e) {
-          const int k = 2 * (e / 16) + e % 2, i = (e % 16) / 2;
-          a.qs[j / 2][k][8 * (j % 2) + i] = b.qs[e];
-          half[e / 16] += b.qs[e];
+        int half[2];
+        for (int h = 0; h < 2; ++h) {  // elements 16h .. 16h + 15 -> operands 2h (even) and 2h + 1 (odd)
+          const __m128i x0 = _mm_loadu_si128(reinterpret_cast<const __m128i*>(b.qs + 16 * h));
+          const __m128i x1 = _mm_loadu_si128(reinterpret_cast<const __m128i*>(b.qs + 16 * h + 8));
+          const __m128i s0 = _mm_shuffle_epi8(x0, deinterleave), s1 = _mm_shuffle_epi8(x1, deinterleave);
+          _mm_storeu_si128(reinterpret_cast<__m128i*>(&a.qs[j / 2][2 * h][8 * (j % 2)]), _mm_unpacklo_epi64(s0, s1));
+          _mm_storeu_si128(reinterpret_cast<__m128i*>(&a.qs[j / 2][2 * h + 1][8 * (j % 2)]), _mm_unpackhi_epi64(s0, s1));
+          half[h] = hsum(_mm_add_epi32(_mm_madd_epi16(x0, ones), _mm_madd_epi16(x1, ones)));
         }
         a.d[lane] = b.d;
         a.s[lane] = b.s;
@@ -528,7 +539,7 @@ inline int hsum_epi32(__m256i v) {
 
 // What TiledMatmul (tiled_matmul.h) needs from this ISA.
 struct GroupIsa {
-  static constexpr bool kAllQuantTypes = true;
+  static constexpr bool handles(GgmlType) { return true; }
   using Act = ActGroup;
   static constexpr int kActGroup = kGroupBlocks;
   // With VNNI (AVX-512VL: 32 ymm registers) a tile of 8 tokens keeps its accumulators in registers.

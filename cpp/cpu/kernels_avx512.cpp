@@ -3,8 +3,10 @@
 // Blocks are handled four at a time: 128-bit lane X of every operand holds 8 values of block X, so after the
 // four vpdpwssd of a quad, int32 lanes 4X..4X+3 hold partial sums of block X only, and one int->float
 // conversion plus one FMA with a [dA x4, dB x4, dC x4, dD x4] scale vector applies the scales of four blocks.
-// Q4 weights enter as unsigned nibbles (0..15); Q4_0's offset of 8 is removed exactly by seeding the integer
-// accumulation with -8 * sum(a) per block, which depends only on the activations (computed when they are packed).
+// Q4 / Q5 weights enter as unsigned codes (0..15 / 0..31; Q5's fifth bit set by a byte-masked add); Q4_0's offset
+// of 8 (Q5_0's 16) is removed exactly by seeding the integer accumulation with -8 (-16) * sum(a) per block, which
+// depends only on the activations (computed when they are packed). These quad tiles serve Q4_0, Q4_1, Q5_0, Q5_1,
+// Q8_0; the K-quants take the group tiles of group_tiles.h (vpdpwssd on ymm).
 // Weight quads are decoded once per row and reused by every token of a tile. Float weights: FMA on float
 // activations.
 //
@@ -34,14 +36,18 @@ namespace {
 struct alignas(64) ActQuad {
   int16_t qs[4][32];  // qs[k][8X + j] = element 8k + j of block X (0 past the last block)
   float d[16];        // lanes 4X..4X+3: scale of block X
-  int32_t bias[16];   // Q4_0: lane 4X = -8 * sum(qs of block X), other lanes 0
-  float s[16];        // Q4_1: lane 4X = s of block X (multiplies the block's min), other lanes 0
+  int32_t bias[16];   // Q4_0 (x2: Q5_0): lane 4X = -8 * sum(qs of block X), other lanes 0
+  float s[16];        // Q4_1, Q5_1: lane 4X = s of block X (multiplies the block's min), other lanes 0
 };
 
 alignas(64) const uint8_t kZeroBlock[64] = {};  // stands in for the missing blocks of a row's last quad
 
-constexpr size_t block_size(GgmlType t) {
-  return t == GgmlType::Q4_0 ? sizeof(block_q4_0) : t == GgmlType::Q4_1 ? sizeof(block_q4_1) : sizeof(block_q8_0);
+constexpr size_t block_size(GgmlType t) { return block_bytes(t); }
+
+// The 32-weight types these quad tiles decode (the others take the group tiles, see matmul below).
+constexpr bool quad_type(GgmlType t) {
+  return t == GgmlType::Q4_0 || t == GgmlType::Q4_1 || t == GgmlType::Q8_0 || t == GgmlType::Q5_0 ||
+         t == GgmlType::Q5_1;
 }
 
 void pack_acts(const block_q16_act* xq, int nb, int n_tok, ActQuad* out) {
@@ -75,6 +81,12 @@ void pack_acts(const block_q16_act* xq, int nb, int n_tok, ActQuad* out) {
 inline uint64_t load_u16(const uint8_t* p) {
   uint16_t v;
   std::memcpy(&v, p, 2);
+  return v;
+}
+
+inline uint64_t load_u32(const uint8_t* p) {
+  uint32_t v;
+  std::memcpy(&v, p, 4);
   return v;
 }
 
@@ -117,14 +129,27 @@ inline WeightQuad load_quad(const uint8_t* const b[4]) {
     w.q[3] = _mm512_srai_epi16(_mm512_unpackhi_epi8(v1, v1), 8);
   } else {
     // Byte j holds weight j (low nibble) and weight j + 16 (high nibble).
-    const __m512i v = load_lanes(b, WT == GgmlType::Q4_1 ? 4 : 2);
+    constexpr int qs_off = WT == GgmlType::Q4_0 ? 2 : WT == GgmlType::Q4_1 ? 4 : WT == GgmlType::Q5_0 ? 6 : 8;
+    const __m512i v = load_lanes(b, qs_off);
     const __m512i nibble = _mm512_set1_epi8(0x0F), zero = _mm512_setzero_si512();
-    const __m512i lo = _mm512_and_si512(v, nibble), hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), nibble);
+    __m512i lo = _mm512_and_si512(v, nibble), hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), nibble);
+    if constexpr (WT == GgmlType::Q5_0 || WT == GgmlType::Q5_1) {
+      // Q5: bit j of block X's qh is the fifth bit of weight j: byte 16X + j of lo (j < 16) or of hi (j >= 16).
+      // The four qh words become two 64-bit byte masks; a masked add sets bit 4 of the selected bytes.
+      constexpr int qh_off = WT == GgmlType::Q5_0 ? 2 : 4;
+      const uint64_t h0 = load_u32(b[0] + qh_off), h1 = load_u32(b[1] + qh_off), h2 = load_u32(b[2] + qh_off),
+                     h3 = load_u32(b[3] + qh_off);
+      const __mmask64 lo_bits = (h0 & 0xFFFF) | (h1 & 0xFFFF) << 16 | (h2 & 0xFFFF) << 32 | (h3 & 0xFFFF) << 48;
+      const __mmask64 hi_bits = h0 >> 16 | (h1 >> 16) << 16 | (h2 >> 16) << 32 | (h3 >> 16) << 48;
+      const __m512i bit4 = _mm512_set1_epi8(0x10);
+      lo = _mm512_mask_add_epi8(lo, lo_bits, lo, bit4);
+      hi = _mm512_mask_add_epi8(hi, hi_bits, hi, bit4);
+    }
     w.q[0] = _mm512_unpacklo_epi8(lo, zero);
     w.q[1] = _mm512_unpackhi_epi8(lo, zero);
     w.q[2] = _mm512_unpacklo_epi8(hi, zero);
     w.q[3] = _mm512_unpackhi_epi8(hi, zero);
-    if constexpr (WT == GgmlType::Q4_1) w.m = spread_halves(b, 2);
+    if constexpr (WT == GgmlType::Q4_1 || WT == GgmlType::Q5_1) w.m = spread_halves(b, 2);
   }
   return w;
 }
@@ -192,7 +217,10 @@ void q_tile(const uint8_t* row0, size_t stride, int nb, const ActQuad* acts, int
       const ActQuad& a = acts[t * nquads + p];
       const __m512i a0 = _mm512_load_si512(a.qs[0]), a1 = _mm512_load_si512(a.qs[1]);
       const __m512i a2 = _mm512_load_si512(a.qs[2]), a3 = _mm512_load_si512(a.qs[3]);
-      const __m512i seed = WT == GgmlType::Q4_0 ? _mm512_load_si512(a.bias) : _mm512_setzero_si512();
+      // Q4_0 / Q5_0 store q + 8 / q + 16: the sum starts at -8 / -16 times the block's activation sum.
+      const __m512i seed = WT == GgmlType::Q4_0   ? _mm512_load_si512(a.bias)
+                           : WT == GgmlType::Q5_0 ? _mm512_slli_epi32(_mm512_load_si512(a.bias), 1)
+                                                  : _mm512_setzero_si512();
       const __m512 ad = _mm512_load_ps(a.d);
       for (int i = 0; i < R; ++i) {
         __m512i dot = _mm512_dpwssd_epi32(seed, wq[i].q[0], a0);  // exact: see the top of the file
@@ -200,7 +228,8 @@ void q_tile(const uint8_t* row0, size_t stride, int nb, const ActQuad* acts, int
         dot = _mm512_dpwssd_epi32(dot, wq[i].q[2], a2);
         dot = _mm512_dpwssd_epi32(dot, wq[i].q[3], a3);
         acc[i][t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), _mm512_mul_ps(wq[i].d, ad), acc[i][t]);
-        if constexpr (WT == GgmlType::Q4_1) acc[i][t] = _mm512_fmadd_ps(wq[i].m, _mm512_load_ps(a.s), acc[i][t]);
+        if constexpr (WT == GgmlType::Q4_1 || WT == GgmlType::Q5_1)
+          acc[i][t] = _mm512_fmadd_ps(wq[i].m, _mm512_load_ps(a.s), acc[i][t]);
       }
     }
   }
@@ -241,7 +270,7 @@ void f_tile(const uint8_t* row0, size_t stride, int64_t cols, const float* X, fl
 
 // What TiledMatmul (tiled_matmul.h) needs from this ISA.
 struct Isa {
-  static constexpr bool kAllQuantTypes = false;
+  static constexpr bool handles(GgmlType t) { return quad_type(t); }
   using Act = ActQuad;
   static constexpr int kActGroup = 4;
   static constexpr int kTokenTile = 8;
@@ -287,7 +316,7 @@ void quantize_acts(const float* x, int64_t n, block_q16_act* out) {
   }
 }
 
-// Q5_0, Q5_1, Q4_K, Q5_K, Q6_K: the group tiles of the AVX2 kernels (group_tiles.h) with vpdpwssd on ymm registers.
+// Q4_K, Q5_K, Q6_K: the group tiles of the AVX2 kernels (group_tiles.h) with vpdpwssd on ymm registers.
 namespace groups {
 #define MA_GROUP_TILES_VNNI 1
 #include "group_tiles.h"
@@ -295,9 +324,7 @@ namespace groups {
 
 void matmul(const WeightView& w, const float* X, const block_q16_act* Xq, int n_tok, float* Y, int64_t ldy,
             int64_t r0, int64_t r1) {
-  if (Isa::kAllQuantTypes || !is_quantized(w.type) || w.type == GgmlType::Q4_0 || w.type == GgmlType::Q4_1 ||
-      w.type == GgmlType::Q8_0)
-    return TiledMatmul<Isa>::matmul(w, X, Xq, n_tok, Y, ldy, r0, r1);
+  if (!is_quantized(w.type) || quad_type(w.type)) return TiledMatmul<Isa>::matmul(w, X, Xq, n_tok, Y, ldy, r0, r1);
   TiledMatmul<groups::GroupIsa>::matmul(w, X, Xq, n_tok, Y, ldy, r0, r1);
 }
 

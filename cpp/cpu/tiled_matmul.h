@@ -7,8 +7,8 @@
 // that file's -m flags only (an inline function shared by two ISA files could be linked into the wrong one).
 //
 // Isa provides:
-//   kAllQuantTypes                       whether q_tile handles Q5_0/Q5_1/Q4_K/Q5_K/Q6_K too (else the
-//                                        dispatcher sends those to another ISA)
+//   handles(t)                           constexpr: whether q_tile handles quantized type t (Q4_0, Q4_1, Q8_0,
+//                                        Q5_0, Q5_1, Q4_K, Q5_K, Q6_K); the ISA's matmul sends the others elsewhere
 //   Act                                  one token's activations for kActGroup consecutive blocks, packed
 //   kActGroup                            blocks per Act
 //   kTokenTile                           tokens per packed tile; a power of two: quantized tiles of kTokenTile,
@@ -135,24 +135,19 @@ struct TiledMatmul {
   static void matmul(const WeightView& w, const float* X, const block_q16_act* Xq, int n_tok, float* Y,
                      int64_t ldy, int64_t r0, int64_t r1) {
     switch (w.type) {
-      case GgmlType::Q4_0: return q_matmul<GgmlType::Q4_0>(w, Xq, n_tok, Y, ldy, r0, r1);
-      case GgmlType::Q4_1: return q_matmul<GgmlType::Q4_1>(w, Xq, n_tok, Y, ldy, r0, r1);
-      case GgmlType::Q8_0: return q_matmul<GgmlType::Q8_0>(w, Xq, n_tok, Y, ldy, r0, r1);
-      case GgmlType::Q5_0:
-      case GgmlType::Q5_1:
-      case GgmlType::Q4_K:
-      case GgmlType::Q5_K:
-      case GgmlType::Q6_K:
-        if constexpr (Isa::kAllQuantTypes) {
-          switch (w.type) {
-            case GgmlType::Q5_0: return q_matmul<GgmlType::Q5_0>(w, Xq, n_tok, Y, ldy, r0, r1);
-            case GgmlType::Q5_1: return q_matmul<GgmlType::Q5_1>(w, Xq, n_tok, Y, ldy, r0, r1);
-            case GgmlType::Q4_K: return q_matmul<GgmlType::Q4_K>(w, Xq, n_tok, Y, ldy, r0, r1);
-            case GgmlType::Q5_K: return q_matmul<GgmlType::Q5_K>(w, Xq, n_tok, Y, ldy, r0, r1);
-            default: return q_matmul<GgmlType::Q6_K>(w, Xq, n_tok, Y, ldy, r0, r1);
-          }
-        }
-        break;
+#define MA_QUANT_CASE(T)                                                              \
+  case GgmlType::T:                                                                   \
+    if constexpr (Isa::handles(GgmlType::T)) return q_matmul<GgmlType::T>(w, Xq, n_tok, Y, ldy, r0, r1); \
+    break;
+      MA_QUANT_CASE(Q4_0)
+      MA_QUANT_CASE(Q4_1)
+      MA_QUANT_CASE(Q8_0)
+      MA_QUANT_CASE(Q5_0)
+      MA_QUANT_CASE(Q5_1)
+      MA_QUANT_CASE(Q4_K)
+      MA_QUANT_CASE(Q5_K)
+      MA_QUANT_CASE(Q6_K)
+#undef MA_QUANT_CASE
       default: break;
       case GgmlType::F32: return f_matmul<GgmlType::F32>(w, X, n_tok, Y, ldy, r0, r1);
       case GgmlType::F16: return f_matmul<GgmlType::F16>(w, X, n_tok, Y, ldy, r0, r1);
