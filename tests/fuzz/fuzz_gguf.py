@@ -880,7 +880,9 @@ def main(argv=None) -> int:
     p.add_argument("--start", type=int, default=0, help="first case index")
     p.add_argument("--jobs", type=int, default=2, help="cases run at once (forked children)")
     p.add_argument("--timeout", type=float, default=30.0, help="seconds per case before it counts as a hang")
-    p.add_argument("--mem", type=int, default=2048, help="MiB of address space a case may add (RLIMIT_AS)")
+    p.add_argument("--mem", type=int, default=None,
+                   help="MiB of address space a case may add (RLIMIT_AS; default 2048, and 0 = none with --device "
+                        "cuda: a CUDA context reserves far more address space than it uses)")
     p.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     p.add_argument("--no-real", action="store_true", help="leave out the real SmolLM2 header seed")
     p.add_argument("--case", type=int, default=None, help="replay one case in-process with its traceback")
@@ -889,6 +891,8 @@ def main(argv=None) -> int:
     p.add_argument("--json", default=None, help="write the summary (with every failure) to this file")
     p.add_argument("-q", "--quiet", action="store_true")
     args = p.parse_args(argv)
+    if args.mem is None:
+        args.mem = 0 if args.device == "cuda" else 2048
     if args.case is not None:
         return replay(args.seed, args.case, args.device, args.save, args.corpus)
     summary = campaign(args.seed, args.cases, args.jobs, args.timeout, args.mem, args.device, args.start,
