@@ -252,7 +252,8 @@ _LONG_WORD_SYMBOLS = 48
 class Tokenizer:
     """Byte-level BPE tokenizer of a GGUF model. Build it with `from_gguf_path` or `from_gguf_fields`.
 
-    Encoding keeps an LRU cache of pre-token -> ids, so one instance should not encode from several threads at once.
+    Encoding keeps an LRU cache of pre-token -> ids, which tolerates several threads encoding at once (an entry
+    evicted by another thread between two steps is recomputed; tests/python/test_reliability.py).
     """
 
     def __init__(
@@ -633,13 +634,21 @@ class Tokenizer:
         cache = self._cache
         for piece in self._pre_tokenizer.split(text):
             piece_ids = cache.get(piece)
+            # Another thread may evict between two of these calls (each is atomic under the GIL, the pair is not):
+            # a miss then only costs a recomputation.
             if piece_ids is None:
                 piece_ids = self._bpe(piece)
                 cache[piece] = piece_ids
                 if len(cache) > self._cache_size:
-                    cache.popitem(last=False)
+                    try:
+                        cache.popitem(last=False)
+                    except KeyError:
+                        pass
             else:
-                cache.move_to_end(piece)
+                try:
+                    cache.move_to_end(piece)
+                except KeyError:
+                    pass
             ids.extend(piece_ids)
 
     def _bpe(self, piece: str) -> Tuple[int, ...]:

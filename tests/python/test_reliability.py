@@ -520,3 +520,21 @@ def test_hostile_chat_template_is_stopped_quickly(small, tmp_path, template):
     with pytest.raises(ChatTemplateError, match="small.gguf"):
         model.apply_chat_template([{"role": "user", "content": "hi"}])
     assert time.perf_counter() - t < 5.0
+
+
+def test_tokenize_from_many_threads(small):
+    """The tokenizer's LRU cache of pre-tokens is shared: threads hitting and evicting entries at once must not
+    break it (the server tokenizes requests while a worker generates)."""
+    model = _load(small)
+    model.tokenizer._cache_size = 16  # constant eviction
+    words = [f"w{i} the capital {i * 7} of france is paris {i % 13}" for i in range(200)]
+    want = [model.tokenize(w) for w in words]
+    got = {}
+
+    def worker(i):
+        for rep in range(20):
+            for j in range(i, len(words), 3):
+                got[(rep, j)] = model.tokenize(words[j])
+
+    _run_threads(worker, 4)
+    assert all(ids == want[j] for (_, j), ids in got.items())
