@@ -246,7 +246,11 @@ def test_keyboard_interrupt_leaves_the_model_usable(wide, device):
         model.reset()
         assert model.forward_prompt(ids) == want_prompt
         model.reset()
-        np.testing.assert_array_equal(model.forward_prompt_logits(ids[:40]), want_logits)
+        logits = model.forward_prompt_logits(ids[:40])
+        if device == "cpu":
+            np.testing.assert_array_equal(logits, want_logits)
+        else:  # the same kernels on the same input; allow for a different GEMM algorithm choice
+            np.testing.assert_allclose(logits, want_logits, rtol=1e-5, atol=1e-5)
         assert model.generate(PROMPTS[0], max_tokens=16, reuse_prefix=True) == want_text
 
     # generate() long enough to be hit; stream(); a long forward_prompt (the engine releases the GIL, finishes the
