@@ -368,6 +368,15 @@ def _row_major_shape(ne) -> Tuple[int, ...]:
     return tuple(reversed(dims))
 
 
+# Items of one metadata array: 16x the largest vocabulary of a real model (Gemma 3: 262,144 tokens); the gguf reader
+# walks arrays item by item in Python (~2 us each), so this also bounds the time a corrupt count can cost.
+MAX_METADATA_ARRAY = 1 << 22
+
+
+class _ShortRead(Exception):
+    pass
+
+
 class _TruncatedTensor(Exception):
     def __init__(self, name: str, start: int, end: int):
         super().__init__(name)
@@ -392,6 +401,25 @@ def _make_reader_class(gguf):
         def data(self, mapped):
             self._mapped = mapped
             self._plain_data = mapped.view(np.ndarray)
+
+        def _get_field_parts(self, orig_offs, raw_type):
+            # The stock reader slices past the end of the map without complaint and gets 0-byte items back, so a
+            # count planted in a corrupt header would loop over "items" for as long as it says: an array's count is
+            # checked against the bytes that could hold its items first (nested arrays at each level).
+            if raw_type == 9:  # gguf.GGUFValueType.ARRAY (a plain int: this runs once per item of every array)
+                item_type = int(self._get(orig_offs, np.uint32)[0])
+                count = int(self._get(orig_offs + 4, np.uint64)[0])
+                try:
+                    item_type = gguf.GGUFValueType(item_type)
+                except ValueError:
+                    item_type = None  # the stock code names the bad type
+                np_type = self.gguf_scalar_to_np.get(item_type)
+                least = np.dtype(np_type).itemsize if np_type is not None else \
+                    8 if item_type == gguf.GGUFValueType.STRING else 12
+                if count > MAX_METADATA_ARRAY or count * least > len(self.data) - orig_offs - 12:
+                    raise _ShortRead(f"a metadata array at offset {orig_offs} claims {count} items, more than "
+                                     f"{'the file can hold' if count <= MAX_METADATA_ARRAY else MAX_METADATA_ARRAY}")
+            return super()._get_field_parts(orig_offs, raw_type)
 
         def _build_tensors(self, start_offs, fields):
             try:

@@ -764,6 +764,7 @@ def campaign(seed: int, cases: int, jobs: int, timeout: float, mem_mb: int, devi
     counts = collections.Counter()
     by_error = collections.Counter()
     by_kind = collections.Counter()
+    bare = []
     failures = []
     running = {}  # pid -> (index, read fd, deadline, chunks)
     next_index, end = start, start + cases
@@ -797,6 +798,9 @@ def campaign(seed: int, cases: int, jobs: int, timeout: float, mem_mb: int, devi
         if result["outcome"] == "metalattn":
             cls, _, msg = result["error"].partition(": ")
             by_error[cls.rsplit(".", 1)[-1]] += 1
+            if cls == "metalattn.errors.MetalattnError":  # the base class: no loader check named the problem
+                bare.append(dict(case=index, seed_file=result.get("seed_file"), mutations=result.get("mutations"),
+                                 error=result["error"][:400]))
             # What went wrong, without the case's path and numbers: a coverage profile of the run.
             msg = re.sub(r"\S*case_\d+\.gguf(\.q8_0\.gguf)?:? ?", "", msg)
             by_kind[re.sub(r"\d+", "N", msg)[:64]] += 1
@@ -852,7 +856,7 @@ def campaign(seed: int, cases: int, jobs: int, timeout: float, mem_mb: int, devi
             pass
     return dict(seed=seed, start=start, cases=cases, jobs=jobs, timeout=timeout, mem_mb=mem_mb, device=device,
                 seconds=round(time.time() - t0, 1), outcomes=dict(counts), errors=dict(by_error.most_common()),
-                messages=dict(by_kind.most_common(60)),
+                messages=dict(by_kind.most_common(60)), bare_metalattn_errors=bare[:50],
                 seed_files=sorted(corpus), failures=failures)
 
 
