@@ -631,7 +631,7 @@ def make_case(seed: int, index: int, corpus: Dict[str, str], parsed: Dict[str, G
     n_struct = rng.choice([0, 1, 1, 1, 2, 3])
     n_bytes = rng.choice([0, 0, 1, 1, 2]) if n_struct else rng.choice([1, 1, 2, 3])
     for _ in range(n_struct):
-        log.append(_pick(rng, STRUCTURAL)(rng, g))
+        log.append(_pick(rng, STRUCTURAL)(rng, g)[:200])  # names can be 70,000 bytes long by now
     header, fields, start, n_data = serialize(g)
     buf = bytearray(header)
     small = not isinstance(g.data, Zeros)
@@ -643,7 +643,7 @@ def make_case(seed: int, index: int, corpus: Dict[str, str], parsed: Dict[str, G
     for _ in range(n_bytes):
         if not buf:
             break
-        log.append(_pick(rng, BYTE_LEVEL)(rng, buf, fields, min(len(header), len(buf))))
+        log.append(_pick(rng, BYTE_LEVEL)(rng, buf, fields, min(len(header), len(buf)))[:200])
     with open(out_path, "wb") as f:
         f.write(buf)
         if not small:
@@ -785,14 +785,14 @@ def campaign(seed: int, cases: int, jobs: int, timeout: float, mem_mb: int, devi
         try:
             result = json.loads(b"".join(chunks).decode()) if chunks else {"case": index}
         except ValueError:
-            result = {"case": index}
+            result = {"case": index, "outcome": "fuzzer_error", "error": "unreadable result from the child"}
         if timed_out:
             result["outcome"] = "hang"
         elif os.WIFSIGNALED(status):
             result["outcome"] = "crash"
             result["signal"] = os.WTERMSIG(status)
-        elif "outcome" not in result:
-            result["outcome"] = "crash"
+        elif "outcome" not in result:  # exited without a word: killed by the kernel, or os._exit from below
+            result["outcome"] = "crash" if not os.WIFEXITED(status) or os.WEXITSTATUS(status) else "fuzzer_error"
             result["exit_status"] = os.WEXITSTATUS(status) if os.WIFEXITED(status) else status
         counts[result["outcome"]] += 1
         if result["outcome"] == "metalattn":
