@@ -42,8 +42,12 @@ def metalattn_bench(path: str, threads: int, reps: int, isa: str | None = None) 
                           "--prompt-lengths", "512", "--gen-length", "128", "--iterations", str(reps), "--json",
                           "--quiet"], capture_output=True, text=True, check=True, env=env).stdout
     r = json.loads(out)
-    return {"pp512": r["prefill"][0]["tokens_per_second"]["median"],
-            "tg128": r["decode"]["tokens_per_second"]["median"], "raw": r}
+    res = {"pp512": r["prefill"][0]["tokens_per_second"]["median"],
+           "tg128": r["decode"]["tokens_per_second"]["median"], "raw": r}
+    if "fraction_of_bandwidth_floor" in r["decode"]:  # decode over (read bandwidth / weight bytes per token)
+        res["floor_fraction"] = r["decode"]["fraction_of_bandwidth_floor"]
+        res["bandwidth_GBps"] = r["decode"]["bandwidth_bytes_per_second"] / 1e9
+    return res
 
 
 def main() -> int:
