@@ -14,6 +14,15 @@ set -o pipefail
 OUT=${OUT:-$PWD/device-out}
 mkdir -p "$OUT" /tmp/rs
 LB=/tmp/llama.cpp/b/bin
+# llama-bench, then metalattn bench, on one file; tables to stdout, raw output to $OUT.
+bench_one() {
+  local name=$1 f=$2
+  echo "== $name"
+  timeout 200 $LB/llama-bench -m $f -p 32,512 -n 128 -fa 1 -ngl 99 -r 5 -o md 2>/dev/null | tee "$OUT/llamabench_$name.md"
+  timeout 200 python3 -m metalattn bench -m $f -d cuda --prompt-lengths 32,512 --iterations 10 --json -q \
+    > "$OUT/metalattn_$name.json" 2> "$OUT/metalattn_$name.err" || tail -5 "$OUT/metalattn_$name.err"
+  python3 -c "import json; from metalattn.bench import format_table; print(format_table(json.load(open('$OUT/metalattn_$name.json'))))"
+}
 for stage in "$@"; do
   t0=$(date +%s)
   case $stage in
@@ -42,23 +51,12 @@ write_synthetic_gguf('/tmp/rs/$name-f16.gguf', **kw)" || exit 1
         rm -f /tmp/rs/$name-f16.gguf
       done ;;
     bench)
-      for name in gemma3 qwen25; do
-        f=/tmp/rs/$name-q4_k_m.gguf
-        echo "== $name"
-        timeout 200 $LB/llama-bench -m $f -p 32,512 -n 128 -fa 1 -ngl 99 -r 5 -o md 2>/dev/null | tee "$OUT/llamabench_$name.md"
-        timeout 200 python3 -m metalattn bench -m $f -d cuda --prompt-lengths 32,512 --iterations 10 --json -q \
-          > "$OUT/metalattn_$name.json" 2> "$OUT/metalattn_$name.err" || tail -5 "$OUT/metalattn_$name.err"
-        python3 -c "import json; from metalattn.bench import format_table; print(format_table(json.load(open('$OUT/metalattn_$name.json'))))"
-      done ;;
+      for name in gemma3 qwen25; do bench_one $name /tmp/rs/$name-q4_k_m.gguf; done ;;
     shapes)
       for m in smollm2_135m:SMOLLM2_135M smollm2_360m:SMOLLM2_360M smollm2_1_7b:SMOLLM2_1_7B; do
         name=${m%%:*}; preset=${m#*:}; f=/tmp/rs/$name.gguf
         [ -f $f ] || python3 -c "from metalattn.testing import write_synthetic_gguf, $preset as p; write_synthetic_gguf('$f', **p)" || exit 1
-        echo "== $name"
-        timeout 200 $LB/llama-bench -m $f -p 32,512 -n 128 -fa 1 -ngl 99 -r 5 -o md 2>/dev/null | tee "$OUT/llamabench_$name.md"
-        timeout 200 python3 -m metalattn bench -m $f -d cuda --prompt-lengths 32,512 --iterations 10 --json -q \
-          > "$OUT/metalattn_$name.json" 2> "$OUT/metalattn_$name.err" || tail -5 "$OUT/metalattn_$name.err"
-        python3 -c "import json; from metalattn.bench import format_table; print(format_table(json.load(open('$OUT/metalattn_$name.json'))))"
+        bench_one $name $f
       done ;;
   esac
   echo "[$stage: $(( $(date +%s) - t0 )) s]"
