@@ -374,6 +374,33 @@ def _error_event(e: Exception) -> str:
     return _sse(APIError(500, f"generation failed: {e}", code="generation_failed").body())
 
 
+async def _stream_events(job: Job, base: dict, n_prompt: int, include_usage: bool, chunk_choice, final_choice,
+                         first: Optional[dict] = None):
+    """The server-sent events of a streamed completion: the opening choice (if any), one event per chunk for which
+    chunk_choice(chunk) gives a choice, final_choice(stats) with the finish reason, the usage when asked, then
+    [DONE]. The job is cancelled when the client leaves (this generator is cancelled or closed) or the stream ends."""
+    try:
+        if first is not None:
+            yield _sse(dict(base, choices=[first]))
+        while True:
+            kind, payload = await job.events.get()
+            if kind == "chunk":
+                choice = chunk_choice(payload)
+                if choice is not None:
+                    yield _sse(dict(base, choices=[choice]))
+            elif kind == "done":
+                yield _sse(dict(base, choices=[final_choice(payload)]))
+                if include_usage:
+                    yield _sse(dict(base, choices=[], usage=_usage(n_prompt, payload)))
+                break
+            else:
+                yield _error_event(payload)
+                break
+        yield "data: [DONE]\n\n"
+    finally:
+        job.cancel()
+
+
 def _chat_logprobs(ctx: _Ctx, chunks, top: int) -> dict:
     content = []
     for c in chunks:
@@ -480,36 +507,21 @@ def create_app(model, model_id: Optional[str] = None, api_key: Optional[str] = N
             return JSONResponse(dict(head, object="chat.completion", choices=[choice],
                                      usage=_usage(len(ids), stats)))
 
-        async def events():
-            base = dict(head, object="chat.completion.chunk")
-            if include_usage:
-                base["usage"] = None
-            try:
-                yield _sse(dict(base, choices=[{"index": 0, "delta": {"role": "assistant", "content": ""},
-                                                "logprobs": None, "finish_reason": None}]))
-                while True:
-                    kind, payload = await job.events.get()
-                    if kind == "chunk":
-                        c = payload
-                        if c.text or want_lp:
-                            lp = _chat_logprobs(ctx, [c], top) if want_lp else None
-                            yield _sse(dict(base, choices=[{"index": 0, "delta": {"content": c.text},
-                                                            "logprobs": lp, "finish_reason": None}]))
-                    elif kind == "done":
-                        stats = payload
-                        yield _sse(dict(base, choices=[{"index": 0, "delta": {}, "logprobs": None,
-                                                        "finish_reason": _finish(stats.finish_reason)}]))
-                        if include_usage:
-                            yield _sse(dict(base, choices=[], usage=_usage(len(ids), stats)))
-                        break
-                    else:
-                        yield _error_event(payload)
-                        break
-                yield "data: [DONE]\n\n"
-            finally:
-                job.cancel()  # the client left (this generator was cancelled or closed) or we are done
+        base = dict(head, object="chat.completion.chunk")
+        if include_usage:
+            base["usage"] = None
 
-        return StreamingResponse(events(), media_type="text/event-stream",
+        def chunk_choice(c):
+            if not (c.text or want_lp):
+                return None
+            lp = _chat_logprobs(ctx, [c], top) if want_lp else None
+            return {"index": 0, "delta": {"content": c.text}, "logprobs": lp, "finish_reason": None}
+
+        events = _stream_events(
+            job, base, len(ids), include_usage, chunk_choice,
+            lambda stats: {"index": 0, "delta": {}, "logprobs": None, "finish_reason": _finish(stats.finish_reason)},
+            first={"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None})
+        return StreamingResponse(events, media_type="text/event-stream",
                                  headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
 
     async def completions(request: Request):
@@ -561,35 +573,22 @@ def create_app(model, model_id: Optional[str] = None, api_key: Optional[str] = N
                       "finish_reason": _finish(stats.finish_reason)}
             return JSONResponse(dict(head, choices=[choice], usage=_usage(len(ids), stats)))
 
-        async def events():
-            base = dict(head, usage=None) if include_usage else head
-            offset = 0
-            try:
-                while True:
-                    kind, payload = await job.events.get()
-                    if kind == "chunk":
-                        c = payload
-                        if c.text or k is not None:
-                            lp = _completion_logprobs(ctx, [c], offset) if k is not None else None
-                            if lp is not None and lp["tokens"]:
-                                offset += len(lp["tokens"][0])
-                            yield _sse(dict(base, choices=[{"text": c.text, "index": 0, "logprobs": lp,
-                                                            "finish_reason": None}]))
-                    elif kind == "done":
-                        stats = payload
-                        yield _sse(dict(base, choices=[{"text": "", "index": 0, "logprobs": None,
-                                                        "finish_reason": _finish(stats.finish_reason)}]))
-                        if include_usage:
-                            yield _sse(dict(base, choices=[], usage=_usage(len(ids), stats)))
-                        break
-                    else:
-                        yield _error_event(payload)
-                        break
-                yield "data: [DONE]\n\n"
-            finally:
-                job.cancel()
+        base = dict(head, usage=None) if include_usage else head
+        offset = 0  # characters of text streamed so far (text_offset of the logprobs)
 
-        return StreamingResponse(events(), media_type="text/event-stream",
+        def chunk_choice(c):
+            nonlocal offset
+            if not (c.text or k is not None):
+                return None
+            lp = _completion_logprobs(ctx, [c], offset) if k is not None else None
+            if lp is not None and lp["tokens"]:
+                offset += len(lp["tokens"][0])
+            return {"text": c.text, "index": 0, "logprobs": lp, "finish_reason": None}
+
+        events = _stream_events(
+            job, base, len(ids), include_usage, chunk_choice,
+            lambda stats: {"text": "", "index": 0, "logprobs": None, "finish_reason": _finish(stats.finish_reason)})
+        return StreamingResponse(events, media_type="text/event-stream",
                                  headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
 
     async def models(request: Request):
