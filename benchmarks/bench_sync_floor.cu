@@ -105,6 +105,21 @@ static float time_graph(cudaGraphExec_t exec, cudaStream_t s, int reps) {
   return median(t);
 }
 
+// Captures what `enqueue` launches on s into a graph, times its replays (median, us) and frees the graph.
+template <typename F>
+static float time_captured(cudaStream_t s, F enqueue) {
+  cudaGraph_t g;
+  CK(cudaStreamBeginCapture(s, cudaStreamCaptureModeThreadLocal));
+  enqueue();
+  CK(cudaStreamEndCapture(s, &g));
+  cudaGraphExec_t exec;
+  CK(cudaGraphInstantiate(&exec, g, 0));
+  const float us = time_graph(exec, s, 50);
+  CK(cudaGraphExecDestroy(exec));
+  CK(cudaGraphDestroy(g));
+  return us;
+}
+
 int main(int argc, char** argv) {
   const int n_steps = argc > 1 ? std::atoi(argv[1]) : 120;
   cudaStream_t s;
@@ -118,30 +133,24 @@ int main(int argc, char** argv) {
 
   for (int pdl = 0; pdl < 2; ++pdl) {
     for (int blocks : {32, 132}) {
-      cudaGraph_t g;
-      CK(cudaStreamBeginCapture(s, cudaStreamCaptureModeThreadLocal));
-      for (int i = 0; i < n_steps; ++i) {
-        cudaLaunchAttribute attr[1];
-        attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
-        attr[0].val.programmaticStreamSerializationAllowed = 1;
-        cudaLaunchConfig_t cfg{};
-        cfg.gridDim = dim3(blocks);
-        cfg.blockDim = dim3(128);
-        cfg.stream = s;
-        cfg.attrs = pdl ? attr : nullptr;
-        cfg.numAttrs = pdl ? 1 : 0;
-        const float* in = buf + (i & 1) * n;
-        float* out = buf + ((i + 1) & 1) * n;
-        CK(cudaLaunchKernelEx(&cfg, step_kernel, in, out, std::min(n, blocks * 128), pdl != 0));
-      }
-      CK(cudaStreamEndCapture(s, &g));
-      cudaGraphExec_t exec;
-      CK(cudaGraphInstantiate(&exec, g, 0));
-      const float us = time_graph(exec, s, 50);
+      const float us = time_captured(s, [&] {
+        for (int i = 0; i < n_steps; ++i) {
+          cudaLaunchAttribute attr[1];
+          attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+          attr[0].val.programmaticStreamSerializationAllowed = 1;
+          cudaLaunchConfig_t cfg{};
+          cfg.gridDim = dim3(blocks);
+          cfg.blockDim = dim3(128);
+          cfg.stream = s;
+          cfg.attrs = pdl ? attr : nullptr;
+          cfg.numAttrs = pdl ? 1 : 0;
+          const float* in = buf + (i & 1) * n;
+          float* out = buf + ((i + 1) & 1) * n;
+          CK(cudaLaunchKernelEx(&cfg, step_kernel, in, out, std::min(n, blocks * 128), pdl != 0));
+        }
+      });
       std::printf("kernel chain  pdl=%d blocks=%3d: %8.1f us for %d steps = %.3f us/step\n", pdl, blocks, us, n_steps,
                   us / n_steps);
-      CK(cudaGraphExecDestroy(exec));
-      CK(cudaGraphDestroy(g));
     }
   }
 
@@ -149,26 +158,20 @@ int main(int argc, char** argv) {
   CK(cudaMalloc(&bar, sizeof(Barrier)));
   CK(cudaMemset(bar, 0, sizeof(Barrier)));
   for (int threads : {256, 512}) {
-    cudaGraph_t g;
-    CK(cudaStreamBeginCapture(s, cudaStreamCaptureModeThreadLocal));
-    cudaLaunchAttribute attr[1];
-    attr[0].id = cudaLaunchAttributeCooperative;
-    attr[0].val.cooperative = 1;
-    cudaLaunchConfig_t cfg{};
-    cfg.gridDim = dim3(n_sms);
-    cfg.blockDim = dim3(threads);
-    cfg.stream = s;
-    cfg.attrs = attr;
-    cfg.numAttrs = 1;
-    CK(cudaLaunchKernelEx(&cfg, persistent_kernel, bar, buf, n_steps, n));
-    CK(cudaStreamEndCapture(s, &g));
-    cudaGraphExec_t exec;
-    CK(cudaGraphInstantiate(&exec, g, 0));
-    const float us = time_graph(exec, s, 50);
+    const float us = time_captured(s, [&] {
+      cudaLaunchAttribute attr[1];
+      attr[0].id = cudaLaunchAttributeCooperative;
+      attr[0].val.cooperative = 1;
+      cudaLaunchConfig_t cfg{};
+      cfg.gridDim = dim3(n_sms);
+      cfg.blockDim = dim3(threads);
+      cfg.stream = s;
+      cfg.attrs = attr;
+      cfg.numAttrs = 1;
+      CK(cudaLaunchKernelEx(&cfg, persistent_kernel, bar, buf, n_steps, n));
+    });
     std::printf("persistent    blocks=%3d x %d: %8.1f us for %d barriers = %.3f us/barrier\n", n_sms, threads, us,
                 n_steps, us / n_steps);
-    CK(cudaGraphExecDestroy(exec));
-    CK(cudaGraphDestroy(g));
   }
 
   unsigned* counter;
@@ -176,18 +179,12 @@ int main(int argc, char** argv) {
   CK(cudaMemset(counter, 0, 2 * sizeof(unsigned)));
   for (int blocks : {2, 32, n_sms}) {
     for (int threads : {128, 512}) {
-      cudaGraph_t g;
-      CK(cudaStreamBeginCapture(s, cudaStreamCaptureModeThreadLocal));
-      handover_kernel<<<blocks, threads, 0, s>>>(counter, counter + 1, buf, n_steps);
-      bump_epoch<<<1, 1, 0, s>>>(counter + 1);
-      CK(cudaStreamEndCapture(s, &g));
-      cudaGraphExec_t exec;
-      CK(cudaGraphInstantiate(&exec, g, 0));
-      const float us = time_graph(exec, s, 50);
+      const float us = time_captured(s, [&] {
+        handover_kernel<<<blocks, threads, 0, s>>>(counter, counter + 1, buf, n_steps);
+        bump_epoch<<<1, 1, 0, s>>>(counter + 1);
+      });
       std::printf("hand-over     blocks=%3d x %d: %8.1f us for %d SM-to-SM steps = %.3f us/step\n", blocks, threads, us,
                   n_steps, us / n_steps);
-      CK(cudaGraphExecDestroy(exec));
-      CK(cudaGraphDestroy(g));
     }
   }
   CK(cudaDeviceSynchronize());
