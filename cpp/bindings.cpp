@@ -48,6 +48,7 @@ class PyEngine {
     s.head_dim = nb::cast<int>(config["head_dim"]);
     s.vocab = nb::cast<int>(config["vocab_size"]);
     s.n_ctx = nb::cast<int>(config["n_ctx"]);
+    if (config.contains("n_seq")) s.n_seq = nb::cast<int>(config["n_seq"]);
     s.rope_base = nb::cast<float>(config["rope_base"]);
     s.rms_eps = nb::cast<float>(config["rms_eps"]);
     // The architecture description (gguf_model.ARCHITECTURES); absent keys keep the plain Llama layer.
@@ -200,6 +201,53 @@ NB_MODULE(_core, m) {
       .def_prop_ro("device", [](PyEngine& p) { return std::string(p.e().device()); })
       .def_prop_ro("pos", [](PyEngine& p) { return p.e().pos(); })
       .def_prop_ro("n_ctx", [](PyEngine& p) { return p.e().spec().n_ctx; })
+      .def_prop_ro("n_seq", [](PyEngine& p) { return p.e().n_seq(); })
+      .def("slot_pos", [](PyEngine& p, int slot) { return p.e().slot_pos(slot); }, "slot"_a,
+           "Tokens in the KV cache of sequence slot `slot`.")
+      .def("truncate_slot", [](PyEngine& p, int slot, int n) { p.e().truncate_slot(slot, n); }, "slot"_a, "n"_a,
+           "Keeps the first n tokens of slot `slot`'s KV cache.")
+      .def("forward_prompt_slot",
+           [](PyEngine& p, int slot, TokenArray tokens, bool want_logits) {
+             const int n = static_cast<int>(tokens.shape(0));
+             nb::object logits = nb::none();
+             float* out = nullptr;
+             if (want_logits) {
+               FloatArray a = new_float_array({static_cast<size_t>(p.e().spec().vocab)});
+               out = a.data();
+               logits = nb::cast(a);
+             }
+             metalattn::ArgmaxResult r;
+             {
+               nb::gil_scoped_release release;
+               r = p.e().forward_prompt_slot(slot, tokens.data(), n, out, nullptr);
+             }
+             return std::make_tuple(r.token, logits);
+           },
+           "slot"_a, "tokens"_a, "want_logits"_a = false,
+           "Runs a prompt on sequence slot `slot`; returns (argmax token, last logits or None).")
+      .def("forward_batch",
+           [](PyEngine& p, TokenArray tokens, TokenArray slots, bool want_logits) {
+             const size_t n = tokens.shape(0);
+             if (slots.shape(0) != n) throw EngineError("forward_batch: tokens and slots differ in length");
+             nb::object logits = nb::none();
+             float* out = nullptr;
+             if (want_logits && n > 0) {
+               FloatArray a = new_float_array({n, static_cast<size_t>(p.e().spec().vocab)});
+               out = a.data();
+               logits = nb::cast(a);
+             }
+             std::vector<metalattn::ArgmaxResult> r(n);
+             {
+               nb::gil_scoped_release release;
+               p.e().forward_batch(tokens.data(), slots.data(), static_cast<int>(n), out, r.data());
+             }
+             nb::list ids;
+             for (const auto& x : r) ids.append(x.token);
+             return std::make_tuple(ids, logits);
+           },
+           "tokens"_a, "slots"_a, "want_logits"_a = false,
+           "One decode step for several sequences: row i feeds tokens[i] to slot slots[i] (distinct). Returns "
+           "(argmax token per row, logits [n, vocab] or None).")
       .def_prop_ro("vocab_size", [](PyEngine& p) { return p.e().spec().vocab; })
       .def_prop_ro("kernels_per_token", [](PyEngine& p) { return p.e().kernels_per_token(); })
       .def("reset", [](PyEngine& p) { p.e().reset(); })

@@ -4,7 +4,10 @@
 #include <algorithm>
 #include <atomic>
 #include <cmath>
+#include <cstdlib>
 #include <cstring>
+#include <memory>
+#include <string>
 #include <vector>
 
 #include "cpu/kernels.h"
@@ -217,9 +220,14 @@ class CpuBackend final : public Backend {
   CpuBackend(const ModelSpec& spec, const ModelWeights& w, int n_threads)
       : s_(spec), w_(w), isa_(cpu::selected_isa()), pool_(n_threads), attn_scale_(spec.attention_scale()) {
     validate_model(s_, w_);
-    const size_t cache = static_cast<size_t>(s_.n_layers) * s_.n_ctx * s_.kv_dim();
-    k_cache_.assign(cache, 0.f);
-    v_cache_.assign(cache, 0.f);
+    // calloc: pages of slots and positions never written are never touched (a server's idle slots cost no RSS).
+    cache_elems_ = static_cast<size_t>(s_.n_seq) * s_.n_layers * s_.n_ctx * s_.kv_dim();
+    k_cache_.reset(static_cast<float*>(std::calloc(cache_elems_, sizeof(float))));
+    v_cache_.reset(static_cast<float*>(std::calloc(cache_elems_, sizeof(float))));
+    if (!k_cache_ || !v_cache_)
+      throw EngineError("cpu backend: cannot allocate the KV cache (" +
+                        std::to_string(2 * cache_elems_ * sizeof(float) >> 20) + " MiB for " +
+                        std::to_string(s_.n_seq) + " x " + std::to_string(s_.n_ctx) + " positions)");
     ensure_scratch(1);
     if (s_.head_dim % 16 != 0) throw EngineError("cpu backend: head_dim must be a multiple of 16");
     attend_ = attend_fns_for(s_.n_heads / s_.n_kv_heads);
@@ -263,17 +271,17 @@ class CpuBackend final : public Backend {
   const char* isa_name() const { return cpu::isa_name(isa_); }
 
   ArgmaxResult forward_token_greedy(int32_t token, int pos) override {
-    return forward_prompt(&token, 1, pos, logits_one(), nullptr);
+    return forward_prompt(&token, 1, pos, logits_one(), nullptr, 0);
   }
 
   void forward_token(int32_t token, int pos, float* logits) override {
-    forward_prompt(&token, 1, pos, logits, nullptr);
+    forward_prompt(&token, 1, pos, logits, nullptr, 0);
   }
 
   void forward_token_debug(int32_t token, int pos, float* hidden, float* logits) override {
     hidden_out_ = hidden;
     try {
-      forward_prompt(&token, 1, pos, logits, nullptr);
+      forward_prompt(&token, 1, pos, logits, nullptr, 0);
     } catch (...) {
       hidden_out_ = nullptr;
       throw;
@@ -281,16 +289,21 @@ class CpuBackend final : public Backend {
     hidden_out_ = nullptr;
   }
 
-  ArgmaxResult forward_prompt(const int32_t* tokens, int n, int pos, float* last_logits, float* all_logits) override {
+  ArgmaxResult forward_prompt(const int32_t* tokens, int n, int pos, float* last_logits, float* all_logits,
+                              int slot) override {
     if (n <= 0) throw EngineError("forward_prompt: empty prompt");
     if (pos < 0 || pos + n > s_.n_ctx) throw EngineError("forward_prompt: positions past the context");
+    if (slot < 0 || slot >= s_.n_seq) throw EngineError("forward_prompt: sequence slot out of range");
     for (int i = 0; i < n; ++i)
       if (tokens[i] < 0 || tokens[i] >= s_.vocab) throw EngineError("forward_prompt: token id out of range");
     for (int start = 0; start < n; start += kPromptChunk) {
       const int m = std::min(kPromptChunk, n - start);
       const bool last_chunk = start + m == n;
       float* chunk_last = last_chunk ? (last_logits ? last_logits : logits_one()) : nullptr;
-      run_chunk(tokens + start, m, pos + start, all_logits ? all_logits + static_cast<int64_t>(start) * s_.vocab : nullptr,
+      row_slot_.assign(m, slot);
+      row_pos_.resize(m);
+      for (int t = 0; t < m; ++t) row_pos_[t] = pos + start + t;
+      run_chunk(tokens + start, m, all_logits ? all_logits + static_cast<int64_t>(start) * s_.vocab : nullptr,
                 chunk_last);
     }
     if (all_logits) return ref::argmax(all_logits + static_cast<int64_t>(n - 1) * s_.vocab, s_.vocab);
@@ -298,11 +311,31 @@ class CpuBackend final : public Backend {
     return ref::argmax(last, s_.vocab);
   }
 
+  // The batch is one layer-major pass like a prompt chunk: its projections run as n-row matmuls (each weight
+  // decoded once for all rows), attention per row over the row's own slot.
+  void forward_batch(const int32_t* tokens, const int32_t* slots, const int32_t* pos, int n, float* logits,
+                     ArgmaxResult* out) override {
+    if (n <= 0 || n > s_.n_seq) throw EngineError("forward_batch: 1 to n_seq rows");
+    for (int i = 0; i < n; ++i) {
+      if (tokens[i] < 0 || tokens[i] >= s_.vocab) throw EngineError("forward_batch: token id out of range");
+      if (slots[i] < 0 || slots[i] >= s_.n_seq) throw EngineError("forward_batch: sequence slot out of range");
+      if (pos[i] < 0 || pos[i] >= s_.n_ctx) throw EngineError("forward_batch: position past the context");
+    }
+    row_slot_.assign(slots, slots + n);
+    row_pos_.assign(pos, pos + n);
+    if (logits == nullptr) {
+      batch_logits_.resize(static_cast<size_t>(n) * s_.vocab);
+      logits = batch_logits_.data();
+    }
+    run_chunk(tokens, n, logits, nullptr);
+    for (int i = 0; i < n; ++i) out[i] = ref::argmax(logits + static_cast<int64_t>(i) * s_.vocab, s_.vocab);
+  }
+
   MemoryInfo memory_info() const override {
     MemoryInfo m;
-    m.kv_cache = (k_cache_.size() + v_cache_.size()) * sizeof(float);
+    m.kv_cache = 2 * cache_elems_ * sizeof(float);
     m.scratch = (x_.size() + xn_.size() + q_.size() + k_.size() + v_.size() + att_.size() + tmp_.size() + gate_.size() +
-                 up_.size() + logits_.size() + scores_.size()) * sizeof(float) +
+                 up_.size() + logits_.size() + scores_.size() + batch_logits_.size()) * sizeof(float) +
                 xq_.size() * sizeof(block_q16_act);
     for (const RopeTable& t : rope_tables_) m.scratch += (t.cos.size() + t.sin.size()) * sizeof(float);
     return m;
@@ -408,7 +441,10 @@ class CpuBackend final : public Backend {
     for (int64_t i = 0; i < static_cast<int64_t>(n) * d; ++i) residual[i] += x[i];
   }
 
-  void run_chunk(const int32_t* tokens, int n, int pos, float* all_logits, float* last_logits) {
+  // n rows: row t is token tokens[t] of KV slot row_slot_[t] at position row_pos_[t] (a prompt chunk: one slot,
+  // consecutive positions; a batch: one row per slot). Logits: every row's into all_logits (n x vocab) when given,
+  // else the last row's into last_logits when given (an inner prompt chunk wants none).
+  void run_chunk(const int32_t* tokens, int n, float* all_logits, float* last_logits) {
     ensure_scratch(n);
     const int d = s_.d_model, ff = s_.d_ff, qd = s_.q_dim(), kvd = s_.kv_dim(), hd = s_.head_dim;
     for (int t = 0; t < n; ++t) embed(tokens[t], x_.data() + static_cast<int64_t>(t) * d);
@@ -416,8 +452,6 @@ class CpuBackend final : public Backend {
 
     for (int l = 0; l < s_.n_layers; ++l) {
       const LayerWeights& L = w_.layers[l];
-      float* kc = k_cache_.data() + static_cast<size_t>(l) * s_.n_ctx * kvd;  // [kv_head][head_dim][n_ctx]
-      float* vc = v_cache_.data() + static_cast<size_t>(l) * s_.n_ctx * kvd;  // [n_ctx][kv_dim]
 
       // Attention block.
       rmsnorm_rows(x_.data(), L.attn_norm, xn_.data(), n);
@@ -438,28 +472,38 @@ class CpuBackend final : public Backend {
           for (int h = 0; h < s_.n_heads; ++h) ref::rmsnorm(qt + h * hd, L.q_norm, s_.rms_eps, hd, qt + h * hd);
           for (int h = 0; h < s_.n_kv_heads; ++h) ref::rmsnorm(kt + h * hd, L.k_norm, s_.rms_eps, hd, kt + h * hd);
         }
-        const float* cs = &rt.cos[static_cast<size_t>(pos + t) * (hd / 2)];
-        const float* sn = &rt.sin[static_cast<size_t>(pos + t) * (hd / 2)];
+        const int pos = row_pos_[t];
+        const float* cs = &rt.cos[static_cast<size_t>(pos) * (hd / 2)];
+        const float* sn = &rt.sin[static_cast<size_t>(pos) * (hd / 2)];
         rope_from_table(qt, s_.n_heads, hd, s_.rope_style, cs, sn);
         rope_from_table(kt, s_.n_kv_heads, hd, s_.rope_style, cs, sn);
-        for (int i = 0; i < kvd; ++i) kc[static_cast<size_t>(i) * s_.n_ctx + pos + t] = k_[t * kvd + i];
-        std::memcpy(vc + static_cast<size_t>(pos + t) * kvd, &v_[t * kvd], kvd * sizeof(float));
+        float* kc = k_layer(row_slot_[t], l);
+        for (int i = 0; i < kvd; ++i) kc[static_cast<size_t>(i) * s_.n_ctx + pos] = k_[t * kvd + i];
+        std::memcpy(v_layer(row_slot_[t], l) + static_cast<size_t>(pos) * kvd, &v_[t * kvd], kvd * sizeof(float));
       }
-      // One job per (tile of up to kQueryTile tokens, KV head): the query heads sharing that KV head run together.
+      // One job per (tile, KV head): a tile is up to kQueryTile rows of one slot at consecutive positions (prompt
+      // rows; a batch has one row per slot), and the query heads sharing the KV head run together.
       const int group = s_.n_heads / s_.n_kv_heads;
-      const int tiles = (n + kQueryTile - 1) / kQueryTile;
-      const int jobs = tiles * s_.n_kv_heads;
+      tiles_.clear();
+      for (int t = 0; t < n;) {
+        int c = 1;
+        while (c < kQueryTile && t + c < n && row_slot_[t + c] == row_slot_[t] && row_pos_[t + c] == row_pos_[t] + c) ++c;
+        tiles_.push_back({t, c});
+        t += c;
+      }
+      const int jobs = static_cast<int>(tiles_.size()) * s_.n_kv_heads;
       std::atomic<int> next_job{0};
       pool_.parallel([&](int ti, int) {
         float* scores = scores_.data() + static_cast<size_t>(ti) * kQueryTile * group * s_.n_ctx;
         for (int j; (j = next_job.fetch_add(1, std::memory_order_relaxed)) < jobs;) {
-          const int kvh = j % s_.n_kv_heads, t0 = j / s_.n_kv_heads * kQueryTile;
-          const int count = std::min(kQueryTile, n - t0);
-          const float* kt = kc + static_cast<size_t>(kvh) * hd * s_.n_ctx;
-          for (int t = t0; t < t0 + count;) {
-            const bool whole = t + kQueryTile <= t0 + count;
+          const int kvh = j % s_.n_kv_heads;
+          const Tile tile = tiles_[j / s_.n_kv_heads];
+          const float* kt = k_layer(row_slot_[tile.row], l) + static_cast<size_t>(kvh) * hd * s_.n_ctx;
+          const float* vc = v_layer(row_slot_[tile.row], l);
+          for (int t = tile.row; t < tile.row + tile.count;) {
+            const bool whole = t + kQueryTile <= tile.row + tile.count;
             (whole ? attend_.tile : attend_.one)(&q_[t * qd + kvh * group * hd], qd, kt, s_.n_ctx, vc + kvh * hd, kvd,
-                                                 pos + t + 1, hd, ls.window, attn_scale_, scores, s_.n_ctx,
+                                                 row_pos_[t] + 1, hd, ls.window, attn_scale_, scores, s_.n_ctx,
                                                  &att_[t * qd + kvh * group * hd], qd);
             t += whole ? kQueryTile : 1;
           }
@@ -497,13 +541,31 @@ class CpuBackend final : public Backend {
       std::memcpy(last_logits, all_logits + static_cast<int64_t>(n - 1) * s_.vocab, s_.vocab * sizeof(float));
   }
 
+  // Layer l of slot s: K [kv_head][head_dim][n_ctx] (transposed, see attend_group), V [n_ctx][kv_dim].
+  float* k_layer(int slot, int l) const {
+    return k_cache_.get() + (static_cast<size_t>(slot) * s_.n_layers + l) * s_.n_ctx * s_.kv_dim();
+  }
+  float* v_layer(int slot, int l) const {
+    return v_cache_.get() + (static_cast<size_t>(slot) * s_.n_layers + l) * s_.n_ctx * s_.kv_dim();
+  }
+
+  struct FreeDeleter {
+    void operator()(float* p) const { std::free(p); }
+  };
+  struct Tile {
+    int row, count;
+  };
+
   ModelSpec s_;
   ModelWeights w_;
   Isa isa_;
   cpu::ThreadPool pool_;
-  std::vector<float> k_cache_, v_cache_;
+  size_t cache_elems_ = 0;  // per cache (K or V): n_seq x n_layers x n_ctx x kv_dim floats
+  std::unique_ptr<float[], FreeDeleter> k_cache_, v_cache_;
+  std::vector<int32_t> row_slot_, row_pos_;  // run_chunk's rows
+  std::vector<Tile> tiles_;
   int scratch_tokens_ = 0;
-  std::vector<float> x_, xn_, q_, k_, v_, att_, tmp_, gate_, up_, logits_, scores_;
+  std::vector<float> x_, xn_, q_, k_, v_, att_, tmp_, gate_, up_, logits_, scores_, batch_logits_;
   std::vector<RopeTable> rope_tables_;
   std::vector<int> layer_rope_;  // index into rope_tables_ per layer
   std::vector<block_q16_act> xq_;

