@@ -5,12 +5,12 @@ server-sent events exactly as OpenAI sends them, ending with `data: [DONE]`; err
 `{"error": {"message", "type", "param", "code"}}` with a 4xx status for every fault of the request.
 
 Shape: the HTTP side validates and tokenizes, then hands a `Job` to the `Scheduler`, which owns the model. The
-scheduler's one worker thread runs the queued jobs one after another with `Model.stream(reuse_prefix=True)` (so a
-chat's next turn only prefills its new tokens) and posts each token to the job's asyncio queue; the HTTP side
-turns those events into JSON or SSE. A client that goes away sets the job's cancel flag: the worker stops after
-the token it is computing, and a queued job that was cancelled never starts. A continuous-batching scheduler
-replaces `Scheduler._run` with a step loop over several active jobs (one KV-cache slot each) behind the same
-`submit()` / event interface.
+scheduler's one worker thread decodes every running job together (metalattn.batch.BatchGenerator: continuous
+batching over the model's n_seq KV-cache slots, `metalattn serve --parallel N`; one batched forward step for all
+active jobs, a job joining or leaving between two steps; a chat's next turn goes to the slot holding its history,
+so only its new tokens are prefilled) and posts each token to the job's asyncio queue; the HTTP side turns those
+events into JSON or SSE. Jobs beyond the slots wait in order. A client that goes away sets the job's cancel flag:
+the worker drops it before its next step (freeing its slot), and a waiting job that was cancelled never starts.
 """
 
 from __future__ import annotations
@@ -39,12 +39,14 @@ except ImportError as e:  # pragma: no cover - exercised by the CLI's message
         f"metalattn serve needs the 'server' extra ({e.name} is missing): pip install 'metalattn[server]' "
         "(or: pip install starlette uvicorn)") from e
 
-from .errors import MetalattnError
+from .errors import ContextOverflowError, InvalidArgumentError, MetalattnError, TokenError
+from .model import GenerationStats
 
 log = logging.getLogger("metalattn.server")
 
 MAX_STOP_STRINGS = 16
 MAX_TOP_LOGPROBS = 20
+_REQUEST_ERRORS = (ContextOverflowError, InvalidArgumentError, TokenError)  # faults of the request: 400
 
 
 class APIError(Exception):
@@ -197,93 +199,171 @@ class Job:
 
 
 class Scheduler:
-    """Owns the model. submit() queues a job; one worker thread runs jobs one at a time, checking the job's cancel
-    flag after every token. All model use happens on that thread, so requests never interleave on the KV cache."""
+    """Owns the model. submit() queues a job; one worker thread decodes all running jobs together with a
+    metalattn.batch.BatchGenerator over the model's n_seq KV-cache slots (continuous batching: between two batched
+    steps, new jobs join and finished or abandoned ones leave). All model use happens on that thread.
+
+    With n_seq=1 (`--parallel 1`) this is one job at a time, as fast as Model.stream (measured: the one-row step
+    and the single-sequence step run at the same tok/s). A job whose client left is cancelled before the next step:
+    its slot is freed at once, and a waiting job that was cancelled never starts. A job that fails (a bad prompt,
+    the context, non-finite logits) ends with ("error", exception); the others go on."""
 
     def __init__(self, model, max_queue: int = 64):
+        from .batch import BatchGenerator
+
         self.model = model
         self.max_queue = max_queue
-        self._queue: "queue.Queue[Optional[Job]]" = queue.Queue()
+        self.n_slots = model.n_seq
+        self._gen = BatchGenerator(model)
+        self._inbox: "queue.Queue[Optional[Job]]" = queue.Queue()  # jobs not yet handed to the generator
+        self._jobs: Dict[Any, Job] = {}  # Sequence -> its Job, while the generator holds it (worker thread only)
         self._thread = threading.Thread(target=self._loop, name="metalattn-scheduler", daemon=True)
         self._lock = threading.Lock()
-        self.active = 0
+        self._stopping = False
+        self._pending = 0  # jobs submitted and not yet finished (queued + active), under _lock
+        self.active = 0  # jobs holding a KV-cache slot (updated after every step)
         self.completed = 0
         self.cancelled = 0
         self.failed = 0
+        self.steps = 0  # batched steps run
+        self.max_active = 0  # most jobs decoded together in one step so far
         self.last_cancelled_tokens: Optional[int] = None  # tokens a cancelled job had generated when it stopped
-        self._current: Optional[Job] = None
 
     def start(self) -> "Scheduler":
         self._thread.start()
         return self
 
     def stop(self, timeout: float = 10.0) -> None:
-        """Cancels the running job and the queued ones, then ends the worker."""
-        job = self._current
-        if job is not None:
-            job.cancel()
-        with self._queue.mutex:
-            for queued in self._queue.queue:
-                if queued is not None:
-                    queued.cancel()
-        self._queue.put(None)
+        """Cancels the running and the queued jobs (each gets its "done" event), then ends the worker."""
+        self._stopping = True
+        self._inbox.put(None)  # the worker cancels everything when it reaches this, after its current step
         self._thread.join(timeout)
 
     @property
     def queued(self) -> int:
-        return self._queue.qsize()
+        """Jobs waiting for a slot."""
+        with self._lock:
+            return max(0, self._pending - self.active)
 
     def submit(self, job: Job) -> None:
-        if self._queue.qsize() >= self.max_queue:
-            raise APIError(503, f"the server is busy ({self.max_queue} requests queued); retry later",
-                           code="server_busy", type="server_error")
-        self._queue.put(job)
+        with self._lock:
+            if self._stopping:
+                raise APIError(503, "the server is shutting down", code="server_shutting_down", type="server_error")
+            if self._pending - self.active >= self.max_queue:
+                raise APIError(503, f"the server is busy ({self.max_queue} requests queued); retry later",
+                               code="server_busy", type="server_error")
+            self._pending += 1
+        self._inbox.put(job)
 
+    # ------------------------------------------------------------------ the worker
     def _loop(self) -> None:
+        gen = self._gen
         while True:
-            job = self._queue.get()
-            if job is None:
-                return
-            if job.cancelled.is_set():  # its client left while it waited
-                with self._lock:
-                    self.cancelled += 1
-                job.emit("done", None)
+            if not gen.busy:  # nothing to decode: sleep until a job (or the stop sentinel) comes
+                job = self._inbox.get()
+                if job is None:
+                    return
+                self._take(job)
+            while True:  # the jobs that came during the last step join before the next one
+                try:
+                    job = self._inbox.get_nowait()
+                except queue.Empty:
+                    break
+                if job is None:
+                    self._shutdown()
+                    return
+                self._take(job)
+            if not gen.busy:
                 continue
-            with self._lock:
-                self.active += 1
-                self._current = job
+            for seq, job in self._jobs.items():
+                if job.cancelled.is_set() and not seq.cancelled:
+                    gen.cancel(seq)  # its slot is freed by the step below
             try:
-                self._run(job)
-            finally:
-                with self._lock:
-                    self.active -= 1
-                    self._current = None
-
-    def _run(self, job: Job) -> None:
-        try:
-            gen = self.model.stream(job.ids, reuse_prefix=True, **job.params)
-            try:
-                for chunk in gen:
+                events = gen.step()
+            except Exception as e:  # the model itself failed (closed, ...): every job ends with the error
+                log.exception("batched step failed")
+                for seq, job in list(self._jobs.items()):
+                    seq.error = seq.error or e
+                    seq.done = True
+                    self._end(seq)
+                self._gen = gen = type(gen)(self.model)
+                continue
+            for seq, chunk in events:
+                job = self._jobs.get(seq)
+                if job is None:
+                    continue
+                if chunk is not None:
                     job.generated += 1
                     job.emit("chunk", chunk)
-                    if job.cancelled.is_set():
-                        break
-            finally:
-                gen.close()
-            stats = copy.copy(self.model.last_stats)
-        except Exception as e:  # the server must outlive any request
-            log.exception("generation failed")
+                if seq.done:
+                    self._end(seq)
+            n = len(gen.active)
             with self._lock:
+                self.active = n
+                self.steps += 1
+                self.max_active = max(self.max_active, n)
+
+    def _take(self, job: Job) -> None:
+        """Hands a job to the generator (or ends it at once: cancelled while queued, or refused by submit)."""
+        if job.cancelled.is_set():  # its client left while it waited
+            with self._lock:
+                self._pending -= 1
+                self.cancelled += 1
+            job.emit("done", GenerationStats(prompt_tokens=len(job.ids), finish_reason="cancelled"))
+            return
+        try:
+            seq = self._gen.submit(job.ids, **job.params)
+        except Exception as e:  # bad ids, a prompt past the context, bad settings: this job only
+            with self._lock:
+                self._pending -= 1
                 self.failed += 1
             job.emit("error", e)
             return
+        self._jobs[seq] = job
+
+    def _end(self, seq) -> None:
+        job = self._jobs.pop(seq)
         with self._lock:
-            if job.cancelled.is_set():
+            self._pending -= 1
+            if seq.error is not None:
+                self.failed += 1
+            elif job.cancelled.is_set() or seq.stats.finish_reason == "cancelled":
                 self.cancelled += 1
                 self.last_cancelled_tokens = job.generated
             else:
                 self.completed += 1
-        job.emit("done", stats)
+        if seq.error is not None:
+            if not isinstance(seq.error, _REQUEST_ERRORS):
+                log.error("generation failed: %s", seq.error)
+            job.emit("error", seq.error)
+        else:
+            job.emit("done", copy.copy(seq.stats))
+
+    def _shutdown(self) -> None:
+        """Ends every job (cancelled) and frees the slots."""
+        gen = self._gen
+        while True:
+            try:
+                job = self._inbox.get_nowait()
+            except queue.Empty:
+                break
+            if job is not None:
+                job.cancel()
+                self._take(job)
+        for seq in self._jobs:
+            gen.cancel(seq)
+        try:
+            while gen.busy:
+                for seq, _ in gen.step():
+                    if seq.done and seq in self._jobs:
+                        self._end(seq)
+        except Exception:  # the model is gone: the jobs end anyway
+            log.exception("shutdown step failed")
+        for seq in list(self._jobs):
+            seq.done = True
+            self._end(seq)
+        with self._lock:
+            self.active = 0
 
 
 # ---------------------------------------------------------------------------------------------------- the app
@@ -358,7 +438,7 @@ async def _collect(request: Request, job: Job):
             elif kind == "done":
                 return chunks, payload
             elif kind == "error":
-                raise APIError(500, f"generation failed: {payload}", code="generation_failed")
+                raise _job_error(payload)
             else:
                 return None
     finally:
@@ -370,8 +450,18 @@ def _sse(obj: Any) -> str:
     return f"data: {json.dumps(obj, ensure_ascii=False, separators=(',', ':'))}\n\n"
 
 
+def _job_error(e: Exception) -> APIError:
+    """The API error for a job that failed in the worker: a fault of the request (its tokens, its context) is a
+    400 as the HTTP side's own checks give; anything else a 500."""
+    if isinstance(e, ContextOverflowError):
+        return APIError(400, str(e), code="context_length_exceeded")
+    if isinstance(e, _REQUEST_ERRORS):
+        return APIError(400, str(e), code="invalid_value")
+    return APIError(500, f"generation failed: {e}", code="generation_failed")
+
+
 def _error_event(e: Exception) -> str:
-    return _sse(APIError(500, f"generation failed: {e}", code="generation_failed").body())
+    return _sse(_job_error(e).body())
 
 
 async def _stream_events(job: Job, base: dict, n_prompt: int, include_usage: bool, chunk_choice, final_choice,
@@ -598,7 +688,8 @@ def create_app(model, model_id: Optional[str] = None, api_key: Optional[str] = N
     async def health(request: Request):
         s = ctx.scheduler
         return JSONResponse({"status": "ok", "model": ctx.model_id, "device": model.device, "n_ctx": model.n_ctx,
-                             "active": s.active, "queued": s.queued, "completed": s.completed,
+                             "parallel": s.n_slots, "active": s.active, "queued": s.queued,
+                             "max_active": s.max_active, "completed": s.completed,
                              "cancelled": s.cancelled, "failed": s.failed,
                              "last_cancelled_tokens": s.last_cancelled_tokens})
 
@@ -706,6 +797,7 @@ def serve(model, host: str = "127.0.0.1", port: int = 8080, api_key: Optional[st
           model_id: Optional[str] = None, aliases=(), log_level: str = "info") -> None:
     """Serves `model` until interrupted (Ctrl-C)."""
     app = create_app(model, model_id=model_id, api_key=api_key, aliases=aliases)
-    print(f"metalattn: serving {app.state.model_id} ({model.device}, n_ctx {model.n_ctx}) at "
+    print(f"metalattn: serving {app.state.model_id} ({model.device}, {model.n_seq} parallel sequence"
+          f"{'s' if model.n_seq != 1 else ''}, n_ctx {model.n_ctx} each) at "
           f"http://{host}:{port}/v1" + (" (API key required)" if api_key else ""), flush=True)
     uvicorn.run(app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=5)
