@@ -1,5 +1,6 @@
 // AVX2 + FMA + F16C kernels: the group tiles of group_tiles.h (vpmaddwd + vpaddd on int16 activations; float
-// weights by FMA) and the activation quantizer.
+// weights by FMA) for single tokens and short prompts, the token tiles of token_tiles.h for prompts of 8+ tokens
+// (the same integers and float operations, so both give identical bits), and the activation quantizer.
 #include <immintrin.h>
 
 #include <algorithm>
@@ -13,6 +14,7 @@
 namespace metalattn::cpu::avx2 {
 #define MA_GROUP_TILES_VNNI 0
 #include "group_tiles.h"
+#include "token_tiles.h"
 
 void quantize_acts(const float* x, int64_t n, block_q16_act* out) {
   const __m256 sign = _mm256_set1_ps(-0.f);
@@ -45,6 +47,7 @@ void quantize_acts(const float* x, int64_t n, block_q16_act* out) {
 
 void matmul(const WeightView& w, const float* X, const block_q16_act* Xq, int n_tok, float* Y, int64_t ldy,
             int64_t r0, int64_t r1) {
+  if (tok_matmul_any(w, Xq, n_tok, Y, ldy, r0, r1)) return;  // prompts: tokens in the lanes (token_tiles.h)
   TiledMatmul<GroupIsa>::matmul(w, X, Xq, n_tok, Y, ldy, r0, r1);
 }
 

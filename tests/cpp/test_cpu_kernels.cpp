@@ -379,7 +379,9 @@ TEST_P(QuantTypes, MatmulEqualsPerTokenMatvec) {
   const GgmlType type = GetParam();
   const std::vector<std::array<int64_t, 2>> shapes =
       is_k_quant(type) ? std::vector<std::array<int64_t, 2>>{{640, 1024}, {896, 4864}}
-                       : std::vector<std::array<int64_t, 2>>{{576, 576}, {1536, 576}, {576, 1536}};
+                       // 130x4864: rows past the last 4-row tile, and 64 tokens in two token blocks of the AVX2
+                       // prompt tiles (token_tiles.h), whose packed activations are capped per block.
+                       : std::vector<std::array<int64_t, 2>>{{576, 576}, {1536, 576}, {576, 1536}, {130, 4864}};
   uint32_t seed = 7 + static_cast<uint32_t>(type) * 1000;
   for (const auto& s : shapes) {
     const int64_t rows = s[0], cols = s[1];
