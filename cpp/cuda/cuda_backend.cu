@@ -92,25 +92,34 @@ struct Resources {
   cudaGraphExec_t graph_exec[2] = {nullptr, nullptr};
   std::vector<void*> device;
   std::vector<void*> pinned;
-  // Prefill graphs, one per chunk length (a small LRU); exec stays null until the length's second use.
+  std::vector<cudaStream_t> side_streams;  // forward_batch's row groups beyond the first
+  std::vector<cudaEvent_t> events;
+  // Prefill and batch graphs, one per (rows, variant, extra) (a small LRU each); exec stays null until the key's
+  // second use.
   struct PrefillGraph {
     int n = 0;
     int variant = 0;  // CudaBackend::PrefillVariant
+    int extra = 0;    // a prompt: its KV slot; a batch group: its first row
     int uses = 0;
     uint64_t last_use = 0;
     cudaGraphExec_t exec = nullptr;
   };
-  std::vector<PrefillGraph> prefill_graphs;
+  std::vector<PrefillGraph> prefill_graphs, batch_graphs;
 
   ~Resources() {
     if (stream != nullptr) cudaStreamSynchronize(stream);
     for (PrefillGraph& g : prefill_graphs)
+      if (g.exec != nullptr) cudaGraphExecDestroy(g.exec);
+    for (PrefillGraph& g : batch_graphs)
       if (g.exec != nullptr) cudaGraphExecDestroy(g.exec);
     for (cudaGraphExec_t e : graph_exec)
       if (e != nullptr) cudaGraphExecDestroy(e);
     for (cudaGraph_t g : graph)
       if (g != nullptr) cudaGraphDestroy(g);
     if (cublas != nullptr) cublasDestroy(cublas);
+    for (cudaStream_t x : side_streams) cudaStreamSynchronize(x);
+    for (cudaEvent_t e : events) cudaEventDestroy(e);
+    for (cudaStream_t x : side_streams) cudaStreamDestroy(x);
     for (void* p : device) cudaFree(p);
     for (void* p : pinned) cudaFreeHost(p);
     if (stream != nullptr) cudaStreamDestroy(stream);
@@ -203,12 +212,28 @@ class CudaBackend final : public Backend {
   }
   void enqueue_prefill_chunk(int m, const int32_t* io, PrefillVariant variant);
   void run_prefill_chunk(int m, const int32_t* io, PrefillVariant variant);
+  // Runs enqueue() eagerly on a key's first use, from its second use on as a graph captured then (LRU of 8).
+  template <class Enqueue>
+  void run_cached_graph(std::vector<Resources::PrefillGraph>& graphs, int n, int variant, int extra,
+                        Enqueue&& enqueue);
+  // forward_batch: n rows, io = [tokens | slots | positions] (3 n values) in device memory. The rows run in groups
+  // of at most batch_group_: on the tensor-core path (kPromptMmaMaxTokens rows each) the groups run side by side on
+  // their own streams, on the cuBLAS path (chunk_ rows, the prefill scratch) one after the other.
+  void setup_batch();
+  void enqueue_batch(int n, const int32_t* io);
+  void enqueue_batch_group_mma(int m, int g0, int n, const int32_t* io, cudaStream_t st);
+  void enqueue_batch_lm_head(int m, int g0, const float* x, cudaStream_t st);
+  float* layer_k(int l) const { return k_cache_ + static_cast<size_t>(l) * spec_.n_ctx * spec_.kv_dim(); }
+  float* layer_v(int l) const { return v_cache_ + static_cast<size_t>(l) * spec_.n_ctx * spec_.kv_dim(); }
 
   // The general path (every ModelSpec; see arch.cuh): taken for specs that are not the plain Llama layer, for
   // head_dim > 128 or more than 8 query heads per KV head, or when METALATTN_CUDA_GENERAL=1 forces it.
   void setup_general(const ModelWeights& w);
   void enqueue_decode_general(bool capture_hidden);
   void enqueue_prefill_chunk_general(int m, const int32_t* io);
+  // Embedding and every layer of m rows on the general path: a prompt chunk (tokens = io + 1 at positions *io..) or
+  // a batch group (rows.pos set; tokens its token array).
+  void enqueue_layers_general(int m, const int32_t* tokens, const int32_t* pos0, const BatchRows& rows);
   int general_kernels_per_token() const;
   QkvFinishArgs finish_args(const DevLayer& L, const float* qkv, int n, const int32_t* pos0, float* q_out,
                             float* kc, float* vc) const;
@@ -236,8 +261,10 @@ class CudaBackend final : public Backend {
   std::vector<DevLayer> layers_;
   DevMatrix embd_, lm_head_;
   const float* out_norm_ = nullptr;
-  float* k_cache_ = nullptr;  // [n_layers][n_ctx][kv_dim]
+  float* k_cache_ = nullptr;  // [n_seq][n_layers][n_ctx][kv_dim]: slot 0 first (the single-sequence calls' cache)
   float* v_cache_ = nullptr;
+  int64_t slot_stride_ = 0;   // floats from one slot's cache to the next's
+  int prompt_slot_ = 0;       // the running prompt's KV slot (the prefill enqueues read it)
   float2* rope_ = nullptr;    // [n_ctx][head_dim/2]
 
   // decode scratch
@@ -263,6 +290,19 @@ class CudaBackend final : public Backend {
   __half* pa_ = nullptr;  // GEMM activation rows, half_slices(split_) * width halves per token
   float* plogits_ = nullptr;
   int logits_chunk_ = 0;
+
+  // batch scratch (allocated at the first forward_batch)
+  int batch_group_ = 0;
+  bool batch_lm_head_mma_ = false;    // lm_head rows on tensor cores (prompt_mma) rather than one launch per row
+  int32_t* batch_io_dev_ = nullptr;   // [tokens | slots | positions] of the batch's rows
+  int32_t* batch_io_host_ = nullptr;  // its pinned staging
+  ArgmaxResult* batch_result_host_ = nullptr;  // mapped pinned [n_seq]: each row's argmax
+  ArgmaxResult* batch_result_dev_ = nullptr;
+  float* batch_logits_ = nullptr;     // [n_seq][vocab]
+  // Tensor-core path: activations of every row (each group its own rows), [n_seq] rows each.
+  float *bx_ = nullptr, *bqkv_ = nullptr;  // residual stream, raw QKV projections
+  __half* ba_ = nullptr;              // slot-layout operands, 2 * max(q_dim, d_ff) halves per row
+  std::vector<cudaEvent_t> batch_fork_, batch_join_;
 };
 
 // Host-to-device copies are ordered on our stream (a plain cudaMemcpy from pageable memory may return before its
@@ -317,9 +357,6 @@ CudaBackend::CudaBackend(const ModelSpec& spec, const ModelWeights& w, bool debu
       // decode (bound 1e-3). =0 runs plain fp16 GEMMs (1 K-slice instead of 3, a third of the weight copies).
       split_(env_flag("METALATTN_CUDA_PREFILL_SPLIT", true)) {
   validate_model(spec, w);
-  if (spec.n_seq != 1)
-    throw BackendUnsupported("the CUDA backend decodes one sequence at a time (n_seq = 1), not " +
-                             std::to_string(spec.n_seq));
   // The plain Llama layer (RoPE factors included: they only change the RoPE table) runs the fused decode kernels
   // of kernels.cuh; every other architecture the general path of arch.cuh.
   general_ = !spec.plain_llama() || spec.head_dim > 128 || spec.n_heads / spec.n_kv_heads > 8 ||
@@ -353,7 +390,8 @@ CudaBackend::CudaBackend(const ModelSpec& spec, const ModelWeights& w, bool debu
 
   const int L = spec.n_layers, d = spec.d_model, kv_dim = spec.kv_dim(), q_dim = spec.q_dim();
   // The KV cache first: it is the allocation that grows with n_ctx, so an impossible n_ctx fails before any work.
-  const size_t cache_elems = static_cast<size_t>(L) * spec.n_ctx * kv_dim;
+  slot_stride_ = static_cast<int64_t>(L) * spec.n_ctx * kv_dim;
+  const size_t cache_elems = static_cast<size_t>(spec.n_seq) * slot_stride_;
   k_cache_ = device_alloc<float>(cache_elems, mem_.kv_cache);
   v_cache_ = device_alloc<float>(cache_elems, mem_.kv_cache);
 
@@ -635,8 +673,8 @@ void CudaBackend::enqueue_prefill_chunk(int m, const int32_t* io, PrefillVariant
   const bool few_tokens = variant != kPrefillGemm;
   for (int l = 0; l < s.n_layers; ++l) {
     const DevLayer& L = layers_[l];
-    float* kc = k_cache_ + l * layer_cache;
-    float* vc = v_cache_ + l * layer_cache;
+    float* kc = k_cache_ + prompt_slot_ * slot_stride_ + l * layer_cache;
+    float* vc = v_cache_ + prompt_slot_ * slot_stride_ + l * layer_cache;
     if (few_tokens) {
       // Five programmatic launches, the projections straight from the quantized weights (prompt_mma.cu).
       auto from_residual = [&](const DevMatrix& W, const float* norm_w) {  // rmsnorm'ed residual stream in
@@ -710,19 +748,24 @@ void CudaBackend::enqueue_prefill_chunk(int m, const int32_t* io, PrefillVariant
 }
 
 // A chunk length's first use runs eagerly (modules load, cuBLAS picks its kernels, no capture cost for a one-off
-// length); from the second use on it is one graph launch.
+// length); from the second use on it is one graph launch. The graph bakes in the prompt's slot.
 void CudaBackend::run_prefill_chunk(int m, const int32_t* io, PrefillVariant variant) {
-  constexpr size_t kMaxPrefillGraphs = 8;
+  run_cached_graph(res_.prefill_graphs, m, variant, prompt_slot_, [&] { enqueue_prefill_chunk(m, io, variant); });
+}
+
+template <class Enqueue>
+void CudaBackend::run_cached_graph(std::vector<Resources::PrefillGraph>& graphs, int n, int variant, int extra,
+                                   Enqueue&& enqueue) {
+  constexpr size_t kMaxGraphs = 8;
   if (debug_) {
-    enqueue_prefill_chunk(m, io, variant);
+    enqueue();
     return;
   }
-  auto& graphs = res_.prefill_graphs;
-  auto it = std::find_if(graphs.begin(), graphs.end(), [m, variant](const Resources::PrefillGraph& g) {
-    return g.n == m && g.variant == variant;
+  auto it = std::find_if(graphs.begin(), graphs.end(), [&](const Resources::PrefillGraph& g) {
+    return g.n == n && g.variant == variant && g.extra == extra;
   });
   if (it == graphs.end()) {
-    if (graphs.size() >= kMaxPrefillGraphs) {
+    if (graphs.size() >= kMaxGraphs) {
       it = std::min_element(graphs.begin(), graphs.end(),
                             [](const Resources::PrefillGraph& a, const Resources::PrefillGraph& b) {
                               return a.last_use < b.last_use;
@@ -732,19 +775,20 @@ void CudaBackend::run_prefill_chunk(int m, const int32_t* io, PrefillVariant var
     } else {
       it = graphs.emplace(graphs.end());
     }
-    it->n = m;
+    it->n = n;
     it->variant = variant;
+    it->extra = extra;
   }
   it->last_use = ++prefill_clock_;
   if (it->exec == nullptr && it->uses++ == 0) {
-    enqueue_prefill_chunk(m, io, variant);
+    enqueue();
     return;
   }
   if (it->exec == nullptr) {
     cudaGraph_t g = nullptr;
     CUDA_CHECK(cudaStreamBeginCapture(res_.stream, cudaStreamCaptureModeThreadLocal));
     try {
-      enqueue_prefill_chunk(m, io, variant);
+      enqueue();
     } catch (...) {
       cudaStreamEndCapture(res_.stream, &g);
       if (g != nullptr) cudaGraphDestroy(g);
@@ -761,7 +805,7 @@ void CudaBackend::run_prefill_chunk(int m, const int32_t* io, PrefillVariant var
 ArgmaxResult CudaBackend::forward_prompt(const int32_t* tokens, int n, int pos, float* last_logits,
                                          float* all_logits, int slot) {
   const ModelSpec& s = spec_;
-  if (slot != 0) throw BackendUnsupported("the CUDA backend has one KV-cache slot");
+  if (slot < 0 || slot >= s.n_seq) throw EngineError("forward_prompt: sequence slot out of range");
   if (n <= 0) throw EngineError("forward_prompt needs at least one token");
   if (pos < 0 || static_cast<int64_t>(pos) + n > s.n_ctx)
     throw EngineError("prompt of " + std::to_string(n) + " tokens at position " + std::to_string(pos) +
@@ -771,6 +815,7 @@ ArgmaxResult CudaBackend::forward_prompt(const int32_t* tokens, int n, int pos, 
 
   cudaStream_t st = res_.stream;
   const int d = s.d_model;
+  prompt_slot_ = slot;
   for (int c0 = 0, c = 0; c0 < n; c0 += chunk_, ++c) {
     const int m = std::min(chunk_, n - c0);
     // Each chunk has its own pinned staging slot (an earlier chunk's copy may still be queued); the device slot is
@@ -802,10 +847,6 @@ ArgmaxResult CudaBackend::forward_prompt(const int32_t* tokens, int n, int pos, 
     CUDA_CHECK(cudaMemcpy(last_logits, logits_, s.vocab * sizeof(float), cudaMemcpyDefault));
   if (r.token == kNoIndex) throw NonFiniteLogits("argmax: every logit is NaN");
   return r;
-}
-
-void CudaBackend::forward_batch(const int32_t*, const int32_t*, const int32_t*, int, float*, ArgmaxResult*) {
-  throw BackendUnsupported("batched decode of several sequences is not implemented in the CUDA backend");
 }
 
 // ------------------------------------------------------------------ general path (arch.cuh)
@@ -883,7 +924,7 @@ QkvFinishArgs CudaBackend::finish_args(const DevLayer& L, const float* qkv, int 
   a.q_norm = L.q_norm;
   a.k_norm = L.k_norm;
   a.eps = spec_.rms_eps;
-  a.rope_table = L.rope;
+  a.rope_table = L.rope != nullptr ? L.rope : rope_;  // the plain path has one table (setup_general sets none)
   a.style = spec_.rope_style;
   a.n_heads = spec_.n_heads;
   a.n_kv_heads = spec_.n_kv_heads;
@@ -993,24 +1034,39 @@ void CudaBackend::enqueue_prefill_chunk_general(int m, const int32_t* io) {
     explicit ProgrammaticLaunchScope(bool on) { set_programmatic_launch(on); }
     ~ProgrammaticLaunchScope() { set_programmatic_launch(previous); }
   } pdl_scope(use_pdl_);
+  enqueue_layers_general(m, io + 1, io, BatchRows{});
+  launch_norm_matvec_argmax(lm_head_, px_ + static_cast<size_t>(m - 1) * spec_.d_model, out_norm_, spec_.rms_eps,
+                            logits_, argmax_, result_dev_, nullptr, res_.stream);
+  after_launch();
+}
+
+void CudaBackend::enqueue_layers_general(int m, const int32_t* tokens, const int32_t* pos0, const BatchRows& rows) {
   const ModelSpec& s = spec_;
   cudaStream_t st = res_.stream;
   const int d = s.d_model, q_dim = s.q_dim(), kv_dim = s.kv_dim(), qkv_rows = q_dim + 2 * kv_dim;
-  const size_t layer_cache = static_cast<size_t>(s.n_ctx) * kv_dim;
-  launch_embed_scaled(embd_, nullptr, io + 1, m, s.embed_scale, px_, st);
+  const int64_t off = rows.pos != nullptr ? 0 : prompt_slot_ * slot_stride_;  // batch rows find their slots
+  launch_embed_scaled(embd_, nullptr, tokens, m, s.embed_scale, px_, st);
   after_launch();
   for (int l = 0; l < s.n_layers; ++l) {
     const DevLayer& L = layers_[l];
-    float* kc = k_cache_ + l * layer_cache;
-    float* vc = v_cache_ + l * layer_cache;
+    float* kc = layer_k(l) + off;
+    float* vc = layer_v(l) + off;
     launch_rmsnorm_to_half(px_, m, d, L.attn_norm, s.rms_eps, split_, pa_, st);
     after_launch();
     gemm(L.qkv16, qkv_rows, d, m, pa_, pc_, 0.f);
-    launch_qkv_finish(finish_args(L, pc_, m, io, pq_, kc, vc), st);
-    after_launch();
-    ArchAttnArgs att = attention_args(L, pq_, m, io, kc, vc);
+    ArchAttnArgs att = attention_args(L, pq_, m, pos0, kc, vc);
     att.out_half = pa_;
     att.split_operand = split_;
+    if (rows.pos == nullptr) {
+      launch_qkv_finish(finish_args(L, pc_, m, pos0, pq_, kc, vc), st);
+      after_launch();
+    } else {  // batch rows: the attention finishes each row's q, k, v itself (one block per row and head)
+      att.rows = rows;
+      att.max_splits = 1;
+      att.fused_finish = true;
+      att.finish = finish_args(L, pc_, m, nullptr, nullptr, kc, vc);
+      att.finish.rows = rows;
+    }
     launch_arch_attention(att, st);
     after_launch();
     if (s.post_norms) {
@@ -1033,9 +1089,192 @@ void CudaBackend::enqueue_prefill_chunk_general(int m, const int32_t* io) {
       gemm(L.down16, d, s.d_ff, m, pa_, px_, 1.f);
     }
   }
-  launch_norm_matvec_argmax(lm_head_, px_ + static_cast<size_t>(m - 1) * d, out_norm_, s.rms_eps, logits_, argmax_,
-                            result_dev_, nullptr, st);
+}
+
+// ------------------------------------------------------------------ batched decode (forward_batch)
+
+void CudaBackend::setup_batch() {
+  const ModelSpec& s = spec_;
+  const size_t S = static_cast<size_t>(s.n_seq);
+  batch_group_ = prompt_mma_ ? kPromptMmaMaxTokens : chunk_;
+  batch_lm_head_mma_ = prompt_mma_supported(lm_head_.type, lm_head_.cols, 0);
+  batch_io_dev_ = device_alloc<int32_t>(3 * S, mem_.scratch);
+  void* p = nullptr;
+  CUDA_CHECK(cudaHostAlloc(&p, 3 * S * sizeof(int32_t), cudaHostAllocDefault));
+  res_.pinned.push_back(p);
+  batch_io_host_ = static_cast<int32_t*>(p);
+  CUDA_CHECK(cudaHostAlloc(&p, S * sizeof(ArgmaxResult), cudaHostAllocMapped));
+  res_.pinned.push_back(p);
+  batch_result_host_ = static_cast<ArgmaxResult*>(p);
+  void* dp = nullptr;
+  CUDA_CHECK(cudaHostGetDevicePointer(&dp, p, 0));
+  batch_result_dev_ = static_cast<ArgmaxResult*>(dp);
+  batch_logits_ = device_alloc<float>(S * s.vocab, mem_.scratch);
+  if (!prompt_mma_) return;
+  bx_ = device_alloc<float>(S * s.d_model, mem_.scratch);
+  bqkv_ = device_alloc<float>(S * (s.q_dim() + 2 * s.kv_dim()), mem_.scratch);
+  ba_ = device_alloc<__half>(S * 2 * std::max(s.q_dim(), s.d_ff), mem_.scratch);
+  const int groups = (s.n_seq + batch_group_ - 1) / batch_group_;
+  for (int g = 0; g < groups; ++g) {
+    cudaEvent_t fork = nullptr, join = nullptr;
+    CUDA_CHECK(cudaEventCreateWithFlags(&fork, cudaEventDisableTiming));
+    res_.events.push_back(fork);
+    CUDA_CHECK(cudaEventCreateWithFlags(&join, cudaEventDisableTiming));
+    res_.events.push_back(join);
+    batch_fork_.push_back(fork);
+    batch_join_.push_back(join);
+    if (g > 0) {
+      cudaStream_t x = nullptr;
+      CUDA_CHECK(cudaStreamCreateWithFlags(&x, cudaStreamNonBlocking));
+      res_.side_streams.push_back(x);
+    }
+  }
+}
+
+void CudaBackend::enqueue_batch(int n, const int32_t* io) {
+  struct ProgrammaticLaunchScope {
+    bool previous = programmatic_launch();
+    explicit ProgrammaticLaunchScope(bool on) { set_programmatic_launch(on); }
+    ~ProgrammaticLaunchScope() { set_programmatic_launch(previous); }
+  } pdl_scope(use_pdl_);
+  cudaStream_t st = res_.stream;
+  if (!prompt_mma_) {  // the cuBLAS path: groups of chunk_ rows in turn, through the prefill scratch
+    for (int g0 = 0; g0 < n; g0 += batch_group_) {
+      const int m = std::min(batch_group_, n - g0);
+      enqueue_layers_general(m, io + g0, nullptr, BatchRows{io + 2 * n + g0, io + n + g0, slot_stride_});
+      enqueue_batch_lm_head(m, g0, px_, st);
+    }
+    return;
+  }
+  // Groups of 32 rows are independent chains of small, latency-bound kernels: each but the first forks onto its
+  // own stream and the main stream joins them all at the end.
+  const int groups = (n + batch_group_ - 1) / batch_group_;
+  for (int g = 1; g < groups; ++g) {
+    CUDA_CHECK(cudaEventRecord(batch_fork_[g], st));
+    CUDA_CHECK(cudaStreamWaitEvent(res_.side_streams[g - 1], batch_fork_[g], 0));
+  }
+  for (int g = 0; g < groups; ++g) {
+    const int g0 = g * batch_group_;
+    cudaStream_t gs = g == 0 ? st : res_.side_streams[g - 1];
+    enqueue_batch_group_mma(std::min(batch_group_, n - g0), g0, n, io, gs);
+    if (g > 0) CUDA_CHECK(cudaEventRecord(batch_join_[g], gs));
+  }
+  for (int g = 1; g < groups; ++g) CUDA_CHECK(cudaStreamWaitEvent(st, batch_join_[g], 0));
+}
+
+// Rows g0 .. g0 + m of the batch on the tensor-core path: the layers of a few-token prompt (prompt_mma.cu), with the
+// QKV finish and attention of arch.cuh reading each row's position and slot.
+void CudaBackend::enqueue_batch_group_mma(int m, int g0, int n, const int32_t* io, cudaStream_t st) {
+  const ModelSpec& s = spec_;
+  const int d = s.d_model, qkv_rows = s.q_dim() + 2 * s.kv_dim();
+  const BatchRows rows{io + 2 * n + g0, io + n + g0, slot_stride_};
+  float* x = bx_ + static_cast<size_t>(g0) * d;
+  float* qkv_out = bqkv_ + static_cast<size_t>(g0) * qkv_rows;
+  __half* a = ba_ + static_cast<size_t>(g0) * 2 * std::max(s.q_dim(), s.d_ff);
+  launch_embed_rows(embd_, io + g0, m, x, st);
   after_launch();
+  for (int l = 0; l < s.n_layers; ++l) {
+    const DevLayer& L = layers_[l];
+    PromptMmaArgs qkv;
+    qkv.W = L.qkv;
+    qkv.n = m;
+    qkv.x = x;
+    qkv.norm_w = L.attn_norm;
+    qkv.eps = s.rms_eps;
+    qkv.y = qkv_out;
+    launch_prompt_mma(qkv, st);
+    after_launch();
+    ArchAttnArgs att = attention_args(L, nullptr, m, nullptr, layer_k(l), layer_v(l));  // finishes q, k, v itself
+    att.rows = rows;
+    att.max_splits = 1;
+    att.fused_finish = true;
+    att.finish = finish_args(L, qkv_out, m, nullptr, nullptr, layer_k(l), layer_v(l));
+    att.finish.rows = rows;
+    att.out_half = a;
+    att.slot_operand = true;
+    launch_arch_attention(att, st);
+    after_launch();
+    PromptMmaArgs o;
+    o.W = L.o;
+    o.n = m;
+    o.x_slots = a;
+    o.out_kind = PromptMmaOut::AddResidual;
+    o.y = x;
+    launch_prompt_mma(o, st);
+    after_launch();
+    PromptMmaArgs gate_up;
+    gate_up.W = L.gate_up;
+    gate_up.n = m;
+    gate_up.x = x;
+    gate_up.norm_w = L.ffn_norm;
+    gate_up.eps = s.rms_eps;
+    gate_up.out_kind = PromptMmaOut::SiluHalf;
+    gate_up.out_slots = a;
+    gate_up.d_ff = s.d_ff;
+    launch_prompt_mma(gate_up, st);
+    after_launch();
+    PromptMmaArgs down = o;
+    down.W = L.down;
+    launch_prompt_mma(down, st);
+    after_launch();
+  }
+  enqueue_batch_lm_head(m, g0, x, st);
+}
+
+// Final norm + lm_head + argmax of rows g0 .. g0 + m (their residual streams at x): on tensor cores, up to
+// kPromptMmaMaxTokens rows per launch, then one argmax launch; or, for lm_head types prompt_mma lacks, the decode
+// kernel once per row. Logits into batch_logits_, argmaxes into batch_result_dev_.
+void CudaBackend::enqueue_batch_lm_head(int m, int g0, const float* x, cudaStream_t st) {
+  const ModelSpec& s = spec_;
+  float* logits = batch_logits_ + static_cast<size_t>(g0) * s.vocab;
+  if (!batch_lm_head_mma_) {
+    for (int t = 0; t < m; ++t) {
+      launch_norm_matvec_argmax(lm_head_, x + static_cast<size_t>(t) * s.d_model, out_norm_, s.rms_eps,
+                                logits + static_cast<size_t>(t) * s.vocab, argmax_, batch_result_dev_ + g0 + t,
+                                nullptr, st);
+      after_launch();
+    }
+    return;
+  }
+  for (int t0 = 0; t0 < m; t0 += kPromptMmaMaxTokens) {
+    PromptMmaArgs head;
+    head.W = lm_head_;
+    head.n = std::min(kPromptMmaMaxTokens, m - t0);
+    head.x = x + static_cast<size_t>(t0) * s.d_model;
+    head.norm_w = out_norm_;
+    head.eps = s.rms_eps;
+    head.y = logits + static_cast<size_t>(t0) * s.vocab;
+    launch_prompt_mma(head, st);
+    after_launch();
+  }
+  launch_rows_argmax(logits, m, s.vocab, batch_result_dev_ + g0, st);
+  after_launch();
+}
+
+void CudaBackend::forward_batch(const int32_t* tokens, const int32_t* slots, const int32_t* pos, int n, float* logits,
+                                ArgmaxResult* out) {
+  const ModelSpec& s = spec_;
+  if (n <= 0 || n > s.n_seq) throw EngineError("forward_batch: 1 to n_seq rows");
+  for (int i = 0; i < n; ++i) {
+    check_token(tokens[i]);
+    if (slots[i] < 0 || slots[i] >= s.n_seq) throw EngineError("forward_batch: sequence slot out of range");
+    if (pos[i] < 0 || pos[i] >= s.n_ctx) throw EngineError("forward_batch: position past the context");
+  }
+  cudaStream_t st = res_.stream;
+  if (batch_io_dev_ == nullptr) setup_batch();
+  std::memcpy(batch_io_host_, tokens, n * sizeof(int32_t));
+  std::memcpy(batch_io_host_ + n, slots, n * sizeof(int32_t));
+  std::memcpy(batch_io_host_ + 2 * n, pos, n * sizeof(int32_t));
+  CUDA_CHECK(cudaMemcpyAsync(batch_io_dev_, batch_io_host_, 3 * n * sizeof(int32_t), cudaMemcpyHostToDevice, st));
+  run_cached_graph(res_.batch_graphs, n, 0, 0, [&] { enqueue_batch(n, batch_io_dev_); });
+  if (logits != nullptr)
+    CUDA_CHECK(cudaMemcpyAsync(logits, batch_logits_, static_cast<size_t>(n) * s.vocab * sizeof(float),
+                               cudaMemcpyDeviceToHost, st));
+  CUDA_CHECK(cudaStreamSynchronize(st));
+  for (int i = 0; i < n; ++i) {
+    out[i] = batch_result_host_[i];
+    if (out[i].token == kNoIndex) throw NonFiniteLogits("argmax: every logit is NaN");
+  }
 }
 
 }  // namespace

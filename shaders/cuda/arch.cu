@@ -128,13 +128,13 @@ __global__ void __launch_bounds__(kFinishWarps * 32) qkv_finish_kernel(QkvFinish
   const bool valid = head < a.n_heads + 2 * a.n_kv_heads;
   const HeadKind kind = head < a.n_heads ? kHeadQ : head < a.n_heads + a.n_kv_heads ? kHeadK : kHeadV;
   const int index = kind == kHeadQ ? head : kind == kHeadK ? head - a.n_heads : head - a.n_heads - a.n_kv_heads;
-  // The position was written before this graph or launch sequence started.
-  const int pos = *a.pos0 + t;
+  // The position (and a batch row's slot) was written before this graph or launch sequence started.
+  const int pos = a.rows.pos != nullptr ? a.rows.pos[t] : *a.pos0 + t;
   HeadFinish f;
   if (valid) f.prefetch(a, kind, index, pos, lane);
   grid_dependency_wait();
   if (!valid) return;
-  const int64_t cache_row = static_cast<int64_t>(pos) * kv_dim;
+  const int64_t cache_row = static_cast<int64_t>(pos) * kv_dim + (a.rows.slot != nullptr ? a.rows.slot[t] * a.rows.slot_stride : 0);
   float* dst = kind == kHeadQ ? a.q_out + static_cast<int64_t>(t) * q_dim + index * hd
                : kind == kHeadK ? a.k_cache + cache_row + index * hd
                                 : a.v_cache + cache_row + index * hd;
@@ -150,6 +150,8 @@ constexpr int kAttnThreadsArch = kAttnWarpsArch * 32;
 __device__ __forceinline__ void store_attn(const ArchAttnArgs& a, int64_t t, int j, int q_dim, float v) {
   if (a.out != nullptr)
     a.out[t * q_dim + j] = v;
+  else if (a.slot_operand)
+    detail::store_slot_operand(v, t, j, q_dim, a.out_half);
   else
     detail::store_operand(v, t, j, q_dim, a.split_operand, a.out_half);
 }
@@ -181,9 +183,15 @@ __global__ void __launch_bounds__(kAttnThreadsArch) arch_attention_kernel(ArchAt
   launch_dependents();
 
   const int t0 = tile * TQ;
-  const int pos0 = *a.pos0;
+  // A batch row (TQ == 1) at its own position: pos0 + t0 is that position (p_first below).
+  const bool batch = a.rows.pos != nullptr;
+  const int pos0 = batch ? (t0 < a.n ? a.rows.pos[t0] - t0 : 0) : *a.pos0;
+  const int64_t slot_off = batch && a.rows.slot != nullptr && t0 < a.n ? a.rows.slot[t0] * a.rows.slot_stride : 0;
   const int nq = min(TQ, a.n - t0);
   const int p_first = pos0 + t0, p_last = p_first + nq - 1;
+  // Cache rows before this are earlier steps' or chunks' (loaded before the programmatic wait); from it on, this
+  // launch's predecessor (or, fused, this block) writes them. A decode step or batch row: its own position.
+  const int written_before = batch ? p_first : pos0;
   const int lo = a.window > 0 ? max(0, p_first - a.window + 1) : 0;  // the first query's first position
   const int n_vis = p_last + 1 - lo;
   const int n_splits = splitting ? min(a.max_splits, (n_vis + kArchAttnMinChunk - 1) / kArchAttnMinChunk) : 1;
@@ -193,15 +201,15 @@ __global__ void __launch_bounds__(kAttnThreadsArch) arch_attention_kernel(ArchAt
   }
   const int chunk = (n_vis + n_splits - 1) / n_splits;
   const int begin = lo + split * chunk, end = min(p_last + 1, begin + chunk);
-  const float* kb = a.k_cache + kvh * HD + lane;
-  const float* vb = a.v_cache + kvh * HD + lane;
+  const float* kb = a.k_cache + slot_off + kvh * HD + lane;
+  const float* vb = a.v_cache + slot_off + kvh * HD + lane;
   // Fused finish (decode): warp 0 finishes q, and in the block that covers the position warps 1 and 2 its k and v.
   const bool fused = TQ == 1 && a.fused_finish;
   const bool covers_pos = end == p_last + 1;
   const bool finisher = fused && (warp == 0 || (covers_pos && warp <= 2));
   HeadFinish fin;
   if (finisher)
-    fin.prefetch(a.finish, warp == 0 ? kHeadQ : warp == 1 ? kHeadK : kHeadV, warp == 0 ? h : kvh, pos0, lane);
+    fin.prefetch(a.finish, warp == 0 ? kHeadQ : warp == 1 ? kHeadK : kHeadV, warp == 0 ? h : kvh, p_first, lane);
   const int p_start = begin + warp * U;  // this warp's first positions
   float kr[U][NC], vr[U][NC];
 #pragma unroll
@@ -209,17 +217,19 @@ __global__ void __launch_bounds__(kAttnThreadsArch) arch_attention_kernel(ArchAt
     const int p = p_start + u;
 #pragma unroll
     for (int c = 0; c < NC; ++c) {
-      kr[u][c] = p < end && p < pos0 ? __ldcg(kb + static_cast<int64_t>(p) * kv_dim + c * 32) : 0.f;
-      vr[u][c] = p < end && p < pos0 ? __ldcg(vb + static_cast<int64_t>(p) * kv_dim + c * 32) : 0.f;
+      kr[u][c] = p < end && p < written_before ? __ldcg(kb + static_cast<int64_t>(p) * kv_dim + c * 32) : 0.f;
+      vr[u][c] = p < end && p < written_before ? __ldcg(vb + static_cast<int64_t>(p) * kv_dim + c * 32) : 0.f;
     }
   }
   grid_dependency_wait();
 
   if (fused) {
-    if (finisher) fin.finish(a.finish.qkv, a.finish.eps, s_fin[TQ == 1 ? warp : 0], lane);
+    if (finisher)
+      fin.finish(a.finish.qkv + static_cast<int64_t>(t0) * (q_dim + 2 * kv_dim), a.finish.eps,
+                 s_fin[TQ == 1 ? warp : 0], lane);
     __syncthreads();
     if (covers_pos && h % (a.n_heads / a.n_kv_heads) == 0) {  // one block per KV head appends k, v
-      const int64_t row = static_cast<int64_t>(pos0) * kv_dim + kvh * HD;
+      const int64_t row = slot_off + static_cast<int64_t>(p_first) * kv_dim + kvh * HD;
       for (int i = threadIdx.x; i < HD; i += blockDim.x) {
         a.finish.k_cache[row + i] = s_fin[TQ == 1 ? 1 : 0][i];
         a.finish.v_cache[row + i] = s_fin[TQ == 1 ? 2 : 0][i];
@@ -248,8 +258,8 @@ __global__ void __launch_bounds__(kAttnThreadsArch) arch_attention_kernel(ArchAt
 #pragma unroll
     for (int u = 0; u < U; ++u) {
       const int p = p0 + u;
-      if (first && p < pos0) continue;  // loaded before the wait
-      if (fused && p == pos0) {  // this step's k, v: finished above, in shared memory
+      if (first && p < written_before) continue;  // loaded before the wait
+      if (fused && p == p_first) {  // this step's k, v: finished above, in shared memory
 #pragma unroll
         for (int c = 0; c < NC; ++c) {
           kr[u][c] = s_fin[TQ == 1 ? 1 : 0][c * 32 + lane];
@@ -351,6 +361,25 @@ __global__ void __launch_bounds__(kAttnThreadsArch) arch_attention_kernel(ArchAt
     store_attn(a, t0, h * HD + d, q_dim, o / s_sum);
   }
   if (threadIdx.x == 0) a.counters[h] = 0u;
+}
+
+// ------------------------------------------------------------------ argmax of logits rows
+
+// One block per row: its argmax (NaN never wins, ties go to the lower index; kNoIndex for a row of NaN) into out[row].
+constexpr int kRowsArgmaxThreads = 1024;
+__global__ void __launch_bounds__(kRowsArgmaxThreads) rows_argmax_kernel(const float* logits, int vocab,
+                                                                           ArgmaxResult* out) {
+  __shared__ ArgmaxPartial red[32];
+  launch_dependents();
+  grid_dependency_wait();
+  const float* row = logits + static_cast<int64_t>(blockIdx.x) * vocab;
+  ArgmaxPartial best{0.f, kNoIndex};
+  for (int i = threadIdx.x; i < vocab; i += blockDim.x) {
+    const ArgmaxPartial c{__ldcg(row + i), static_cast<uint32_t>(i)};
+    if (!isnan(c.value) && detail::argmax_better(c, best)) best = c;
+  }
+  best = detail::block_argmax(best, red);
+  if (threadIdx.x == 0) out[blockIdx.x] = ArgmaxResult{best.index, best.value};
 }
 
 // ------------------------------------------------------------------ post-norm + residual, GLU
@@ -482,14 +511,18 @@ void launch_arch_attention(const ArchAttnArgs& a, cudaStream_t s) {
   if (a.max_splits < 1 || a.max_splits > kArchAttnMaxSplits) throw EngineError("attention: bad split capacity");
   if (a.max_splits > 1 && (a.n != 1 || a.part_o == nullptr || a.part_ml == nullptr || a.counters == nullptr))
     throw EngineError("attention: the context split serves one query and needs its scratch");
+  const bool batch = a.rows.pos != nullptr;
+  if (batch && a.max_splits != 1) throw EngineError("attention: batch rows take no context split");
   if (a.fused_finish) {
     const QkvFinishArgs& f = a.finish;
-    if (a.n != 1 || f.qkv == nullptr || f.rope_table == nullptr || f.k_cache == nullptr || f.v_cache == nullptr ||
-        f.pos0 != a.pos0 || f.n_heads != a.n_heads || f.n_kv_heads != a.n_kv_heads || f.head_dim != a.head_dim ||
-        (f.q_norm == nullptr) != (f.k_norm == nullptr))
+    if ((a.n != 1 && !batch) || f.qkv == nullptr || f.rope_table == nullptr || f.k_cache == nullptr ||
+        f.v_cache == nullptr || f.pos0 != a.pos0 || f.rows.pos != a.rows.pos || f.rows.slot != a.rows.slot ||
+        f.rows.slot_stride != a.rows.slot_stride || f.n_heads != a.n_heads || f.n_kv_heads != a.n_kv_heads ||
+        f.head_dim != a.head_dim || (f.q_norm == nullptr) != (f.k_norm == nullptr))
       throw EngineError("attention: bad fused QKV finish");
   }
-  const bool decode = a.n == 1;
+  if (a.slot_operand && a.out_half == nullptr) throw EngineError("attention: the slot layout is an fp16 output");
+  const bool decode = a.n == 1 || batch;  // one query per block
   AttnFn k = nullptr;
   switch (a.head_dim / 32) {
     case 1: k = attn_kernel_for<1>(decode); break;
@@ -501,9 +534,14 @@ void launch_arch_attention(const ArchAttnArgs& a, cudaStream_t s) {
     case 7: k = attn_kernel_for<7>(decode); break;
     case 8: k = attn_kernel_for<8>(decode); break;
   }
-  const int tq = attn_tile(a.head_dim, decode);
+  const int tq = attn_tile(a.head_dim, decode);  // decode: 1
   const int grid_y = a.max_splits > 1 ? a.max_splits : (a.n + tq - 1) / tq;
   launch(k, dim3(a.n_heads, grid_y), dim3(kAttnThreadsArch), 0, s, a);
+}
+
+void launch_rows_argmax(const float* logits, int n, int vocab, ArgmaxResult* out, cudaStream_t s) {
+  if (n < 1 || vocab < 1) throw EngineError("rows argmax: bad geometry");
+  launch(rows_argmax_kernel, dim3(n), dim3(kRowsArgmaxThreads), 0, s, logits, vocab, out);
 }
 
 void launch_add_normed(const float* y, const float* w, float eps, int n, int d, float* x, cudaStream_t s) {

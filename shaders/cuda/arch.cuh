@@ -39,8 +39,17 @@ std::vector<float2> rope_table_host(int n_ctx, int head_dim, float base, float s
 void launch_embed_scaled(const DevMatrix& emb, const DecodeIO* io, const int32_t* tokens, int n, float scale, float* x,
                          cudaStream_t s);
 
+// Rows of a batched decode step (Backend::forward_batch): row t is one token of KV slot slot[t] at position pos[t]
+// (device arrays of n values, written before the graph or launch sequence starts). A layer's cache of slot s starts
+// s * slot_stride floats past the layer's slot-0 cache (k_cache / v_cache below).
+struct BatchRows {
+  const int32_t* pos = nullptr;
+  const int32_t* slot = nullptr;
+  int64_t slot_stride = 0;
+};
+
 // From the raw projections of n tokens (rows of q_dim + 2 kv_dim floats: q heads, k heads, v heads) at positions
-// *pos0 + t: adds the biases, RMS-normalizes each q and k head with q_norm / k_norm (eps), turns q and k by the RoPE
+// *pos0 + t (or, with rows.pos, at rows.pos[t] in slot rows.slot[t]): adds the biases, RMS-normalizes each q and k head with q_norm / k_norm (eps), turns q and k by the RoPE
 // table in the given style, writes q to q_out[t] and k, v to row *pos0 + t of the layer's caches.
 struct QkvFinishArgs {
   const float* qkv = nullptr;         // [n][q_dim + 2 kv_dim]
@@ -56,6 +65,7 @@ struct QkvFinishArgs {
   float* q_out = nullptr;             // [n][q_dim]
   float* k_cache = nullptr;           // this layer: [n_ctx][kv_dim]
   float* v_cache = nullptr;
+  BatchRows rows;                     // batch rows (pos0 unused), or rows.pos null
 };
 void launch_qkv_finish(const QkvFinishArgs& a, cudaStream_t s);
 
@@ -77,6 +87,9 @@ struct ArchAttnArgs {
   const float* v_cache = nullptr;
   const int32_t* pos0 = nullptr;   // device memory
   int n = 1;
+  // Batch rows: query t is row t at its own position over its own slot's cache (one query per block, no split;
+  // pos0 unused), or rows.pos null.
+  BatchRows rows;
   int n_heads = 0, n_kv_heads = 0, head_dim = 0;
   int window = 0;
   float scale = 0.f;
@@ -85,18 +98,25 @@ struct ArchAttnArgs {
   float* part_o = nullptr;          // [n_heads][max_splits][head_dim]
   float* part_ml = nullptr;         // [n_heads][max_splits][2]
   unsigned int* counters = nullptr; // [n_heads], zero between launches (the combining block re-arms it)
-  // Output, one of: fp32 rows [n][q_dim], or fp16 GEMM operand rows (store_operand, split_operand slices).
+  // Output, one of: fp32 rows [n][q_dim], or fp16 GEMM operand rows (store_operand, split_operand slices), or with
+  // slot_operand the slot layout of the tensor-core projections (store_slot_operand).
   float* out = nullptr;
   __half* out_half = nullptr;
   bool split_operand = false;
-  // Decode (n == 1) with fused_finish: q and this position's k and v come raw, as the QKV projection row finish.qkv,
-  // and are finished here exactly as launch_qkv_finish does (finish's bias, QK-norm weights, eps, RoPE table and
-  // style; finish.pos0 must equal pos0); the block of each KV head's first query head that covers the position
-  // appends k and v to the caches. q (above) is then unused. One launch instead of two per layer.
+  bool slot_operand = false;
+  // Decode (n == 1) or batch rows with fused_finish: q and the position's k and v come raw, as the QKV projection
+  // rows finish.qkv, and are finished here exactly as launch_qkv_finish does (finish's bias, QK-norm weights, eps,
+  // RoPE table and style; finish.pos0 and finish.rows must equal pos0 and rows); the block of each KV head's first
+  // query head that covers the position appends k and v to the caches. q (above) is then unused. One launch instead
+  // of two per layer.
   bool fused_finish = false;
   QkvFinishArgs finish;
 };
 void launch_arch_attention(const ArchAttnArgs& a, cudaStream_t s);
+
+// out[t] = argmax of logits row t (n rows of vocab floats): NaN never wins, ties go to the lower index, a row of
+// nothing but NaN gives token kNoIndex.
+void launch_rows_argmax(const float* logits, int n, int vocab, ArgmaxResult* out, cudaStream_t s);
 
 // x[t] += rmsnorm(y[t]) * w for n rows of d floats (post-norm + residual); w null: x[t] += y[t].
 void launch_add_normed(const float* y, const float* w, float eps, int n, int d, float* x, cudaStream_t s);

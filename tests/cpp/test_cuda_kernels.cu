@@ -3113,3 +3113,107 @@ TEST(CudaArch, RefusesHeadDimBeyondTheKernels) {
     EXPECT_THROW(make_cuda_backend(m->spec, m->w, false), BackendUnsupported) << "head_dim " << hd;
   }
 }
+
+// Batched decode (forward_batch) against the scalar CPU backend's, on the plain Llama path (tensor-core projections,
+// 40 slots: a group of 32 rows and one of 8) and the general path (Qwen 2 biases, Gemma 3 windows and post-norms):
+// sequences of different lengths in their own slots, rows in an order that is not the slots', a row joining late,
+// and each batch shape run several times (graph capture from a shape's second use). Slot-0 decode afterwards still
+// matches: the batch left it alone.
+TEST(CudaBatch, RowsMatchCpuBatchAcrossSlotsAndPaths) {
+  REQUIRE_GPU();
+  struct Case {
+    std::string name;
+    std::unique_ptr<TestModel> m;
+  };
+  std::vector<Case> cases;
+  cases.push_back({"plain-smollm2-shape", make_model(3, 3000, 96, GgmlType::Q4_0, GgmlType::Q8_0)});
+  for (const ArchModelCase& c : arch_model_cases())
+    if (std::string(c.name) == "qwen2" || std::string(c.name) == "gemma3") cases.push_back({c.name, make_arch_model(c)});
+  for (Case& c : cases) {
+    SCOPED_TRACE(c.name);
+    ModelSpec& s = c.m->spec;
+    s.n_seq = c.name == "plain-smollm2-shape" ? 40 : 5;
+    s.n_ctx = 96;
+    auto gpu = make_cuda_backend(s, c.m->w, false);
+    auto cpu = make_scalar_cpu_backend(*c.m);
+    const int V = s.vocab, S = s.n_seq;
+    std::vector<int> pos(S);
+    std::mt19937 gen(7);
+    for (int slot = 0; slot < S - 1; ++slot) {  // the last slot stays empty until it joins
+      const int len = 1 + static_cast<int>(gen() % 40);
+      const std::vector<int32_t> p = random_tokens(len, V);
+      gpu->forward_prompt(p.data(), len, 0, nullptr, nullptr, slot);
+      cpu->forward_prompt(p.data(), len, 0, nullptr, nullptr, slot);
+      pos[slot] = len;
+    }
+    for (int step = 0; step < 4; ++step) {
+      std::vector<int32_t> slots;
+      for (int slot = S - 1; slot >= 0; --slot)
+        if (slot != S - 1 || step >= 2) slots.push_back(slot);
+      const int n = static_cast<int>(slots.size());
+      const std::vector<int32_t> toks = random_tokens(n, V);
+      std::vector<int32_t> ps(n);
+      for (int i = 0; i < n; ++i) ps[i] = pos[slots[i]];
+      std::vector<float> lg(static_cast<size_t>(n) * V, NAN), lc(lg.size(), NAN);
+      std::vector<ArgmaxResult> rg(n), rc(n);
+      gpu->forward_batch(toks.data(), slots.data(), ps.data(), n, lg.data(), rg.data());
+      cpu->forward_batch(toks.data(), slots.data(), ps.data(), n, lc.data(), rc.data());
+      for (int i = 0; i < n; ++i) {
+        SCOPED_TRACE("step " + std::to_string(step) + " row " + std::to_string(i) + " slot " + std::to_string(slots[i]));
+        const auto a = row_of(lg, i, V), b = row_of(lc, i, V);
+        expect_logits_close_or_tie(a, b, 1e-3, "batch row vs CPU");
+        EXPECT_EQ(rg[i].token, ref::argmax(a.data(), V).token);
+      }
+      for (int i = 0; i < n; ++i) ++pos[slots[i]];
+    }
+    // Slot 0 continues by single-sequence decode from where the batch left it.
+    std::vector<float> a(V, NAN), b(V, NAN);
+    gpu->forward_token(5, pos[0], a.data());
+    cpu->forward_token(5, pos[0], b.data());
+    expect_logits_close_or_tie(a, b, 1e-3, "slot-0 decode after batches");
+    const int32_t one = 1, bad_slot = S, zero = 0;
+    ArgmaxResult r{};
+    EXPECT_THROW(gpu->forward_batch(&one, &bad_slot, &zero, 1, nullptr, &r), EngineError);
+  }
+}
+
+// launch_rows_argmax against ref::argmax: random rows at the vocabularies the models use, NaN sprinkled in, ties
+// (the lower index wins), a row of -inf, and a row of nothing but NaN (kNoIndex), from a NaN-poisoned result buffer.
+TEST(CudaArch, RowsArgmaxMatchesReference) {
+  REQUIRE_GPU();
+  for (int vocab : {3000, 49152, 151936, 262144}) {
+    SCOPED_TRACE("vocab " + std::to_string(vocab));
+    const int n = 6;
+    std::vector<float> h = random_vec(static_cast<size_t>(n) * vocab, -20.f, 20.f);
+    float* r1 = h.data() + vocab;
+    for (int i = 0; i < vocab; i += 7) r1[i] = NAN;
+    float* r2 = h.data() + 2 * vocab;  // a tie at the maximum: the lower index wins
+    r2[vocab / 3] = 50.f;
+    r2[vocab - 5] = 50.f;
+    r2[vocab / 2] = NAN;
+    float* r3 = h.data() + 3 * vocab;
+    std::fill(r3, r3 + vocab, -INFINITY);
+    float* r4 = h.data() + 4 * vocab;
+    std::fill(r4, r4 + vocab, NAN);
+    float* r5 = h.data() + 5 * vocab;
+    r5[vocab - 1] = INFINITY;
+    DevBuf<float> logits(h);
+    DevBuf<ArgmaxResult> out(n);
+    out.poison();
+    launch_rows_argmax(logits.p, n, vocab, out.p, nullptr);
+    CUDA_CHECK(cudaGetLastError());
+    const std::vector<ArgmaxResult> got = out.download();
+    for (int r = 0; r < n; ++r) {
+      SCOPED_TRACE("row " + std::to_string(r));
+      if (r == 4) {
+        EXPECT_EQ(got[r].token, kNoIndex);
+        continue;
+      }
+      const ArgmaxResult want = ref::argmax(h.data() + static_cast<size_t>(r) * vocab, vocab);
+      EXPECT_EQ(got[r].token, want.token);
+      EXPECT_EQ(got[r].value, want.value);
+    }
+    EXPECT_EQ(got[2].token, static_cast<uint32_t>(vocab / 3));
+    EXPECT_EQ(got[3].token, 0u);
+  }
+}
