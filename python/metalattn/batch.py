@@ -48,6 +48,7 @@ class Sequence:
         self.text = TextStream(tokenizer, stops, max_tokens)
         self.stats = GenerationStats(prompt_tokens=len(ids))
         self.slot: Optional[int] = None
+        self.pos = 0             # tokens in its slot's KV cache
         self.index = 0           # index of the next chunk
         self.token: Optional[int] = None  # the last generated token: fed at the next step
         self.done = False
@@ -210,7 +211,8 @@ class BatchGenerator:
                 if slot == 0:
                     self._slot0_mine = True
                 token, logits = engine.forward_prompt_slot(slot, rest, seq.needs_logits)
-                if engine.slot_pos(slot) != len(seq.ids):
+                seq.pos = engine.slot_pos(slot)
+                if seq.pos != len(seq.ids):
                     raise MetalattnError("internal error: the slot's position does not match its prompt")
             except Exception as e:  # this sequence fails; the others go on
                 self._cached[slot] = []
@@ -219,25 +221,29 @@ class BatchGenerator:
             t1 = time.perf_counter()
             seq.stats.prefill_seconds = t1 - t0
             seq._t_decode = t1
-            self._emit(seq, token, logits, engine, events)
+            self._emit(seq, token, logits, t1, events)
 
     def _decode(self, engine, rows: List[Sequence], events) -> None:
-        tokens = np.asarray([s.token for s in rows], dtype=np.int32)
-        slots = np.asarray([s.slot for s in rows], dtype=np.int32)
-        for s in rows:
-            self._cached[s.slot].append(s.token)
+        toks = [s.token for s in rows]
+        slots = [s.slot for s in rows]
+        cached = self._cached
+        for slot, tok in zip(slots, toks):
+            cached[slot].append(tok)
         try:
-            ids, logits = engine.forward_batch(tokens, slots, any(s.needs_logits for s in rows))
+            ids, logits = engine.forward_batch(np.array(toks, dtype=np.int32), np.array(slots, dtype=np.int32),
+                                               any(s.needs_logits for s in rows))
         except Exception as e:  # e.g. non-finite logits: every row of the step fails
             err = self._wrap(e)
             for s in rows:
-                self._cached[s.slot] = []
+                cached[s.slot] = []
                 self._fail(s, err, events)
             return
+        now = time.perf_counter()
         for i, s in enumerate(rows):
-            self._emit(s, ids[i], None if logits is None else logits[i], engine, events)
+            s.pos += 1
+            self._emit(s, ids[i], None if logits is None else logits[i], now, events)
 
-    def _emit(self, seq: Sequence, argmax: int, logits, engine, events) -> None:
+    def _emit(self, seq: Sequence, argmax: int, logits, now: float, events) -> None:
         """Chooses seq's next token from the step's output and reports it."""
         lp = top = None
         try:
@@ -254,8 +260,8 @@ class BatchGenerator:
         seq.token = token
         st = seq.stats
         st.generated_tokens = seq.index + 1
-        st.decode_seconds = time.perf_counter() - seq._t_decode
-        text, finish = seq.text.push(token, engine.slot_pos(seq.slot) >= self.model.n_ctx)
+        st.decode_seconds = now - seq._t_decode
+        text, finish = seq.text.push(token, seq.pos >= self.model.n_ctx)
         events.append((seq, GenerationChunk(text, token, seq.index, st.decode_tokens_per_second, finish, lp, top)))
         seq.index += 1
         if finish is not None:
