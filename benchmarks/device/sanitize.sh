@@ -11,12 +11,16 @@
 #   GTEST_FILTER   which GoogleTests, default '*' (every test of test_cuda_kernels)
 #   SHARD          "i/n": only every n-th test from the i-th (0-based)
 #   JOBS           sanitizer processes at once (default 1). The jobs (tool x test) start slowest-first (ORDER_FIRST);
-#                  the SOLO ones run alone after the others, since they read device-wide free memory.
+#                  the SOLO ones run alone, since they read device-wide free memory: the GoogleTests before the pool,
+#                  the Python ones (which wait for the package build) after it.
 #   JOBLIST        a file of "tool test" lines to run instead of TOOLS x tests (e.g. the NOT RUN lines of a cut call)
 #   TEST_TIMEOUT   seconds per test and tool (default 240); TIMEOUTS="Suite.Test=600 ..." overrides it per test
 #   DEADLINE       seconds after the script starts (builds included) by which every sanitizer run ends (default 0:
 #                  none). A run cut by it is CUT, one never started NOT RUN; both leave the exit status non-zero.
 #   MEMCHECK_FLAGS extra memcheck flags (e.g. "--leak-check full")
+#   RACECHECK_FLAGS racecheck flags (default "--racecheck-report hazard"); e.g. add "--kernel-name-exclude kns=nvjet"
+#                  to leave cuBLAS's nvjet GEMM kernels out (they are not this project's code)
+#   PY_WHEEL       a prebuilt metalattn wheel (cp312) to install instead of building the package here
 #   PYTEST         1 (default): also run tests/python/test_reliability.py -k cuda under each tool (two jobs a tool:
 #                  the cycles test alone, as SOLO, the rest in the pool); 0: skip them and the pip build
 #   BIN            a prebuilt test_cuda_kernels to use (skips the GoogleTest build)
@@ -76,7 +80,11 @@ rm -f "$PIP_RC"
 if [ "$PYTEST" = 1 ]; then
   # A warm machine keeps /tmp/site: skip the build when the sources it was built from are the same.
   src_sha=$(find cpp python shaders CMakeLists.txt pyproject.toml -type f | LC_ALL=C sort | xargs cat | sha1sum)
-  if [ -f /tmp/site/.metalattn_src ] && [ "$(cat /tmp/site/.metalattn_src)" = "$src_sha" ]; then
+  if [ -n "$PY_WHEEL" ]; then
+    python3 -m pip install -q --upgrade --no-deps --no-compile --target /tmp/site "$PY_WHEEL" > "$OUT/san_pip.log" 2>&1
+    rc=$?; echo "python package: $(basename "$PY_WHEEL") installed, rc $rc"; echo $rc > "$PIP_RC"
+    rm -f /tmp/site/.metalattn_src
+  elif [ -f /tmp/site/.metalattn_src ] && [ "$(cat /tmp/site/.metalattn_src)" = "$src_sha" ]; then
     echo "python package: already built from these sources"; echo 0 > "$PIP_RC"
   else
     ( s=$(date +%s)
@@ -117,7 +125,7 @@ fi
 in_list() { local x=$1; shift; for y in "$@"; do [ "$x" = "$y" ] && return 0; done; return 1; }
 # Order: ORDER_FIRST's tests first (each with every tool, racecheck first: the slowest tool), then the rest; SOLO last.
 rank_tool() { case $1 in racecheck) echo 0 ;; memcheck) echo 1 ;; *) echo 2 ;; esac; }
-POOL=(); LAST=()
+POOL=(); FIRST=(); LAST=()
 mapfile -t SORTED < <(
   for j in "${JOBLINES[@]}"; do
     read -r tool t <<< "$j"
@@ -127,10 +135,11 @@ mapfile -t SORTED < <(
   done | sort -k1,1n -k2,2n -s | cut -d' ' -f3-)
 for j in "${SORTED[@]}"; do
   read -r tool t <<< "$j"
-  if in_list "$t" $SOLO; then LAST+=("$j"); else POOL+=("$j"); fi
+  if ! in_list "$t" $SOLO; then POOL+=("$j"); elif [[ $t == py.* ]]; then LAST+=("$j"); else FIRST+=("$j"); fi
 done
 echo "== ${#JOBLINES[@]} jobs (tool x test; ${#ALL[@]} GoogleTests listed, shard $SHARD, PYTEST=$PYTEST), $JOBS at a time," \
-     "deadline ${DEADLINE}s; ${#LAST[@]} run alone at the end"
+     "deadline ${DEADLINE}s; ${#FIRST[@]} run alone before the others, ${#LAST[@]} after"
+echo "racecheck flags: ${RACECHECK_FLAGS:-"--racecheck-report hazard"}"
 
 declare -A TO
 for kv in $TIMEOUTS; do TO["${kv%%=*}"]=${kv#*=}; done
@@ -148,7 +157,7 @@ run_job() {
   fi
   flags=""
   [ "$tool" = memcheck ] && flags="$MEMCHECK_FLAGS"
-  [ "$tool" = racecheck ] && flags="--racecheck-report hazard"
+  [ "$tool" = racecheck ] && flags=${RACECHECK_FLAGS:-"--racecheck-report hazard"}
   s=$(date +%s)
   # --error-exitcode tells sanitizer findings (86) from a failing test (1) and a timeout (124).
   case $t in
@@ -176,6 +185,10 @@ run_job() {
   printf '  done %-10s %-62s rc %-3s %4ss\n' "$tool" "$t" "$rc" "$(( $(date +%s) - s ))"
 }
 
+for j in "${FIRST[@]}"; do
+  read -r tool t <<< "$j"
+  run_job "$tool" "$t"
+done
 for j in "${POOL[@]}"; do
   while [ "$(jobs -rp | wc -l)" -ge "$JOBS" ]; do wait -n; done
   read -r tool t <<< "$j"
@@ -199,7 +212,12 @@ test_passed() {
 classify() {  # tool test rc cut log -> verdict
   local tool=$1 t=$2 rc=$3 cut=$4 log=$5 n_err n_oom n_other
   if [ "$rc" = -1 ]; then echo "NOT RUN"; return; fi
-  if [ "$rc" = 124 ] || [ "$rc" = 137 ]; then [ "$cut" = 1 ] && echo CUT || echo TIMEOUT; return; fi
+  if [ "$rc" = 124 ] || [ "$rc" = 137 ]; then
+    # Reports printed before the cut are findings all the same: say so in the verdict.
+    n_err=$(grep -cE "^========= (Program hit|Invalid|Error|Warning|Race|Barrier|Uninitialized|Misaligned|Out-of-range)" "$log")
+    local extra=""; [ "$n_err" -gt 0 ] && extra=" +$n_err reports"
+    [ "$cut" = 1 ] && echo "CUT$extra" || echo "TIMEOUT$extra"; return
+  fi
   if grep -q "^\[  SKIPPED \]" "$log" || grep -qE "^([0-9]+ [a-z]+, )*[0-9]+ skipped" "$log"; then
     echo SKIPPED; return
   fi
@@ -273,8 +291,8 @@ tar -czf "$OUT/san_logs.tgz" -C "$OUT" san_logs && rm -rf "$LOGS"
         "no CUDA work") h=$((h + 1)) ;;
         "expected OOM"*) x=$((x + 1)) ;;
         "SANITIZER ERRORS"|"HAZARD WARNINGS") e=$((e + 1)) ;;
-        TIMEOUT) to=$((to + 1)) ;;
-        CUT) cu=$((cu + 1)) ;;
+        TIMEOUT*) to=$((to + 1)) ;;
+        CUT*) cu=$((cu + 1)) ;;
         "NOT RUN") nr=$((nr + 1)) ;;
         *) f=$((f + 1)) ;;
       esac
