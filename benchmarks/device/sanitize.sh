@@ -14,6 +14,7 @@
 #                  the SOLO ones run alone, since they read device-wide free memory: the GoogleTests before the pool,
 #                  the Python ones (which wait for the package build) after it.
 #   JOBLIST        a file of "tool test" lines to run instead of TOOLS x tests (e.g. the NOT RUN lines of a cut call)
+#   TOOL_ORDER     which tool's jobs start first among tests of the same rank (default "racecheck memcheck synccheck")
 #   TEST_TIMEOUT   seconds per test and tool (default 240); TIMEOUTS="Suite.Test=600 ..." overrides it per test
 #   DEADLINE       seconds after the script starts (builds included) by which every sanitizer run ends (default 0:
 #                  none). A run cut by it is CUT, one never started NOT RUN; both leave the exit status non-zero.
@@ -123,8 +124,10 @@ else
   for t in "${TESTS[@]}"; do for tool in $TOOLS; do JOBLINES+=("$tool $t"); done; done
 fi
 in_list() { local x=$1; shift; for y in "$@"; do [ "$x" = "$y" ] && return 0; done; return 1; }
-# Order: ORDER_FIRST's tests first (each with every tool, racecheck first: the slowest tool), then the rest; SOLO last.
-rank_tool() { case $1 in racecheck) echo 0 ;; memcheck) echo 1 ;; *) echo 2 ;; esac; }
+# Order: ORDER_FIRST's tests first (each with every tool in TOOL_ORDER, racecheck first by default: the slowest
+# tool), then the rest by tool.
+TOOL_ORDER=${TOOL_ORDER:-"racecheck memcheck synccheck"}
+rank_tool() { local k=0 x; for x in $TOOL_ORDER; do [ "$x" = "$1" ] && { echo $k; return; }; k=$((k + 1)); done; echo $k; }
 POOL=(); FIRST=(); LAST=()
 mapfile -t SORTED < <(
   for j in "${JOBLINES[@]}"; do
