@@ -217,8 +217,9 @@ class CudaBackend final : public Backend {
   void run_cached_graph(std::vector<Resources::PrefillGraph>& graphs, int n, int variant, int extra,
                         Enqueue&& enqueue);
   // forward_batch: n rows, io = [tokens | slots | positions] (3 n values) in device memory. The rows run in groups
-  // of at most batch_group_: on the tensor-core path (kPromptMmaMaxTokens rows each) the groups run side by side on
+  // of at most batch_group_: on the tensor-core path (kBatchChainRows rows each) the groups run side by side on
   // their own streams, on the cuBLAS path (chunk_ rows, the prefill scratch) one after the other.
+  static constexpr int kBatchChainRows = 8;
   void setup_batch();
   void enqueue_batch(int n, const int32_t* io);
   void enqueue_batch_group_mma(int m, int g0, int n, const int32_t* io, cudaStream_t st);
@@ -1096,7 +1097,10 @@ void CudaBackend::enqueue_layers_general(int m, const int32_t* tokens, const int
 void CudaBackend::setup_batch() {
   const ModelSpec& s = spec_;
   const size_t S = static_cast<size_t>(s.n_seq);
-  batch_group_ = prompt_mma_ ? kPromptMmaMaxTokens : chunk_;
+  // Tensor-core path: chains of 8 rows side by side. A chain's time is its ~150 dependent launches whatever its rows
+  // (1 row 0.63 ms, 8 rows 0.63 ms per step on the H100), and parallel chains overlap: 64 rows in 8 chains ran 21.1x
+  // one stream, in 2 chains of 32 18.9x, in 16 chains of 4 13.1x (benchmarks/NOTES.md).
+  batch_group_ = prompt_mma_ ? kBatchChainRows : chunk_;
   batch_lm_head_mma_ = prompt_mma_supported(lm_head_.type, lm_head_.cols, 0);
   batch_io_dev_ = device_alloc<int32_t>(3 * S, mem_.scratch);
   void* p = nullptr;
@@ -1146,8 +1150,8 @@ void CudaBackend::enqueue_batch(int n, const int32_t* io) {
     }
     return;
   }
-  // Groups of 32 rows are independent chains of small, latency-bound kernels: each but the first forks onto its
-  // own stream and the main stream joins them all at the end.
+  // Groups of rows are independent chains of small, latency-bound kernels: each but the first forks onto its own
+  // stream and the main stream joins them all at the end.
   const int groups = (n + batch_group_ - 1) / batch_group_;
   for (int g = 1; g < groups; ++g) {
     CUDA_CHECK(cudaEventRecord(batch_fork_[g], st));

@@ -3115,7 +3115,7 @@ TEST(CudaArch, RefusesHeadDimBeyondTheKernels) {
 }
 
 // Batched decode (forward_batch) against the scalar CPU backend's, on the plain Llama path (tensor-core projections,
-// 40 slots: a group of 32 rows and one of 8) and the general path (Qwen 2 biases, Gemma 3 windows and post-norms):
+// 40 slots: five parallel chains of 8 rows, the last joining late) and the general path (Qwen 2 biases, Gemma 3 windows and post-norms):
 // sequences of different lengths in their own slots, rows in an order that is not the slots', a row joining late,
 // and each batch shape run several times (graph capture from a shape's second use). Slot-0 decode afterwards still
 // matches: the batch left it alone.
