@@ -3,16 +3,19 @@
 # test_cuda_kernels (one sanitizer process per test and tool) and over the CUDA variants of the Python reliability
 # tests (threads, Ctrl-C, non-finite logits, close(), 100 load/generate/close cycles with device memory flat).
 # Run from the repo root on the device, with .devcarry carried:
-#   source .devcarry/setup.sh && JOBS=12 DEADLINE=540 TEST_TIMEOUT=540 bash benchmarks/device/sanitize.sh
+#   source .devcarry/setup.sh && JOBS=8 DEADLINE=540 TEST_TIMEOUT=540 bash benchmarks/device/sanitize.sh
 # then, if the 10-minute call cut it short, once more with JOBLIST=<the san_rerun.txt it wrote> (on a warm machine
-# the builds are reused).
+# the builds are reused). BIN and PY_WHEEL (built elsewhere from the same tree) save the builds (~3.5 min) per call.
 # Knobs (environment):
 #   TOOLS          sanitizer tools, default "memcheck racecheck synccheck"
 #   GTEST_FILTER   which GoogleTests, default '*' (every test of test_cuda_kernels)
 #   SHARD          "i/n": only every n-th test from the i-th (0-based)
 #   JOBS           sanitizer processes at once (default 1). The jobs (tool x test) start slowest-first (ORDER_FIRST);
 #                  the SOLO ones run alone, since they read device-wide free memory: the GoogleTests before the pool,
-#                  the Python ones (which wait for the package build) after it.
+#                  the Python ones (which wait for the package build) after it. The processes share the GPU by
+#                  time slicing: JOBS=8 ran 94 short jobs in 64 s on the H100, but a long test gains nothing (memcheck
+#                  of DecodeMatchesReferenceForEachLayerTypeAndOddCapacity: under 45 s alone, 497 s beside 11 others).
+#                  Run the short tests wide and the long ones (ORDER_FIRST's head) with JOBS of 1-2.
 #   JOBLIST        a file of "tool test" lines to run instead of TOOLS x tests (e.g. the NOT RUN lines of a cut call)
 #   TOOL_ORDER     which tool's jobs start first among tests of the same rank (default "racecheck memcheck synccheck")
 #   TEST_TIMEOUT   seconds per test and tool (default 240); TIMEOUTS="Suite.Test=600 ..." overrides it per test
