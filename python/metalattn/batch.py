@@ -72,8 +72,8 @@ class Sequence:
 class BatchGenerator:
     """Decodes the sequences submitted to it together over the model's n_seq KV-cache slots (see the module
     docstring). Each step() holds the model's lock. Slot 0 is also the cache of the single-sequence calls
-    (generate, stream, forward_*): the generator uses it last, and a sequence it placed there ends with
-    ContextChangedError if such a call runs in between."""
+    (generate, stream, forward_*): a sequence the generator placed there ends with ContextChangedError if such a call
+    runs in between (hold `model.lock` around the steps to keep other threads out)."""
 
     def __init__(self, model):
         model._check_open()
@@ -83,6 +83,9 @@ class BatchGenerator:
         self._cached: List[List[int]] = [[] for _ in range(self.n_slots)]  # token ids each slot's cache holds
         self._waiting: "deque[Sequence]" = deque()
         self._slot0_mine = False  # slot 0 holds what _cached[0] says (no other call has moved it since)
+        self._last_use = [0] * self.n_slots  # _clock when each slot was last given to a sequence
+        self._prompt_len = [0] * self.n_slots  # prompt length of each slot's last sequence
+        self._clock = 0
 
     # ------------------------------------------------------------------ queue
     def submit(self, prompt: Union[str, Seq[int]], max_tokens: int = 128, temperature: float = 0.0, top_k: int = 0,
@@ -165,18 +168,29 @@ class BatchGenerator:
         return events
 
     def _free_slot(self, ids: List[int]) -> Optional[int]:
-        """The free slot whose cache shares the longest prefix with ids (slot 0, shared with the single-sequence
-        calls, only when no other is free)."""
-        best, best_len = None, -1
-        for slot in list(range(1, self.n_slots)) + [0]:
-            if self._slots[slot] is not None:
-                continue
-            if slot == 0 and best is not None:
-                break
-            n = _common_prefix(self._cached[slot] if (slot != 0 or self._slot0_mine) else [], ids)
-            if n > best_len:
-                best, best_len = slot, n
+        """The free slot for a prompt: one whose cache the prompt continues (it starts with the whole prompt of the
+        slot's last sequence: the next turn of that conversation), the longest such; else an empty slot (slot 0
+        first: a lone sequence there takes the single-sequence step); else the least recently used one. Prompts that
+        share only an opening (a chat template's system prompt) thus keep to their own slots instead of evicting
+        another conversation's history while empty slots wait."""
+        free = [s for s in range(self.n_slots) if self._slots[s] is None]
+        if not free:
+            return None
+        best, best_n = None, 0
+        for s in free:
+            cached = self._slot_cache(s)
+            n = _common_prefix(cached, ids)
+            if n > best_n and n >= min(self._prompt_len[s], len(cached)):
+                best, best_n = s, n
+        if best is None:
+            best = min(free, key=lambda s: (len(self._slot_cache(s)) > 0, self._last_use[s], s))
+        self._clock += 1
+        self._last_use[best] = self._clock
         return best
+
+    def _slot_cache(self, slot: int) -> List[int]:
+        """What the slot's KV cache holds as far as this generator knows (slot 0: nothing, once another call used it)."""
+        return self._cached[slot] if slot != 0 or self._slot0_mine else []
 
     def _admit(self, engine, events) -> None:
         while self._waiting:
@@ -199,9 +213,8 @@ class BatchGenerator:
             self._waiting.popleft()
             seq.slot = slot
             self._slots[slot] = seq
-            keep = min(_common_prefix(self._cached[slot], seq.ids), len(seq.ids) - 1)
-            if slot == 0 and not self._slot0_mine:
-                keep = 0
+            self._prompt_len[slot] = len(seq.ids)
+            keep = min(_common_prefix(self._slot_cache(slot), seq.ids), len(seq.ids) - 1)
             seq.stats.cached_tokens = keep
             t0 = time.perf_counter()
             try:
@@ -230,8 +243,16 @@ class BatchGenerator:
         for slot, tok in zip(slots, toks):
             cached[slot].append(tok)
         try:
-            ids, logits = engine.forward_batch(np.array(toks, dtype=np.int32), np.array(slots, dtype=np.int32),
-                                               any(s.needs_logits for s in rows))
+            if len(rows) == 1 and slots[0] == 0:
+                # One sequence, in slot 0: the single-sequence step (on CUDA the captured decode graph, ~1.6x the
+                # one-row batch step), which reads and writes slot 0 as forward_batch would.
+                if rows[0].needs_logits:
+                    ids, logits = [None], [engine.forward_token(toks[0])]
+                else:
+                    ids, logits = [engine.forward_token_greedy(toks[0])], None
+            else:
+                ids, logits = engine.forward_batch(np.array(toks, dtype=np.int32), np.array(slots, dtype=np.int32),
+                                                   any(s.needs_logits for s in rows))
         except Exception as e:  # e.g. non-finite logits: every row of the step fails
             err = self._wrap(e)
             for s in rows:

@@ -124,6 +124,14 @@ def test_generator_streams_stop_strings_sampling_and_prefix_reuse(real_batch_mod
         for seq, chunk in gen.step():
             chunks[id(seq)].append(chunk)
     text_a = "".join(ch.text for ch in chunks[id(a)])
+    # The next turn of a conversation goes to the slot holding its history and prefills only the new part (before
+    # any single-sequence call below: those use slot 0, which may be a's).
+    follow = "The capital of France is" + text_a + ". And of Spain?"
+    d = gen.submit(follow, max_tokens=4)
+    while gen.busy:
+        gen.step()
+    assert d.slot == a.slot and d.stats.cached_tokens >= len(m.tokenize("The capital of France is"))
+    assert d.stats.prompt_tokens == len(m.tokenize(follow))
     assert text_a == m.generate("The capital of France is", max_tokens=40, stop=".")
     assert a.stats.finish_reason == "stop" and "." not in text_a
     assert b.stats.finish_reason == "length" and len(chunks[id(b)]) == 16
@@ -136,13 +144,30 @@ def test_generator_streams_stop_strings_sampling_and_prefix_reuse(real_batch_mod
     while again.busy:
         out += [ch.text for s, ch in again.step() if ch is not None]
     assert "".join(out) == sampled  # same seed, same draws
-    # The next turn of a conversation goes to the slot holding its history and prefills only the new part.
-    follow = "The capital of France is" + text_a + ". And of Spain?"
-    d = gen.submit(follow, max_tokens=4)
-    while gen.busy:
-        gen.step()
-    assert d.slot == a.slot and d.stats.cached_tokens >= len(m.tokenize("The capital of France is"))
-    assert d.stats.prompt_tokens == len(m.tokenize(follow))
+
+
+def test_slot_choice_keeps_conversations_apart(synthetic_factory, monkeypatch):
+    # Prompts sharing only an opening take empty slots (slot 0 first); a continuation goes back to its own slot;
+    # with every slot holding a history, a new prompt takes the least recently used one.
+    path = synthetic_factory(quant="q8_0", seed=16)
+    m = load_cpu(path, "scalar", monkeypatch, n_ctx=64, n_seq=3)
+    gen = BatchGenerator(m)
+    opening = [5, 6, 7, 8]
+
+    def run(ids):
+        seq = gen.submit(ids, max_tokens=2)
+        while gen.busy:
+            gen.step()
+        return seq
+
+    a = run(opening + [10, 11])
+    b = run(opening + [20, 21])
+    c = run(opening + [30, 31])
+    assert [a.slot, b.slot, c.slot] == [0, 1, 2]
+    b2 = run(b.ids + [b.token, 22])  # b's next turn: its own slot, only the new tokens prefilled
+    assert b2.slot == 1 and b2.stats.cached_tokens >= len(b.ids)
+    d = run(opening + [40])  # no continuation, no empty slot: the least recently used (a's)
+    assert d.slot == 0 and d.stats.cached_tokens == len(opening)
 
 
 def test_generator_cancel_and_errors(real_batch_model):
