@@ -236,7 +236,9 @@ def throughput(args) -> int:
                           "per_stream_tok_s_median": round(statistics.median(r["per_stream_tok_s"] for r in rs), 1),
                           "ttft_s_median": round(statistics.median(r["ttft_s"] for r in rs), 3),
                           "speedup_vs_first": round(agg / base, 2),
-                          "load_1min": [round(r["load_1min"], 2) for r in rs]})
+                          "load_1min": [round(r["load_1min"], 2) for r in rs],
+                          "aggregate_tok_s_by_round": [round(r["aggregate_tok_s"], 1) for r in rs],
+                          "per_stream_tok_s_by_round": [round(r["per_stream_tok_s"] or 0, 1) for r in rs]})
         result = {"date": time.strftime("%Y-%m-%d"), "mode": "throughput", "max_tokens": args.max_tokens,
                   "device": servers[configs[0][0]][2].get("device"), "model": servers[configs[0][0]][2]["model"],
                   "configs": table, "failures": failures[:20], "failed": len(failures),

@@ -39,6 +39,7 @@ except ImportError as e:  # pragma: no cover - exercised by the CLI's message
         f"metalattn serve needs the 'server' extra ({e.name} is missing): pip install 'metalattn[server]' "
         "(or: pip install starlette uvicorn)") from e
 
+from .batch import BatchGenerator
 from .errors import ContextOverflowError, InvalidArgumentError, MetalattnError, TokenError
 from .model import GenerationStats
 
@@ -198,43 +199,6 @@ class Job:
         self.cancelled.set()
 
 
-def _server_batch_generator(model):
-    """A BatchGenerator whose slot choice keeps conversations apart (see _free_slot below)."""
-    from .batch import BatchGenerator, _common_prefix
-
-    class ServerBatch(BatchGenerator):
-        """BatchGenerator._free_slot takes the free slot sharing the longest prefix with a prompt. Served chats all
-        begin with the same template tokens (a system prompt), so a new conversation would land on the slot
-        holding another one's history (sharing only that opening) while empty slots wait, and that conversation's
-        next turn would prefill all again. Here a prompt reuses a slot only when it continues what the slot holds
-        (the common prefix is at least half of the slot's tokens); otherwise it takes an empty slot, else the least
-        recently used one. Slot 0 (shared with the single-sequence calls) still comes last.
-        TODO: this policy belongs in metalattn.batch (asked for in the batching scheduler's report)."""
-
-        def __init__(self, m):
-            super().__init__(m)
-            self._uses = [0] * self.n_slots
-            self._clock = 0
-
-        def _free_slot(self, ids):
-            free = [s for s in range(1, self.n_slots) if self._slots[s] is None]
-            if not free:
-                return 0 if self._slots[0] is None else None
-            best, best_n = None, 0
-            for s in free:
-                cached = self._cached[s]
-                n = _common_prefix(cached, ids)
-                if n > best_n and 2 * n >= len(cached):
-                    best, best_n = s, n
-            if best is None:
-                best = min(free, key=lambda s: (len(self._cached[s]) > 0, self._uses[s]))
-            self._clock += 1
-            self._uses[best] = self._clock
-            return best
-
-    return ServerBatch(model)
-
-
 class Scheduler:
     """Owns the model. submit() queues a job; one worker thread decodes all running jobs together with a
     metalattn.batch.BatchGenerator over the model's n_seq KV-cache slots (continuous batching: between two batched
@@ -249,7 +213,7 @@ class Scheduler:
         self.model = model
         self.max_queue = max_queue
         self.n_slots = model.n_seq
-        self._gen = _server_batch_generator(model)
+        self._gen = BatchGenerator(model)
         self._inbox: "queue.Queue[Optional[Job]]" = queue.Queue()  # jobs not yet handed to the generator
         self._jobs: Dict[Any, Job] = {}  # Sequence -> its Job, while the generator holds it (worker thread only)
         self._thread = threading.Thread(target=self._loop, name="metalattn-scheduler", daemon=True)
@@ -272,7 +236,8 @@ class Scheduler:
         """Cancels the running and the queued jobs (each gets its "done" event), then ends the worker."""
         self._stopping = True
         self._inbox.put(None)  # the worker cancels everything when it reaches this, after its current step
-        self._thread.join(timeout)
+        if self._thread.is_alive():
+            self._thread.join(timeout)
 
     @property
     def queued(self) -> int:
@@ -321,7 +286,7 @@ class Scheduler:
                     seq.error = seq.error or e
                     seq.done = True
                     self._end(seq)
-                self._gen = gen = _server_batch_generator(self.model)
+                self._gen = gen = BatchGenerator(self.model)
                 continue
             for seq, chunk in events:
                 job = self._jobs.get(seq)
