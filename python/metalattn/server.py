@@ -199,6 +199,25 @@ class Job:
         self.cancelled.set()
 
 
+class _Refusing:
+    """Stands in for the generator once none can be made (the model was closed): every job fails at once."""
+
+    busy = False
+    active: list = []
+
+    def __init__(self, err: Exception):
+        self.err = err
+
+    def submit(self, *args, **kwargs):
+        raise self.err
+
+    def cancel(self, seq) -> None:
+        pass
+
+    def step(self) -> list:
+        return []
+
+
 class Scheduler:
     """Owns the model. submit() queues a job; one worker thread decodes all running jobs together with a
     metalattn.batch.BatchGenerator over the model's n_seq KV-cache slots (continuous batching: between two batched
@@ -286,7 +305,12 @@ class Scheduler:
                     seq.error = seq.error or e
                     seq.done = True
                     self._end(seq)
-                self._gen = gen = BatchGenerator(self.model)
+                try:
+                    self._gen = gen = BatchGenerator(self.model)
+                except Exception as e2:  # no generator can be made (the model is closed): refuse every later job
+                    self._gen = gen = _Refusing(e2)
+                with self._lock:
+                    self.active = 0
                 continue
             for seq, chunk in events:
                 job = self._jobs.get(seq)

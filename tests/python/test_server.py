@@ -802,3 +802,18 @@ def test_real_default_model_parallel():
         assert got == want
         assert "Paris" in got[0]
         assert httpx.get(st.url + "/health", timeout=TIMEOUT).json()["max_active"] >= 2
+
+
+def test_closed_model_fails_requests_without_killing_the_server(syn_path):
+    """A model closed under the server (not something the server does itself): the running request and every later
+    one end with an error; the server keeps answering."""
+    model = metalattn.load(syn_path, device="cpu", n_seq=2)
+    with ServerThread(create_app(model, model_id="syn")) as st:
+        c = openai.OpenAI(base_url=st.url + "/v1", api_key="x", max_retries=0, timeout=TIMEOUT)
+        assert c.completions.create(model="syn", prompt="hi", max_tokens=2).usage.completion_tokens == 2
+        model.close()
+        for _ in range(2):  # token ids: the HTTP side's tokenizing would refuse first
+            with pytest.raises(openai.InternalServerError) as ei:
+                c.completions.create(model="syn", prompt=[1, 2, 3], max_tokens=2)
+            assert ei.value.body["code"] == "generation_failed" and "closed" in ei.value.body["message"]
+        assert httpx.get(st.url + "/health", timeout=TIMEOUT).json()["failed"] == 2
