@@ -141,7 +141,7 @@ def cmd_serve(args) -> int:
         print(f"metalattn: warning: serving on {args.host} without --api-key: anyone who can reach it may use it",
               file=sys.stderr)
     parallel = args.parallel
-    if parallel is None:  # the CUDA backend decodes one sequence at a time for now
+    if parallel is None:  # CUDA: 1, as its KV cache is allocated on the device up front (N x the cache of one)
         from .model import _resolve_device
 
         parallel = DEFAULT_PARALLEL_CPU if _resolve_device(args.device) == "cpu" else 1
@@ -197,9 +197,10 @@ def build_parser() -> argparse.ArgumentParser:
     v.add_argument("--parallel", "-np", type=int, default=None, metavar="N",
                    help="sequences decoded together: N KV-cache slots of --n-ctx positions each; requests beyond N "
                         "wait in order. More slots raise the total tok/s (one batched step reads the weights once "
-                        "for all) while each stream gets slower (default: %d on the CPU, 1 on CUDA). The CPU cache "
-                        "is float32, N x layers x n_ctx x kv_dim x 8 bytes of address space (SmolLM2-135M at "
-                        "n_ctx 8192: 360 MiB a slot), of which only the positions in use take memory"
+                        "for all) while each stream gets slower (default: %d on the CPU, 1 on CUDA). The cache is "
+                        "float32, N x layers x n_ctx x kv_dim x 8 bytes (SmolLM2-135M at n_ctx 8192: 360 MiB a "
+                        "slot): on the CPU address space, of which only the slots and positions in use take memory; "
+                        "on CUDA device memory, allocated at start (choose N and -c for the GPU)"
                         % DEFAULT_PARALLEL_CPU)
     v.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"],
                    help="uvicorn's log level (default info)")
