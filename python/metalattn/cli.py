@@ -27,6 +27,9 @@ def _load(args, n_seq: int = 1):
 
 
 DEFAULT_PARALLEL_CPU = 4  # see `metalattn serve --help` and benchmarks/NOTES.md (2026-11-24, continuous batching)
+# CUDA: 16 streams decode at ~9x one stream's tok/s on the H100 (benchmarks/RESULTS.md); each slot's KV cache is
+# allocated on the device at start (SmolLM2-135M at n_ctx 8192: 360 MiB), so 8 keeps a small GPU's memory in reach.
+DEFAULT_PARALLEL_CUDA = 8
 
 
 def cmd_run(args) -> int:
@@ -141,10 +144,10 @@ def cmd_serve(args) -> int:
         print(f"metalattn: warning: serving on {args.host} without --api-key: anyone who can reach it may use it",
               file=sys.stderr)
     parallel = args.parallel
-    if parallel is None:  # CUDA: 1, as its KV cache is allocated on the device up front (N x the cache of one)
+    if parallel is None:
         from .model import _resolve_device
 
-        parallel = DEFAULT_PARALLEL_CPU if _resolve_device(args.device) == "cpu" else 1
+        parallel = DEFAULT_PARALLEL_CPU if _resolve_device(args.device) == "cpu" else DEFAULT_PARALLEL_CUDA
     if not 1 <= parallel <= 256:
         print(f"metalattn: error: --parallel must be from 1 to 256, got {parallel}", file=sys.stderr)
         return 1
@@ -197,11 +200,11 @@ def build_parser() -> argparse.ArgumentParser:
     v.add_argument("--parallel", "-np", type=int, default=None, metavar="N",
                    help="sequences decoded together: N KV-cache slots of --n-ctx positions each; requests beyond N "
                         "wait in order. More slots raise the total tok/s (one batched step reads the weights once "
-                        "for all) while each stream gets slower (default: %d on the CPU, 1 on CUDA). The cache is "
+                        "for all) while each stream gets slower (default: %d on the CPU, %d on CUDA). The cache is "
                         "float32, N x layers x n_ctx x kv_dim x 8 bytes (SmolLM2-135M at n_ctx 8192: 360 MiB a "
                         "slot): on the CPU address space, of which only the slots and positions in use take memory; "
                         "on CUDA device memory, allocated at start (choose N and -c for the GPU)"
-                        % DEFAULT_PARALLEL_CPU)
+                        % (DEFAULT_PARALLEL_CPU, DEFAULT_PARALLEL_CUDA))
     v.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"],
                    help="uvicorn's log level (default info)")
     v.set_defaults(func=cmd_serve)
