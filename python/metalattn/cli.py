@@ -27,9 +27,33 @@ def _load(args, n_seq: int = 1):
 
 
 DEFAULT_PARALLEL_CPU = 4  # see `metalattn serve --help` and benchmarks/NOTES.md (2026-11-24, continuous batching)
-# CUDA: 16 streams decode at ~9x one stream's tok/s on the H100 (benchmarks/RESULTS.md); each slot's KV cache is
-# allocated on the device at start (SmolLM2-135M at n_ctx 8192: 360 MiB), so 8 keeps a small GPU's memory in reach.
+# CUDA: 16 streams decode at ~9x one stream's tok/s on the H100 (benchmarks/RESULTS.md), but each slot's KV cache is
+# device memory allocated at start (SmolLM2-135M at n_ctx 8192: 360 MiB; SmolLM2-1.7B: 3.2 GB): up to 8 slots, as
+# many as fit in 4 GiB of cache, at least 1.
 DEFAULT_PARALLEL_CUDA = 8
+CUDA_DEFAULT_KV_BYTES = 4 << 30
+
+
+def _default_parallel(args) -> int:
+    from .model import DEFAULT_MAX_CTX, _resolve_device, default_model_path
+
+    if _resolve_device(args.device) == "cpu":
+        return DEFAULT_PARALLEL_CPU
+    from . import registry
+    from .errors import MetalattnError
+    from .gguf_model import load_gguf
+
+    try:
+        g = load_gguf(registry.resolve(args.model) if args.model else default_model_path())
+    except (MetalattnError, OSError):
+        return 1  # loading the model reports what is wrong
+    try:
+        cfg = g.config
+        n_ctx = args.n_ctx or min(cfg.n_ctx_train, DEFAULT_MAX_CTX)
+        per_slot = 2 * 4 * cfg.n_layers * n_ctx * cfg.kv_dim  # K and V, float32
+    finally:
+        g.close()
+    return max(1, min(DEFAULT_PARALLEL_CUDA, CUDA_DEFAULT_KV_BYTES // max(per_slot, 1)))
 
 
 def cmd_run(args) -> int:
@@ -145,9 +169,7 @@ def cmd_serve(args) -> int:
               file=sys.stderr)
     parallel = args.parallel
     if parallel is None:
-        from .model import _resolve_device
-
-        parallel = DEFAULT_PARALLEL_CPU if _resolve_device(args.device) == "cpu" else DEFAULT_PARALLEL_CUDA
+        parallel = _default_parallel(args)
     if not 1 <= parallel <= 256:
         print(f"metalattn: error: --parallel must be from 1 to 256, got {parallel}", file=sys.stderr)
         return 1
@@ -200,7 +222,8 @@ def build_parser() -> argparse.ArgumentParser:
     v.add_argument("--parallel", "-np", type=int, default=None, metavar="N",
                    help="sequences decoded together: N KV-cache slots of --n-ctx positions each; requests beyond N "
                         "wait in order. More slots raise the total tok/s (one batched step reads the weights once "
-                        "for all) while each stream gets slower (default: %d on the CPU, %d on CUDA). The cache is "
+                        "for all) while each stream gets slower (default: %d on the CPU; on CUDA up to %d, as many "
+                        "as fit in 4 GiB of cache). The cache is "
                         "float32, N x layers x n_ctx x kv_dim x 8 bytes (SmolLM2-135M at n_ctx 8192: 360 MiB a "
                         "slot): on the CPU address space, of which only the slots and positions in use take memory; "
                         "on CUDA device memory, allocated at start (choose N and -c for the GPU)"

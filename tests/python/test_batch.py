@@ -229,3 +229,21 @@ def test_cuda_batch_rows_equal_cpu(synthetic_factory):
         for r in range(3):
             assert rel_l2(gl[r], cl[r]) <= 1e-3
         assert gi == [int(np.argmax(x)) for x in gl]
+
+
+def test_serve_default_slots_fit_the_cuda_cache_budget(synthetic_factory, monkeypatch):
+    # `metalattn serve` without --parallel: 4 slots on the CPU; on CUDA up to 8, as many as 4 GiB of cache holds.
+    import argparse
+
+    from metalattn import cli, model as model_mod
+
+    path = str(synthetic_factory(quant="q8_0", seed=17))  # 2 layers, kv_dim 32: 512 bytes a position
+    args = argparse.Namespace(device="cpu", model=path, n_ctx=None)
+    assert cli._default_parallel(args) == cli.DEFAULT_PARALLEL_CPU
+    monkeypatch.setattr(model_mod, "_resolve_device", lambda d: "cuda")
+    assert cli._default_parallel(argparse.Namespace(device="cuda", model=path, n_ctx=None)) == 8
+    big = (3 << 30) // 512  # 3 GiB a slot: one fits
+    assert cli._default_parallel(argparse.Namespace(device="cuda", model=path, n_ctx=big)) == 1
+    half = (1 << 30) // 512  # 1 GiB a slot: four fit
+    assert cli._default_parallel(argparse.Namespace(device="cuda", model=path, n_ctx=half)) == 4
+    assert cli._default_parallel(argparse.Namespace(device="cuda", model=path + ".missing", n_ctx=None)) == 1
