@@ -126,6 +126,28 @@ struct Resources {
   }
 };
 
+// The tensor-core projections (prompt_mma.cu) of n rows as the prompt and batch paths use them: from the fp32
+// residual rows x, rmsnorm'ed with norm_w here (out_kind Store by default: set y, or SiluHalf and its fields) ...
+PromptMmaArgs mma_normed(const DevMatrix& W, int n, const float* x, const float* norm_w, float eps) {
+  PromptMmaArgs p;
+  p.W = W;
+  p.n = n;
+  p.x = x;
+  p.norm_w = norm_w;
+  p.eps = eps;
+  return p;
+}
+// ... or from slot-layout operand rows, the product added into the residual rows y.
+PromptMmaArgs mma_add_residual(const DevMatrix& W, int n, const __half* x_slots, float* y) {
+  PromptMmaArgs p;
+  p.W = W;
+  p.n = n;
+  p.x_slots = x_slots;
+  p.out_kind = PromptMmaOut::AddResidual;
+  p.y = y;
+  return p;
+}
+
 struct DevLayer {
   DevMatrix qkv, o, gate_up, down;  // decode layout
   const float* attn_norm = nullptr;
@@ -224,6 +246,7 @@ class CudaBackend final : public Backend {
   void enqueue_batch(int n, const int32_t* io);
   void enqueue_batch_group_mma(int m, int g0, int n, const int32_t* io, cudaStream_t st);
   void enqueue_batch_lm_head(int m, int g0, const float* x, cudaStream_t st);
+  void enqueue_mma_o_ffn(const DevLayer& L, int m, __half* a, float* x, cudaStream_t st);
   float* layer_k(int l) const { return k_cache_ + static_cast<size_t>(l) * spec_.n_ctx * spec_.kv_dim(); }
   float* layer_v(int l) const { return v_cache_ + static_cast<size_t>(l) * spec_.n_ctx * spec_.kv_dim(); }
 
@@ -678,26 +701,7 @@ void CudaBackend::enqueue_prefill_chunk(int m, const int32_t* io, PrefillVariant
     float* vc = v_cache_ + prompt_slot_ * slot_stride_ + l * layer_cache;
     if (few_tokens) {
       // Five programmatic launches, the projections straight from the quantized weights (prompt_mma.cu).
-      auto from_residual = [&](const DevMatrix& W, const float* norm_w) {  // rmsnorm'ed residual stream in
-        PromptMmaArgs p;
-        p.W = W;
-        p.n = m;
-        p.x = px_;
-        p.norm_w = norm_w;
-        p.eps = s.rms_eps;
-        return p;
-      };
-      auto into_residual = [&](const DevMatrix& W) {  // slot-layout activations in, added to the residual stream
-        PromptMmaArgs p;
-        p.W = W;
-        p.n = m;
-        p.x_slots = pa_;
-        p.out_kind = PromptMmaOut::AddResidual;
-        p.y = px_;
-        return p;
-      };
-      PromptMmaArgs qkv = from_residual(L.qkv, L.attn_norm);
-      qkv.out_kind = PromptMmaOut::Store;
+      PromptMmaArgs qkv = mma_normed(L.qkv, m, px_, L.attn_norm, s.rms_eps);
       qkv.y = pc_;
       launch_prompt_mma(qkv, st);
       after_launch();
@@ -718,16 +722,7 @@ void CudaBackend::enqueue_prefill_chunk(int m, const int32_t* io, PrefillVariant
         launch_rope_attention_prefill_slots(pc_, m, io, rope_, s.n_heads, s.n_kv_heads, s.head_dim, kc, vc, pa_, st);
       }
       after_launch();
-      launch_prompt_mma(into_residual(L.o), st);
-      after_launch();
-      PromptMmaArgs gate_up = from_residual(L.gate_up, L.ffn_norm);
-      gate_up.out_kind = PromptMmaOut::SiluHalf;
-      gate_up.out_slots = pa_;
-      gate_up.d_ff = s.d_ff;
-      launch_prompt_mma(gate_up, st);
-      after_launch();
-      launch_prompt_mma(into_residual(L.down), st);
-      after_launch();
+      enqueue_mma_o_ffn(L, m, pa_, px_, st);
       continue;
     }
     launch_rmsnorm_to_half(px_, m, d, L.attn_norm, s.rms_eps, split_, pa_, st);
@@ -1179,12 +1174,7 @@ void CudaBackend::enqueue_batch_group_mma(int m, int g0, int n, const int32_t* i
   after_launch();
   for (int l = 0; l < s.n_layers; ++l) {
     const DevLayer& L = layers_[l];
-    PromptMmaArgs qkv;
-    qkv.W = L.qkv;
-    qkv.n = m;
-    qkv.x = x;
-    qkv.norm_w = L.attn_norm;
-    qkv.eps = s.rms_eps;
+    PromptMmaArgs qkv = mma_normed(L.qkv, m, x, L.attn_norm, s.rms_eps);
     qkv.y = qkv_out;
     launch_prompt_mma(qkv, st);
     after_launch();
@@ -1198,31 +1188,24 @@ void CudaBackend::enqueue_batch_group_mma(int m, int g0, int n, const int32_t* i
     att.slot_operand = true;
     launch_arch_attention(att, st);
     after_launch();
-    PromptMmaArgs o;
-    o.W = L.o;
-    o.n = m;
-    o.x_slots = a;
-    o.out_kind = PromptMmaOut::AddResidual;
-    o.y = x;
-    launch_prompt_mma(o, st);
-    after_launch();
-    PromptMmaArgs gate_up;
-    gate_up.W = L.gate_up;
-    gate_up.n = m;
-    gate_up.x = x;
-    gate_up.norm_w = L.ffn_norm;
-    gate_up.eps = s.rms_eps;
-    gate_up.out_kind = PromptMmaOut::SiluHalf;
-    gate_up.out_slots = a;
-    gate_up.d_ff = s.d_ff;
-    launch_prompt_mma(gate_up, st);
-    after_launch();
-    PromptMmaArgs down = o;
-    down.W = L.down;
-    launch_prompt_mma(down, st);
-    after_launch();
+    enqueue_mma_o_ffn(L, m, a, x, st);
   }
   enqueue_batch_lm_head(m, g0, x, st);
+}
+
+// The rest of a layer on the tensor-core path once attention has written its m rows to `a` (slot layout): the O
+// projection added into the residual rows x, norm + gate/up + SiLU*up into a, the down projection added into x.
+void CudaBackend::enqueue_mma_o_ffn(const DevLayer& L, int m, __half* a, float* x, cudaStream_t st) {
+  launch_prompt_mma(mma_add_residual(L.o, m, a, x), st);
+  after_launch();
+  PromptMmaArgs gate_up = mma_normed(L.gate_up, m, x, L.ffn_norm, spec_.rms_eps);
+  gate_up.out_kind = PromptMmaOut::SiluHalf;
+  gate_up.out_slots = a;
+  gate_up.d_ff = spec_.d_ff;
+  launch_prompt_mma(gate_up, st);
+  after_launch();
+  launch_prompt_mma(mma_add_residual(L.down, m, a, x), st);
+  after_launch();
 }
 
 // Final norm + lm_head + argmax of rows g0 .. g0 + m (their residual streams at x): on tensor cores, up to
@@ -1241,12 +1224,8 @@ void CudaBackend::enqueue_batch_lm_head(int m, int g0, const float* x, cudaStrea
     return;
   }
   for (int t0 = 0; t0 < m; t0 += kPromptMmaMaxTokens) {
-    PromptMmaArgs head;
-    head.W = lm_head_;
-    head.n = std::min(kPromptMmaMaxTokens, m - t0);
-    head.x = x + static_cast<size_t>(t0) * s.d_model;
-    head.norm_w = out_norm_;
-    head.eps = s.rms_eps;
+    PromptMmaArgs head = mma_normed(lm_head_, std::min(kPromptMmaMaxTokens, m - t0),
+                                    x + static_cast<size_t>(t0) * s.d_model, out_norm_, s.rms_eps);
     head.y = logits + static_cast<size_t>(t0) * s.vocab;
     launch_prompt_mma(head, st);
     after_launch();
