@@ -53,7 +53,7 @@ EXPECT_API_OOM=${EXPECT_API_OOM:-"CudaBackend.RejectsBadInputsAndOutOfMemoryWith
 SOLO=${SOLO:-"CudaBackend.RejectsBadInputsAndOutOfMemoryWithoutLeaking py.reliability_cuda_cycles"}
 # Slowest first (native times on the H100, 2026-11-24, and memcheck's 45 s timeout on the first): the pool's makespan
 # is then close to the longest job rather than the longest job started last.
-ORDER_FIRST=${ORDER_FIRST:-"CudaBackend.PromptMatchesTokenByTokenDecode CudaQuant.BackendOnMixedTypeModelsMatchesReference
+ORDER_FIRST=${ORDER_FIRST:-"Lengths/CudaBackendPrompt.MatchesTokenByTokenDecode/n2048 Lengths/CudaBackendPrompt.MatchesTokenByTokenDecode/n512 CudaQuant.BackendOnMixedTypeModelsMatchesReference
   CudaBackend.DecodeMatchesReferenceForEachLayerTypeAndOddCapacity CudaQuant.MatvecNormAndResidualAtRealShapes
   CudaQuant.FusedQkvFfnAndLmHeadAtRealShapes CudaMatvec.PlainFusedNormAndResidualAtEveryShape
   CudaBackend.DecodeAcrossTheShortToLongAttentionSwitchOver CudaArch.GeneralPathOnPlainLlamaMatchesFusedPath

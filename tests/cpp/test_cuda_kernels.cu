@@ -1418,12 +1418,17 @@ TEST(CudaBackend, DecodeMatchesReferenceFullSmolLM2Shape) {
   }
 }
 
-TEST(CudaBackend, PromptMatchesTokenByTokenDecode) {
+// One case per prompt length (the whole sweep is ~2,700 decode steps of the full SmolLM2 shape: as one test it ran
+// past a 10-minute device call under every compute-sanitizer tool).
+class CudaBackendPrompt : public ::testing::TestWithParam<int> {};
+
+TEST_P(CudaBackendPrompt, MatchesTokenByTokenDecode) {
   REQUIRE_GPU();
   auto m = make_model(30, 49152, 2048, GgmlType::Q4_0, GgmlType::Q8_0);
   auto be = make_cuda_backend(m->spec, m->w, false);
   const int V = m->spec.vocab;
-  for (int n : {1, 7, 32, 129, 512, 2048}) {
+  {
+    const int n = GetParam();
     SCOPED_TRACE("prompt length " + std::to_string(n));
     const std::vector<int32_t> toks = random_tokens(n, V);
     const bool check_all = n == 7 || n == 129;
@@ -1453,6 +1458,9 @@ TEST(CudaBackend, PromptMatchesTokenByTokenDecode) {
     }
   }
 }
+
+INSTANTIATE_TEST_SUITE_P(Lengths, CudaBackendPrompt, ::testing::Values(1, 7, 32, 129, 512, 2048),
+                         [](const ::testing::TestParamInfo<int>& i) { return "n" + std::to_string(i.param); });
 
 // A prompt length runs eagerly on its first use, is captured on its second and replayed after that; the replay must
 // follow the start position held in device memory.
