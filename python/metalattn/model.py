@@ -505,7 +505,8 @@ class Model:
             texts = {id(q): [] for q in seqs}
             while gen.busy:
                 for seq, chunk in gen.step():
-                    texts[id(seq)].append(chunk.text)
+                    if chunk is not None:  # None: the sequence ended without a token (max_tokens=0, failed)
+                        texts[id(seq)].append(chunk.text)
             for q in seqs:
                 if q.error is not None:
                     raise q.error

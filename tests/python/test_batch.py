@@ -111,6 +111,9 @@ def test_generate_batch_equals_generate_on_the_real_model(real_batch_model):
     alone = [m.generate(p, max_tokens=24) for p in PROMPTS]
     assert m.generate_batch(PROMPTS, max_tokens=24) == alone
     assert len(set(alone)) == len(alone) and all(len(t) > 20 for t in alone)
+    assert m.generate_batch(PROMPTS[:2], max_tokens=0) == ["", ""]  # sequences that end without a token
+    with pytest.raises(TokenError):  # a prompt the engine refuses raises its own error
+        m.generate_batch(["Hello", [m.vocab_size]], max_tokens=4)
 
 
 def test_generator_streams_stop_strings_sampling_and_prefix_reuse(real_batch_model):
