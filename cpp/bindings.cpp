@@ -8,6 +8,7 @@
 #include <map>
 #include <memory>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "cpu/bandwidth.h"
@@ -33,6 +34,14 @@ FloatArray new_float_array(std::initializer_list<size_t> shape) {
   float* data = new float[n];
   nb::capsule owner(data, [](void* p) noexcept { delete[] static_cast<float*>(p); });
   return FloatArray(data, shape.size(), shape.begin(), owner);
+}
+
+// A fresh float array of the given shape when wanted (its data pointer for the engine to fill), else (None, null).
+std::pair<nb::object, float*> optional_float_array(bool wanted, std::initializer_list<size_t> shape) {
+  if (!wanted) return {nb::none(), nullptr};
+  FloatArray a = new_float_array(shape);
+  float* data = a.data();
+  return {nb::cast(a), data};
 }
 
 // Owns the engine plus references to every numpy array it borrows.
@@ -209,13 +218,7 @@ NB_MODULE(_core, m) {
       .def("forward_prompt_slot",
            [](PyEngine& p, int slot, TokenArray tokens, bool want_logits) {
              const int n = static_cast<int>(tokens.shape(0));
-             nb::object logits = nb::none();
-             float* out = nullptr;
-             if (want_logits) {
-               FloatArray a = new_float_array({static_cast<size_t>(p.e().spec().vocab)});
-               out = a.data();
-               logits = nb::cast(a);
-             }
+             auto [logits, out] = optional_float_array(want_logits, {static_cast<size_t>(p.e().spec().vocab)});
              metalattn::ArgmaxResult r;
              {
                nb::gil_scoped_release release;
@@ -229,13 +232,7 @@ NB_MODULE(_core, m) {
            [](PyEngine& p, TokenArray tokens, TokenArray slots, bool want_logits) {
              const size_t n = tokens.shape(0);
              if (slots.shape(0) != n) throw EngineError("forward_batch: tokens and slots differ in length");
-             nb::object logits = nb::none();
-             float* out = nullptr;
-             if (want_logits && n > 0) {
-               FloatArray a = new_float_array({n, static_cast<size_t>(p.e().spec().vocab)});
-               out = a.data();
-               logits = nb::cast(a);
-             }
+             auto [logits, out] = optional_float_array(want_logits && n > 0, {n, static_cast<size_t>(p.e().spec().vocab)});
              std::vector<metalattn::ArgmaxResult> r(n);
              {
                nb::gil_scoped_release release;

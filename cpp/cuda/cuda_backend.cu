@@ -93,13 +93,13 @@ struct Resources {
   std::vector<void*> device;
   std::vector<void*> pinned;
   std::vector<cudaStream_t> side_streams;  // forward_batch's row groups beyond the first
-  std::vector<cudaEvent_t> events;
+  std::vector<cudaEvent_t> events;         // per side stream: its fork and join events
   // Prefill and batch graphs, one per (rows, variant, extra) (a small LRU each); exec stays null until the key's
   // second use.
   struct PrefillGraph {
     int n = 0;
     int variant = 0;  // CudaBackend::PrefillVariant
-    int extra = 0;    // a prompt: its KV slot; a batch group: its first row
+    int extra = 0;    // a prompt: its KV slot (batches: 0)
     int uses = 0;
     uint64_t last_use = 0;
     cudaGraphExec_t exec = nullptr;
@@ -124,6 +124,13 @@ struct Resources {
     for (void* p : pinned) cudaFreeHost(p);
     if (stream != nullptr) cudaStreamDestroy(stream);
   }
+};
+
+// Programmatic launches on (or off) for the enclosing scope's enqueues; the previous setting comes back at its end.
+struct ProgrammaticLaunchScope {
+  bool previous = programmatic_launch();
+  explicit ProgrammaticLaunchScope(bool on) { set_programmatic_launch(on); }
+  ~ProgrammaticLaunchScope() { set_programmatic_launch(previous); }
 };
 
 // The tensor-core projections (prompt_mma.cu) of n rows as the prompt and batch paths use them: from the fp32
@@ -191,19 +198,28 @@ class CudaBackend final : public Backend {
     counter += bytes;
     return static_cast<T*>(p);
   }
+  // Pinned host memory (cudaHostAllocMapped: the kernels reach it through device_alias), counted as scratch.
+  template <typename T>
+  T* pinned_alloc(size_t count, unsigned flags) {
+    void* p = nullptr;
+    const size_t bytes = count * sizeof(T);
+    CUDA_CHECK(cudaHostAlloc(&p, bytes < 16 ? 16 : bytes, flags));
+    res_.pinned.push_back(p);
+    mem_.scratch += bytes;
+    return static_cast<T*>(p);
+  }
+  template <typename T>
+  static T* device_alias(T* mapped) {
+    void* d = nullptr;
+    CUDA_CHECK(cudaHostGetDevicePointer(&d, mapped, 0));
+    return static_cast<T*>(d);
+  }
   // Decode activation buffers: device memory, or in debug mode mapped pinned host memory (the kernels reach it
   // through its device alias), so a debugger or a host-side probe can read every intermediate of a step.
   template <typename T>
   T* activation_alloc(size_t count) {
     if (!debug_) return device_alloc<T>(count, mem_.scratch);
-    void* h = nullptr;
-    const size_t bytes = count * sizeof(T);
-    CUDA_CHECK(cudaHostAlloc(&h, bytes < 16 ? 16 : bytes, cudaHostAllocMapped));
-    res_.pinned.push_back(h);
-    void* d = nullptr;
-    CUDA_CHECK(cudaHostGetDevicePointer(&d, h, 0));
-    mem_.scratch += bytes;
-    return static_cast<T*>(d);
+    return device_alias(pinned_alloc<T>(count, cudaHostAllocMapped));
   }
   DevMatrix upload(const std::vector<const WeightView*>& parts);
   const float* upload_floats(const float* host, size_t n);
@@ -247,6 +263,7 @@ class CudaBackend final : public Backend {
   void enqueue_batch_group_mma(int m, int g0, int n, const int32_t* io, cudaStream_t st);
   void enqueue_batch_lm_head(int m, int g0, const float* x, cudaStream_t st);
   void enqueue_mma_o_ffn(const DevLayer& L, int m, __half* a, float* x, cudaStream_t st);
+  // Layer l's caches of slot 0 ([n_ctx][kv_dim]); slot s's are s * slot_stride_ floats further.
   float* layer_k(int l) const { return k_cache_ + static_cast<size_t>(l) * spec_.n_ctx * spec_.kv_dim(); }
   float* layer_v(int l) const { return v_cache_ + static_cast<size_t>(l) * spec_.n_ctx * spec_.kv_dim(); }
 
@@ -326,7 +343,6 @@ class CudaBackend final : public Backend {
   // Tensor-core path: activations of every row (each group its own rows), [n_seq] rows each.
   float *bx_ = nullptr, *bqkv_ = nullptr;  // residual stream, raw QKV projections
   __half* ba_ = nullptr;              // slot-layout operands, 2 * max(q_dim, d_ff) halves per row
-  std::vector<cudaEvent_t> batch_fork_, batch_join_;
 };
 
 // Host-to-device copies are ordered on our stream (a plain cudaMemcpy from pageable memory may return before its
@@ -474,19 +490,9 @@ CudaBackend::CudaBackend(const ModelSpec& spec, const ModelWeights& w, bool debu
   ffn_act_ = activation_alloc<float>(spec.d_ff);
   logits_ = activation_alloc<float>(spec.vocab);
   hidden_ = activation_alloc<float>(static_cast<size_t>(L + 1) * d);
-  {
-    void* p = nullptr;
-    CUDA_CHECK(cudaHostAlloc(&p, sizeof(DecodeIO), cudaHostAllocDefault));
-    res_.pinned.push_back(p);
-    io_host_ = static_cast<DecodeIO*>(p);
-    CUDA_CHECK(cudaHostAlloc(&p, sizeof(ArgmaxResult), cudaHostAllocMapped));
-    res_.pinned.push_back(p);
-    result_host_ = static_cast<ArgmaxResult*>(p);
-    void* dp = nullptr;
-    CUDA_CHECK(cudaHostGetDevicePointer(&dp, p, 0));
-    result_dev_ = static_cast<ArgmaxResult*>(dp);
-    mem_.scratch += sizeof(DecodeIO) + sizeof(ArgmaxResult);
-  }
+  io_host_ = pinned_alloc<DecodeIO>(1, cudaHostAllocDefault);
+  result_host_ = pinned_alloc<ArgmaxResult>(1, cudaHostAllocMapped);
+  result_dev_ = device_alias(result_host_);
 
   // Prefill scratch.
   // Up to 2048 tokens per chunk: the tensor-core attention runs a block per (head, 64 queries), so a 1024-token chunk
@@ -496,13 +502,7 @@ CudaBackend::CudaBackend(const ModelSpec& spec, const ModelWeights& w, bool debu
   const size_t widest_out = std::max(static_cast<size_t>(q_dim + 2 * kv_dim), 2 * static_cast<size_t>(spec.d_ff));
   max_chunks_ = (spec.n_ctx + chunk_ - 1) / chunk_;
   tokens_dev_ = device_alloc<int32_t>(static_cast<size_t>(chunk_) + 1, mem_.scratch);
-  {
-    void* p = nullptr;
-    CUDA_CHECK(cudaHostAlloc(&p, static_cast<size_t>(max_chunks_) * (chunk_ + 1) * sizeof(int32_t),
-                             cudaHostAllocDefault));
-    res_.pinned.push_back(p);
-    tokens_host_ = static_cast<int32_t*>(p);
-  }
+  tokens_host_ = pinned_alloc<int32_t>(static_cast<size_t>(max_chunks_) * (chunk_ + 1), cudaHostAllocDefault);
   {
     // cuBLAS inside a captured graph must not allocate: give it a fixed workspace (32 MiB suits Hopper).
     const size_t ws_bytes = size_t{32} << 20;
@@ -542,7 +542,6 @@ void CudaBackend::after_launch() {
 void CudaBackend::enqueue_decode(bool capture_hidden, DecodeVariant variant) {
   if (general_) return enqueue_decode_general(capture_hidden);
   const ModelSpec& s = spec_;
-  const size_t layer_cache = static_cast<size_t>(s.n_ctx) * s.kv_dim();
   cudaStream_t st = res_.stream;
   if (s.n_layers == 0) {  // no first layer to fold the embedding gather into
     launch_embed(embd_, io_dev_, x_, st);
@@ -551,8 +550,8 @@ void CudaBackend::enqueue_decode(bool capture_hidden, DecodeVariant variant) {
   }
   for (int l = 0; l < s.n_layers; ++l) {
     const DevLayer& L = layers_[l];
-    float* kc = k_cache_ + l * layer_cache;
-    float* vc = v_cache_ + l * layer_cache;
+    float* kc = layer_k(l);
+    float* vc = layer_v(l);
     QkvTargets t;
     t.rope_table = rope_;
     t.io = io_dev_;
@@ -683,22 +682,17 @@ void CudaBackend::ensure_all_logits_buffer() {
 // kPromptMmaMaxTokens tokens run 5 launches per layer instead, none of them cuBLAS (prompt_mma.cu).
 void CudaBackend::enqueue_prefill_chunk(int m, const int32_t* io, PrefillVariant variant) {
   if (general_) return enqueue_prefill_chunk_general(m, io);
-  struct ProgrammaticLaunchScope {
-    bool previous = programmatic_launch();
-    explicit ProgrammaticLaunchScope(bool on) { set_programmatic_launch(on); }
-    ~ProgrammaticLaunchScope() { set_programmatic_launch(previous); }
-  } pdl_scope(use_pdl_);
+  const ProgrammaticLaunchScope pdl_scope(use_pdl_);
   const ModelSpec& s = spec_;
   cudaStream_t st = res_.stream;
   const int d = s.d_model, q_dim = s.q_dim(), kv_dim = s.kv_dim(), qkv_rows = q_dim + 2 * kv_dim;
-  const size_t layer_cache = static_cast<size_t>(s.n_ctx) * kv_dim;
   launch_embed_rows(embd_, io + 1, m, px_, st);
   after_launch();
   const bool few_tokens = variant != kPrefillGemm;
   for (int l = 0; l < s.n_layers; ++l) {
     const DevLayer& L = layers_[l];
-    float* kc = k_cache_ + prompt_slot_ * slot_stride_ + l * layer_cache;
-    float* vc = v_cache_ + prompt_slot_ * slot_stride_ + l * layer_cache;
+    float* kc = layer_k(l) + prompt_slot_ * slot_stride_;
+    float* vc = layer_v(l) + prompt_slot_ * slot_stride_;
     if (few_tokens) {
       // Five programmatic launches, the projections straight from the quantized weights (prompt_mma.cu).
       PromptMmaArgs qkv = mma_normed(L.qkv, m, px_, L.attn_norm, s.rms_eps);
@@ -956,7 +950,6 @@ ArchAttnArgs CudaBackend::attention_args(const DevLayer& L, const float* q, int 
 
 void CudaBackend::enqueue_decode_general(bool capture_hidden) {
   const ModelSpec& s = spec_;
-  const size_t layer_cache = static_cast<size_t>(s.n_ctx) * s.kv_dim();
   const int d = s.d_model;
   cudaStream_t st = res_.stream;
   const int32_t* pos = &io_dev_->pos;
@@ -978,8 +971,8 @@ void CudaBackend::enqueue_decode_general(bool capture_hidden) {
   PreAdd pre;
   for (int l = 0; l < s.n_layers; ++l) {
     const DevLayer& L = layers_[l];
-    float* kc = k_cache_ + l * layer_cache;
-    float* vc = v_cache_ + l * layer_cache;
+    float* kc = layer_k(l);
+    float* vc = layer_v(l);
     const float* in = take_pending(&pre);
     launch_norm_matvec(L.qkv, in, L.attn_norm, s.rms_eps, g_qkv_, st, pre);
     after_launch();
@@ -1025,11 +1018,7 @@ void CudaBackend::enqueue_decode_general(bool capture_hidden) {
 // via beta 1, or into g_ptmp_ and add_normed), norm->fp16, gate/up GEMM, GLU->fp16, down GEMM (likewise); then the
 // last token's norm + lm_head + argmax.
 void CudaBackend::enqueue_prefill_chunk_general(int m, const int32_t* io) {
-  struct ProgrammaticLaunchScope {
-    bool previous = programmatic_launch();
-    explicit ProgrammaticLaunchScope(bool on) { set_programmatic_launch(on); }
-    ~ProgrammaticLaunchScope() { set_programmatic_launch(previous); }
-  } pdl_scope(use_pdl_);
+  const ProgrammaticLaunchScope pdl_scope(use_pdl_);
   enqueue_layers_general(m, io + 1, io, BatchRows{});
   launch_norm_matvec_argmax(lm_head_, px_ + static_cast<size_t>(m - 1) * spec_.d_model, out_norm_, spec_.rms_eps,
                             logits_, argmax_, result_dev_, nullptr, res_.stream);
@@ -1098,44 +1087,30 @@ void CudaBackend::setup_batch() {
   batch_group_ = prompt_mma_ ? kBatchChainRows : chunk_;
   batch_lm_head_mma_ = prompt_mma_supported(lm_head_.type, lm_head_.cols, 0);
   batch_io_dev_ = device_alloc<int32_t>(3 * S, mem_.scratch);
-  void* p = nullptr;
-  CUDA_CHECK(cudaHostAlloc(&p, 3 * S * sizeof(int32_t), cudaHostAllocDefault));
-  res_.pinned.push_back(p);
-  batch_io_host_ = static_cast<int32_t*>(p);
-  CUDA_CHECK(cudaHostAlloc(&p, S * sizeof(ArgmaxResult), cudaHostAllocMapped));
-  res_.pinned.push_back(p);
-  batch_result_host_ = static_cast<ArgmaxResult*>(p);
-  void* dp = nullptr;
-  CUDA_CHECK(cudaHostGetDevicePointer(&dp, p, 0));
-  batch_result_dev_ = static_cast<ArgmaxResult*>(dp);
+  batch_io_host_ = pinned_alloc<int32_t>(3 * S, cudaHostAllocDefault);
+  batch_result_host_ = pinned_alloc<ArgmaxResult>(S, cudaHostAllocMapped);
+  batch_result_dev_ = device_alias(batch_result_host_);
   batch_logits_ = device_alloc<float>(S * s.vocab, mem_.scratch);
   if (!prompt_mma_) return;
   bx_ = device_alloc<float>(S * s.d_model, mem_.scratch);
   bqkv_ = device_alloc<float>(S * (s.q_dim() + 2 * s.kv_dim()), mem_.scratch);
   ba_ = device_alloc<__half>(S * 2 * std::max(s.q_dim(), s.d_ff), mem_.scratch);
+  // Group g > 0 runs on side stream g - 1, forked from the main stream by event 2 (g - 1) and joined by 2 (g - 1) + 1.
   const int groups = (s.n_seq + batch_group_ - 1) / batch_group_;
-  for (int g = 0; g < groups; ++g) {
-    cudaEvent_t fork = nullptr, join = nullptr;
-    CUDA_CHECK(cudaEventCreateWithFlags(&fork, cudaEventDisableTiming));
-    res_.events.push_back(fork);
-    CUDA_CHECK(cudaEventCreateWithFlags(&join, cudaEventDisableTiming));
-    res_.events.push_back(join);
-    batch_fork_.push_back(fork);
-    batch_join_.push_back(join);
-    if (g > 0) {
-      cudaStream_t x = nullptr;
-      CUDA_CHECK(cudaStreamCreateWithFlags(&x, cudaStreamNonBlocking));
-      res_.side_streams.push_back(x);
+  for (int g = 1; g < groups; ++g) {
+    cudaStream_t x = nullptr;
+    CUDA_CHECK(cudaStreamCreateWithFlags(&x, cudaStreamNonBlocking));
+    res_.side_streams.push_back(x);
+    for (int k = 0; k < 2; ++k) {
+      cudaEvent_t e = nullptr;
+      CUDA_CHECK(cudaEventCreateWithFlags(&e, cudaEventDisableTiming));
+      res_.events.push_back(e);
     }
   }
 }
 
 void CudaBackend::enqueue_batch(int n, const int32_t* io) {
-  struct ProgrammaticLaunchScope {
-    bool previous = programmatic_launch();
-    explicit ProgrammaticLaunchScope(bool on) { set_programmatic_launch(on); }
-    ~ProgrammaticLaunchScope() { set_programmatic_launch(previous); }
-  } pdl_scope(use_pdl_);
+  const ProgrammaticLaunchScope pdl_scope(use_pdl_);
   cudaStream_t st = res_.stream;
   if (!prompt_mma_) {  // the cuBLAS path: groups of chunk_ rows in turn, through the prefill scratch
     for (int g0 = 0; g0 < n; g0 += batch_group_) {
@@ -1149,16 +1124,16 @@ void CudaBackend::enqueue_batch(int n, const int32_t* io) {
   // stream and the main stream joins them all at the end.
   const int groups = (n + batch_group_ - 1) / batch_group_;
   for (int g = 1; g < groups; ++g) {
-    CUDA_CHECK(cudaEventRecord(batch_fork_[g], st));
-    CUDA_CHECK(cudaStreamWaitEvent(res_.side_streams[g - 1], batch_fork_[g], 0));
+    CUDA_CHECK(cudaEventRecord(res_.events[2 * (g - 1)], st));
+    CUDA_CHECK(cudaStreamWaitEvent(res_.side_streams[g - 1], res_.events[2 * (g - 1)], 0));
   }
   for (int g = 0; g < groups; ++g) {
     const int g0 = g * batch_group_;
     cudaStream_t gs = g == 0 ? st : res_.side_streams[g - 1];
     enqueue_batch_group_mma(std::min(batch_group_, n - g0), g0, n, io, gs);
-    if (g > 0) CUDA_CHECK(cudaEventRecord(batch_join_[g], gs));
+    if (g > 0) CUDA_CHECK(cudaEventRecord(res_.events[2 * (g - 1) + 1], gs));
   }
-  for (int g = 1; g < groups; ++g) CUDA_CHECK(cudaStreamWaitEvent(st, batch_join_[g], 0));
+  for (int g = 1; g < groups; ++g) CUDA_CHECK(cudaStreamWaitEvent(st, res_.events[2 * (g - 1) + 1], 0));
 }
 
 // Rows g0 .. g0 + m of the batch on the tensor-core path: the layers of a few-token prompt (prompt_mma.cu), with the

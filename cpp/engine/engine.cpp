@@ -31,8 +31,8 @@ void Engine::check_tokens(const int32_t* tokens, int n, int slot) const {
                             (n > 1 ? " at index " + std::to_string(i) : std::string()) + " out of range [0, " +
                             std::to_string(spec_.vocab) + ")");
   const int pos = pos_[slot];
-  const std::string where = spec_.n_seq > 1 ? " of sequence slot " + std::to_string(slot) : std::string();
   if (pos + n > spec_.n_ctx) {
+    const std::string where = spec_.n_seq > 1 ? " of sequence slot " + std::to_string(slot) : std::string();
     if (n == 1)
       throw ContextOverflow("the context" + where + " is full (" + std::to_string(spec_.n_ctx) +
                             " tokens); call reset() or load with a larger n_ctx");
