@@ -146,7 +146,7 @@ def test_generator_streams_stop_strings_sampling_and_prefix_reuse(real_batch_mod
     out = []
     while again.busy:
         out += [ch.text for s, ch in again.step() if ch is not None]
-    assert "".join(out) == sampled  # same seed, same draws
+    assert "".join(out) == sampled and b2.stats.generated_tokens == 16  # same seed, same draws
 
 
 def test_slot_choice_keeps_conversations_apart(synthetic_factory, monkeypatch):
@@ -208,7 +208,7 @@ def test_single_sequence_calls_between_steps_end_the_slot_zero_sequence(real_mod
     out = []
     while gen.busy:
         out += [ch.text for s, ch in gen.step() if ch is not None]
-    assert "".join(out) == m.generate("Water boils at", max_tokens=12)
+    assert b.slot == 0 and "".join(out) == m.generate("Water boils at", max_tokens=12)
 
 
 @pytest.mark.skipif(not (_core.cuda_compiled() and _core.cuda_device_count() > 0), reason="no CUDA device")
