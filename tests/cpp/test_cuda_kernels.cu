@@ -305,8 +305,9 @@ struct Shape {
   int rows, cols;
 };
 // SmolLM2's QKV, O, gate/up, down and lm_head, plus a wide ragged one: 65 blocks per row take the two-warps-per-row
-// residual kernel past its first block per lane, and 99 rows leave the last block part empty.
-const Shape kShapes[] = {{960, 576}, {576, 576}, {3072, 576}, {576, 1536}, {49152, 576}, {99, 2080}};
+// residual kernel past its first block per lane, and 99 rows leave the last block part empty. 8191 x 2080: more
+// two-warp row groups than the GPU holds blocks at once, the last one ragged.
+const Shape kShapes[] = {{960, 576}, {576, 576}, {3072, 576}, {576, 1536}, {49152, 576}, {99, 2080}, {8191, 2080}};
 
 }  // namespace
 
@@ -1424,7 +1425,11 @@ class CudaBackendPrompt : public ::testing::TestWithParam<int> {};
 
 TEST_P(CudaBackendPrompt, MatchesTokenByTokenDecode) {
   REQUIRE_GPU();
-  auto m = make_model(30, 49152, 2048, GgmlType::Q4_0, GgmlType::Q8_0);
+  // METALATTN_TEST_QUICK=1 (for the slow race checker): 2 layers instead of 30. The kernels and their launch shapes
+  // are the same; the layers only repeat them.
+  const char* quick_env = std::getenv("METALATTN_TEST_QUICK");
+  const bool quick = quick_env != nullptr && std::string(quick_env) == "1";
+  auto m = make_model(quick ? 2 : 30, 49152, 2048, GgmlType::Q4_0, GgmlType::Q8_0);
   auto be = make_cuda_backend(m->spec, m->w, false);
   const int V = m->spec.vocab;
   {
@@ -1610,8 +1615,14 @@ TEST(CudaBackend, DecodeMatchesReferenceForEachLayerTypeAndOddCapacity) {
     GgmlType t;
     int n_ctx;
   };
-  for (const Case c : {Case{GgmlType::Q4_0, 264}, Case{GgmlType::Q4_1, 264}, Case{GgmlType::Q8_0, 264},
-                       Case{GgmlType::Q4_0, 41}}) {
+  // METALATTN_TEST_QUICK=1 (for the slow race checker): Q4_0 only (the other types' decode kernels run under it in
+  // CudaMatvec and CudaFused), across the same attention switch-over and odd capacity.
+  const char* quick_env = std::getenv("METALATTN_TEST_QUICK");
+  const bool quick = quick_env != nullptr && std::string(quick_env) == "1";
+  std::vector<Case> cases = {Case{GgmlType::Q4_0, 264}, Case{GgmlType::Q4_1, 264}, Case{GgmlType::Q8_0, 264},
+                             Case{GgmlType::Q4_0, 41}};
+  if (quick) cases = {Case{GgmlType::Q4_0, 264}, Case{GgmlType::Q4_0, 41}};
+  for (const Case c : cases) {
     const int limit = std::min(c.n_ctx, kAttnSinglePassMax), n = std::min(c.n_ctx, limit + 6);
     SCOPED_TRACE(std::string("layer type ") + type_name(c.t) + ", n_ctx " + std::to_string(c.n_ctx));
     auto m = make_model(3, 2048, c.n_ctx, c.t, GgmlType::Q8_0);
@@ -1957,6 +1968,8 @@ TEST(CudaQuant, FusedQkvFfnAndLmHeadAtRealShapes) {
       {GgmlType::Q5_K, GgmlType::Q5_K, GgmlType::Q6_K, GgmlType::Q5_K, 2048, 32, 8},
       {GgmlType::Q6_K, GgmlType::Q6_K, GgmlType::Q6_K, GgmlType::Q3_K, 1536, 24, 4},
       {GgmlType::Q5_1, GgmlType::Q5_1, GgmlType::Q5_1, GgmlType::Q5_1, 640, 10, 2},
+      // SmolLM2-1.7B (6144 rows: more row groups than the GPU holds blocks at once)
+      {GgmlType::Q4_0, GgmlType::Q4_0, GgmlType::Q4_0, GgmlType::Q8_0, 2048, 32, 32},
   };
   for (const QkvCase& c : qkv_cases) {
     const int q_dim = c.n_heads * hd, kv_dim = c.n_kv * hd;
@@ -2018,6 +2031,7 @@ TEST(CudaQuant, FusedQkvFfnAndLmHeadAtRealShapes) {
       {GgmlType::Q5_K, GgmlType::Q6_K, GgmlType::Q5_K, 2048, 1536},  // mixed gate/up: kWide8
       {GgmlType::Q5_1, GgmlType::Q5_1, GgmlType::Q5_1, 640, 2048},
       {GgmlType::Q2_K, GgmlType::Q2_K, GgmlType::Q3_K, 1536, 4864},
+      {GgmlType::Q4_0, GgmlType::Q4_0, GgmlType::Q4_0, 2048, 8192},  // SmolLM2-1.7B
   };
   for (const FfnCase& c : ffn_cases) {
     const float sd = 1.f / std::sqrt(static_cast<float>(c.d)), sf = 1.f / std::sqrt(static_cast<float>(c.d_ff));
