@@ -430,7 +430,11 @@ def test_load_generate_close_cycles_leave_resources_flat(small, device):
     assert after["file_maps"] == 0 and before["file_maps"] == 0
     assert after["fds"] == before["fds"], (before, after)
     assert abs(after["maps"] - before["maps"]) <= 4, (before, after)
-    assert after["rss"] - before["rss"] < 16 << 20, (before, after)
+    # Under compute-sanitizer (benchmarks/device/sanitize.sh sets METALATTN_UNDER_SANITIZER=1) the tool's own host
+    # records of every device allocation grow the process's RSS (~0.75 MB a cycle on the H100), so there the host
+    # bound cannot tell the engine's memory from the tool's; descriptors, mappings and device memory still count.
+    if os.environ.get("METALATTN_UNDER_SANITIZER") != "1":
+        assert after["rss"] - before["rss"] < 16 << 20, (before, after)
     if device == "cuda":
         assert _core.cuda_device_memory_used() - dev_before <= 4 << 20
 
