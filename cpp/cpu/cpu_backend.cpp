@@ -93,6 +93,35 @@ float exp_shifted_sum(float* x, int n, float shift) {
   return s;
 }
 
+// ref::argmax (the first index of the largest non-NaN logit; every logit NaN throws NonFiniteLogits), vectorised:
+// the largest value first (x > m ? x : m skips NaN like ref's comparison), then the first index holding it. When
+// every non-NaN logit is -inf the first of them is found the same way; no index at all means every logit is NaN.
+__attribute__((target_clones("avx512f", "avx2", "default")))
+ArgmaxResult argmax_logits(const float* x, int n) {
+  typedef float v16 __attribute__((vector_size(64)));
+  v16 m16;
+  for (int j = 0; j < 16; ++j) m16[j] = -INFINITY;
+  int i = 0;
+  for (; i + 16 <= n; i += 16) {
+    v16 v;
+    std::memcpy(&v, x + i, sizeof(v));
+    m16 = v > m16 ? v : m16;
+  }
+  float m = -INFINITY;
+  for (int j = 0; j < 16; ++j) m = m16[j] > m ? m16[j] : m;
+  for (; i < n; ++i) m = x[i] > m ? x[i] : m;
+  for (i = 0; i + 16 <= n; i += 16) {
+    v16 v;
+    std::memcpy(&v, x + i, sizeof(v));
+    bool any = false;
+    for (int j = 0; j < 16; ++j) any |= v[j] == m;
+    if (any) break;
+  }
+  for (; i < n; ++i)
+    if (x[i] == m) return {static_cast<uint32_t>(i), x[i]};
+  return ref::argmax(x, n);  // every logit NaN: ref throws the error
+}
+
 // Attention for the G query heads that share one KV head (a GQA group) and T consecutive query tokens (token t
 // sees positions [0, n_pos0 + t)), written with GCC vector types (16 floats: one AVX-512 register, two AVX2 ones)
 // so the G x T accumulators stay in registers and every K and V load serves all of them.
@@ -306,9 +335,9 @@ class CpuBackend final : public Backend {
       run_chunk(tokens + start, m, all_logits ? all_logits + static_cast<int64_t>(start) * s_.vocab : nullptr,
                 chunk_last);
     }
-    if (all_logits) return ref::argmax(all_logits + static_cast<int64_t>(n - 1) * s_.vocab, s_.vocab);
+    if (all_logits) return argmax_logits(all_logits + static_cast<int64_t>(n - 1) * s_.vocab, s_.vocab);
     float* last = last_logits ? last_logits : logits_one();
-    return ref::argmax(last, s_.vocab);
+    return argmax_logits(last, s_.vocab);
   }
 
   // The batch is one layer-major pass like a prompt chunk: its projections run as n-row matmuls (each weight
@@ -328,7 +357,20 @@ class CpuBackend final : public Backend {
       logits = batch_logits_.data();
     }
     run_chunk(tokens, n, logits, nullptr);
-    for (int i = 0; i < n; ++i) out[i] = ref::argmax(logits + static_cast<int64_t>(i) * s_.vocab, s_.vocab);
+    // Rows over the threads; a row whose logits are all NaN is redone here, where its error may be thrown.
+    std::vector<char> failed(n, 0);
+    for_tokens(n, [&](int b, int e) {
+      for (int i = b; i < e; ++i) {
+        const float* row = logits + static_cast<int64_t>(i) * s_.vocab;
+        try {
+          out[i] = argmax_logits(row, s_.vocab);
+        } catch (...) {
+          failed[i] = 1;
+        }
+      }
+    });
+    for (int i = 0; i < n; ++i)
+      if (failed[i]) out[i] = argmax_logits(logits + static_cast<int64_t>(i) * s_.vocab, s_.vocab);
   }
 
   MemoryInfo memory_info() const override {
@@ -375,18 +417,30 @@ class CpuBackend final : public Backend {
     });
   }
 
-  void rmsnorm_rows(const float* x, const float* weight, float* out, int n) {
+  bool needs_quantized(std::initializer_list<const WeightView*> ws) const {
+    bool need = false;
+    for (const WeightView* w : ws) need |= cpu::uses_quantized_acts(isa_, w->type);
+    return need;
+  }
+
+  // out = rmsnorm(x) for n rows, then their int16 activations (xq_) when any of ws needs them: one parallel region.
+  const block_q16_act* norm_quantize(const float* x, const float* weight, float* out, int n,
+                                     std::initializer_list<const WeightView*> ws) {
+    const bool quant = needs_quantized(ws);
     const int d = s_.d_model;
+    const int64_t blocks = d / 32;
     for_tokens(n, [&](int b, int e) {
-      for (int t = b; t < e; ++t) ref::rmsnorm(x + static_cast<int64_t>(t) * d, weight, s_.rms_eps, d, out + static_cast<int64_t>(t) * d);
+      for (int t = b; t < e; ++t) {
+        ref::rmsnorm(x + static_cast<int64_t>(t) * d, weight, s_.rms_eps, d, out + static_cast<int64_t>(t) * d);
+        if (quant) cpu::quantize_acts(isa_, out + static_cast<int64_t>(t) * d, d, xq_.data() + t * blocks);
+      }
     });
+    return quant ? xq_.data() : nullptr;
   }
 
   // Fills xq (n rows of cols/32 blocks) from x when any of the given weights needs quantized activations.
   const block_q16_act* quantize_if_needed(const float* x, int n, int64_t cols, std::initializer_list<const WeightView*> ws) {
-    bool need = false;
-    for (const WeightView* w : ws) need |= cpu::uses_quantized_acts(isa_, w->type);
-    if (!need) return nullptr;
+    if (!needs_quantized(ws)) return nullptr;
     const int64_t blocks = cols / 32;
     for_tokens(n, [&](int b, int e) {
       for (int t = b; t < e; ++t) cpu::quantize_acts(isa_, x + t * cols, cols, xq_.data() + t * blocks);
@@ -454,36 +508,42 @@ class CpuBackend final : public Backend {
       const LayerWeights& L = w_.layers[l];
 
       // Attention block.
-      rmsnorm_rows(x_.data(), L.attn_norm, xn_.data(), n);
-      const block_q16_act* xq = quantize_if_needed(xn_.data(), n, d, {&L.wq, &L.wk, &L.wv});
+      const block_q16_act* xq = norm_quantize(x_.data(), L.attn_norm, xn_.data(), n, {&L.wq, &L.wk, &L.wv});
       project({{&L.wq, xn_.data(), xq, q_.data(), qd}, {&L.wk, xn_.data(), xq, k_.data(), kvd},
                {&L.wv, xn_.data(), xq, v_.data(), kvd}},
               n);
       const RopeTable& rt = rope_tables_[layer_rope_[l]];
       const LayerSpec ls = s_.layer(l);
-      for (int t = 0; t < n; ++t) {
+      const int group = s_.n_heads / s_.n_kv_heads;
+      // Row t's KV heads [h0, h1) and their query heads: biases, q/k norms, RoPE, then K and V into the row's slot.
+      auto prepare = [&](int t, int h0, int h1) {
         float *qt = &q_[t * qd], *kt = &k_[t * kvd], *vt = &v_[t * kvd];
+        const int q0 = h0 * group * hd, q1 = h1 * group * hd, k0 = h0 * hd, k1 = h1 * hd;
         if (s_.attn_bias) {
-          for (int i = 0; i < qd; ++i) qt[i] += L.bq[i];
-          for (int i = 0; i < kvd; ++i) kt[i] += L.bk[i];
-          for (int i = 0; i < kvd; ++i) vt[i] += L.bv[i];
+          for (int i = q0; i < q1; ++i) qt[i] += L.bq[i];
+          for (int i = k0; i < k1; ++i) kt[i] += L.bk[i];
+          for (int i = k0; i < k1; ++i) vt[i] += L.bv[i];
         }
         if (s_.qk_norm) {
-          for (int h = 0; h < s_.n_heads; ++h) ref::rmsnorm(qt + h * hd, L.q_norm, s_.rms_eps, hd, qt + h * hd);
-          for (int h = 0; h < s_.n_kv_heads; ++h) ref::rmsnorm(kt + h * hd, L.k_norm, s_.rms_eps, hd, kt + h * hd);
+          for (int h = h0 * group; h < h1 * group; ++h) ref::rmsnorm(qt + h * hd, L.q_norm, s_.rms_eps, hd, qt + h * hd);
+          for (int h = h0; h < h1; ++h) ref::rmsnorm(kt + h * hd, L.k_norm, s_.rms_eps, hd, kt + h * hd);
         }
         const int pos = row_pos_[t];
         const float* cs = &rt.cos[static_cast<size_t>(pos) * (hd / 2)];
         const float* sn = &rt.sin[static_cast<size_t>(pos) * (hd / 2)];
-        rope_from_table(qt, s_.n_heads, hd, s_.rope_style, cs, sn);
-        rope_from_table(kt, s_.n_kv_heads, hd, s_.rope_style, cs, sn);
+        rope_from_table(qt + q0, (h1 - h0) * group, hd, s_.rope_style, cs, sn);
+        rope_from_table(kt + k0, h1 - h0, hd, s_.rope_style, cs, sn);
         float* kc = k_layer(row_slot_[t], l);
-        for (int i = 0; i < kvd; ++i) kc[static_cast<size_t>(i) * s_.n_ctx + pos] = k_[t * kvd + i];
-        std::memcpy(v_layer(row_slot_[t], l) + static_cast<size_t>(pos) * kvd, &v_[t * kvd], kvd * sizeof(float));
-      }
+        for (int i = k0; i < k1; ++i) kc[static_cast<size_t>(i) * s_.n_ctx + pos] = kt[i];
+        std::memcpy(v_layer(row_slot_[t], l) + static_cast<size_t>(pos) * kvd + k0, vt + k0, (k1 - k0) * sizeof(float));
+      };
+      // A batch (every row in its own slot) prepares each (row, KV head) inside its attention job; rows of one slot
+      // (a prompt chunk) read each other's K and V, so they are all prepared first.
+      const bool own_slots = rows_in_own_slots(n);
+      if (!own_slots)
+        for (int t = 0; t < n; ++t) prepare(t, 0, s_.n_kv_heads);
       // One job per (tile, KV head): a tile is up to kQueryTile rows of one slot at consecutive positions (prompt
       // rows; a batch has one row per slot), and the query heads sharing the KV head run together.
-      const int group = s_.n_heads / s_.n_kv_heads;
       tiles_.clear();
       for (int t = 0; t < n;) {
         int c = 1;
@@ -498,6 +558,7 @@ class CpuBackend final : public Backend {
         for (int j; (j = next_job.fetch_add(1, std::memory_order_relaxed)) < jobs;) {
           const int kvh = j % s_.n_kv_heads;
           const Tile tile = tiles_[j / s_.n_kv_heads];
+          if (own_slots) prepare(tile.row, kvh, kvh + 1);
           const float* kt = k_layer(row_slot_[tile.row], l) + static_cast<size_t>(kvh) * hd * s_.n_ctx;
           const float* vc = v_layer(row_slot_[tile.row], l);
           for (int t = tile.row; t < tile.row + tile.count;) {
@@ -514,16 +575,19 @@ class CpuBackend final : public Backend {
       add_residual(x_.data(), tmp_.data(), L.post_attn_norm, n);
 
       // Feed-forward block: down(act(gate x) * up x), then the post-FFN norm where the architecture has one.
-      rmsnorm_rows(x_.data(), L.ffn_norm, xn_.data(), n);
-      const block_q16_act* fq = quantize_if_needed(xn_.data(), n, d, {&L.w_gate, &L.w_up});
+      const block_q16_act* fq = norm_quantize(x_.data(), L.ffn_norm, xn_.data(), n, {&L.w_gate, &L.w_up});
       project({{&L.w_gate, xn_.data(), fq, gate_.data(), ff}, {&L.w_up, xn_.data(), fq, up_.data(), ff}}, n);
-      for_tokens(n, [&](int b, int e) {
+      const bool down_quant = needs_quantized({&L.w_down});
+      for_tokens(n, [&](int b, int e) {  // the activation, then the down projection's int16 activations
         float* g = &gate_[static_cast<int64_t>(b) * ff];
         const float* u = &up_[static_cast<int64_t>(b) * ff];
         const int64_t count = static_cast<int64_t>(e - b) * ff;
         s_.activation == Activation::GeluTanh ? geglu(g, u, count) : swiglu(g, u, count);
+        if (down_quant)
+          for (int t = b; t < e; ++t)
+            cpu::quantize_acts(isa_, &gate_[static_cast<int64_t>(t) * ff], ff, xq_.data() + t * (ff / 32));
       });
-      const block_q16_act* hq = quantize_if_needed(gate_.data(), n, ff, {&L.w_down});
+      const block_q16_act* hq = down_quant ? xq_.data() : nullptr;
       project({{&L.w_down, gate_.data(), hq, tmp_.data(), d}}, n);
       add_residual(x_.data(), tmp_.data(), L.post_ffn_norm, n);
       if (hidden_out_) std::memcpy(hidden_out_ + static_cast<size_t>(l + 1) * d, x_.data(), d * sizeof(float));
@@ -539,6 +603,16 @@ class CpuBackend final : public Backend {
     project({{&w_.output, xn_.data(), oq, out, s_.vocab}}, m);
     if (all_logits && last_logits)
       std::memcpy(last_logits, all_logits + static_cast<int64_t>(n - 1) * s_.vocab, s_.vocab * sizeof(float));
+  }
+
+  // Whether no two of run_chunk's n rows share a KV slot.
+  bool rows_in_own_slots(int n) {
+    seen_slot_.assign(s_.n_seq, 0);
+    for (int t = 0; t < n; ++t) {
+      if (seen_slot_[row_slot_[t]]) return false;
+      seen_slot_[row_slot_[t]] = 1;
+    }
+    return true;
   }
 
   // Layer l of slot s: K [kv_head][head_dim][n_ctx] (transposed, see attend_group), V [n_ctx][kv_dim].
@@ -564,6 +638,7 @@ class CpuBackend final : public Backend {
   std::unique_ptr<float[], FreeDeleter> k_cache_, v_cache_;
   std::vector<int32_t> row_slot_, row_pos_;  // run_chunk's rows
   std::vector<Tile> tiles_;
+  std::vector<char> seen_slot_;
   int scratch_tokens_ = 0;
   std::vector<float> x_, xn_, q_, k_, v_, att_, tmp_, gate_, up_, logits_, scores_, batch_logits_;
   std::vector<RopeTable> rope_tables_;

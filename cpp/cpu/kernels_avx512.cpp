@@ -5,8 +5,9 @@
 // conversion plus one FMA with a [dA x4, dB x4, dC x4, dD x4] scale vector applies the scales of four blocks.
 // Q4 / Q5 weights enter as unsigned codes (0..15 / 0..31; Q5's fifth bit set by a byte-masked add); Q4_0's offset
 // of 8 (Q5_0's 16) is removed exactly by seeding the integer accumulation with -8 (-16) * sum(a) per block, which
-// depends only on the activations (computed when they are packed). These quad tiles serve Q4_0, Q4_1, Q5_0, Q5_1,
-// Q8_0; the K-quants take the group tiles of group_tiles.h (vpdpwssd on ymm).
+// depends only on the activations (computed when they are packed). These quad tiles serve Q5_0 and Q5_1 (load_quad
+// still decodes Q4_0 / Q4_1 / Q8_0, which they served until the 8-row batches); the other quantized types take the
+// group tiles of group_tiles.h and the token tiles of token_tiles.h (vpdpwssd on ymm), see matmul at the end.
 // Weight quads are decoded once per row and reused by every token of a tile. Float weights: FMA on float
 // activations.
 //
@@ -44,11 +45,10 @@ alignas(64) const uint8_t kZeroBlock[64] = {};  // stands in for the missing blo
 
 constexpr size_t block_size(GgmlType t) { return block_bytes(t); }
 
-// The 32-weight types these quad tiles decode (the others take the group tiles, see matmul below).
-constexpr bool quad_type(GgmlType t) {
-  return t == GgmlType::Q4_0 || t == GgmlType::Q4_1 || t == GgmlType::Q8_0 || t == GgmlType::Q5_0 ||
-         t == GgmlType::Q5_1;
-}
+// The 32-weight types these quad tiles decode (the others take the group / token tiles, see matmul below).
+// Q4_0 / Q4_1 / Q8_0 streamed faster through the group tiles with vpdpwssd, and their 8+ token matmuls run the VNNI
+// token tiles (benchmarks/NOTES.md, 2026-11-24, batched decode); Q5_0 / Q5_1 decode faster here.
+constexpr bool quad_type(GgmlType t) { return t == GgmlType::Q5_0 || t == GgmlType::Q5_1; }
 
 void pack_acts(const block_q16_act* xq, int nb, int n_tok, ActQuad* out) {
   const int nquads = (nb + 3) / 4;
@@ -316,15 +316,19 @@ void quantize_acts(const float* x, int64_t n, block_q16_act* out) {
   }
 }
 
-// Q4_K, Q5_K, Q6_K: the group tiles of the AVX2 kernels (group_tiles.h) with vpdpwssd on ymm registers.
+// Q4_0, Q4_1, Q8_0 and the K-quants: the tiles of the AVX2 kernels with vpdpwssd on ymm registers, the group tiles
+// (group_tiles.h) for fewer than 8 tokens and the token tiles (token_tiles.h) for 8 or more, which give the group
+// tiles' bits.
 namespace groups {
 #define MA_GROUP_TILES_VNNI 1
 #include "group_tiles.h"
+#include "token_tiles.h"
 }  // namespace groups
 
 void matmul(const WeightView& w, const float* X, const block_q16_act* Xq, int n_tok, float* Y, int64_t ldy,
             int64_t r0, int64_t r1) {
   if (!is_quantized(w.type) || quad_type(w.type)) return TiledMatmul<Isa>::matmul(w, X, Xq, n_tok, Y, ldy, r0, r1);
+  if (groups::tok_matmul_any(w, Xq, n_tok, Y, ldy, r0, r1)) return;
   TiledMatmul<groups::GroupIsa>::matmul(w, X, Xq, n_tok, Y, ldy, r0, r1);
 }
 

@@ -1,12 +1,16 @@
-// Internal: prompt (many-token) tiles for quantized weights on AVX2, with 8 tokens in the lanes of each register.
-// Included by kernels_avx2.cpp after group_tiles.h (it reuses that file's scale decoders and helpers), inside the
-// ISA namespace: everything here is in an anonymous namespace and compiled with that file's -m flags only.
+// Internal: many-token tiles (prompts, batches of 8+ rows) for quantized weights, with 8 tokens in the lanes of each
+// register. Included after group_tiles.h (it reuses that file's scale decoders and helpers) inside the same ISA
+// namespace, by kernels_avx2.cpp (vpmaddwd + vpaddd) and by kernels_avx512.cpp with MA_GROUP_TILES_VNNI=1 (vpdpwssd on
+// ymm, which fuses each vpmaddwd + vpaddd with identical int32 results, and 32 registers): everything here is in an
+// anonymous namespace and compiled with that file's -m flags only.
 //
 // Why: the group tiles (group_tiles.h) keep one token's blocks in the lanes, so every (row, token) pays the lane folds
 // and an epilogue besides its vpmaddwd + vpaddd: about 13 instructions per 64 multiply-adds on AVX2 (16 ymm registers,
 // so their prompt tiles also spill). Here a register holds one int16 pair (elements 2k, 2k + 1 of a block) of 8 tokens;
 // the weight pair is broadcast from a row decoded once to int16 (vpbroadcastd from memory is a load-port uop), so a
 // block costs 16 vpmaddwd + 15 vpaddd per (row, 8 tokens) plus a 3-4 instruction epilogue: ~9 per 64.
+//
+// With VNNI a block costs 16 vpdpwssd per (row, 8 tokens) plus the same epilogue, all on the two ports that run it.
 //
 // Exactness and identity with the group tiles: a block's integer dot is exact (the offsets of Q4_0 / Q5_0 / Q6_K are
 // subtracted when a row is decoded, which gives the same integers as the group tiles' activation-sum correction), and
@@ -19,6 +23,13 @@
 // tile of kTokRows rows is decoded into an L1-sized int16 buffer and then meets all the block's token tiles.
 
 namespace {
+
+// The asm operand constraint for a vector kept in a register: any of the 32 with AVX-512VL, xmm0-15 otherwise.
+#if MA_GROUP_TILES_VNNI
+#define MA_TOK_REG(v) "+v"(v)
+#else
+#define MA_TOK_REG(v) "+x"(v)
+#endif
 
 constexpr int kTokLanes = 8;                      // tokens per register
 constexpr int kTokRows = 4;                       // rows per tile (x 2 token registers: 8 int32 accumulators)
@@ -184,40 +195,54 @@ void tok_decode_row(const uint8_t* row, int nb, const TokRows& out, int i) {
 // R decoded rows x TV token registers (8 TV tokens) over all nb blocks; writes y[t * ldy + i] for t < n_valid.
 template <GgmlType WT, int R, int TV>
 void tok_tile(const TokRows& rows, int nb, const TokActs* const* acts, float* y, int64_t ldy, int n_valid) {
-  __m256 cls[R][8][TV];  // block-class accumulators (b % 8): the group tiles' lanes
+  constexpr int kChains = MA_GROUP_TILES_VNNI ? (TV == 1 ? 4 : 2) : 1;  // partial sums per (row, token register)
+  // Block-class accumulators (b % 8): the group tiles' lanes. The blocks of a class are visited in order, one class
+  // after the other, so each class's float sequence is the group tiles' own while its accumulators stay in registers.
+  __m256 cls[R][8][TV];
+  for (int c = 0; c < 8; ++c) {
+  __m256 acc[R][TV];
   for (int i = 0; i < R; ++i)
-    for (int c = 0; c < 8; ++c)
-      for (int v = 0; v < TV; ++v) cls[i][c][v] = _mm256_setzero_ps();
-  for (int b = 0; b < nb; ++b) {
-    const int c = b & 7;
+    for (int v = 0; v < TV; ++v) acc[i][v] = _mm256_setzero_ps();
+  for (int b = c; b < nb; b += 8) {
     const int16_t* wb = rows.w + static_cast<size_t>(b) * R * 32;
     const TokActs* ab[TV];
     for (int v = 0; v < TV; ++v) ab[v] = acts[v] + b;
-    // Integer dot over pairs [k0, k1) into sum.
-    // Pair k of every row and token register; the first pair of a run starts the sums (no zeroing, no branch).
+    // Integer dot over pairs [k0, k1) into sum. Pair k of every row and token register; the first pair of a run
+    // starts the sums (no zeroing, no branch). With VNNI each vpdpwssd waits for the previous one into the same
+    // accumulator (latency 4-5 cycles, two issued per cycle), so pairs go round kChains partial sums, added at the end
+    // (integer adds: the order cannot change the result).
     auto pair = [&](int k, bool first, __m256i (&sum)[R][TV]) __attribute__((always_inline)) {
       __m256i a[TV];
       for (int v = 0; v < TV; ++v) {
         a[v] = _mm256_load_si256(reinterpret_cast<const __m256i*>(ab[v]->q[k]));
         // Keeps pair k after pair k - 1 (the empty asm statements stay in order): GCC otherwise hoists all 16
         // pairs' products ahead of their adds and spills them to the stack.
-        asm volatile("" : "+x"(a[v]));
+        asm volatile("" : MA_TOK_REG(a[v]));
       }
       for (int i = 0; i < R; ++i) {
         const __m256i wv = _mm256_set1_epi32(load_i32(reinterpret_cast<const uint8_t*>(wb + i * 32 + 2 * k)));
         for (int v = 0; v < TV; ++v) {
+#if MA_GROUP_TILES_VNNI
+          sum[i][v] = first ? _mm256_madd_epi16(wv, a[v]) : _mm256_dpwssd_epi32(sum[i][v], wv, a[v]);
+#else
           const __m256i p = _mm256_madd_epi16(wv, a[v]);
           sum[i][v] = first ? p : _mm256_add_epi32(sum[i][v], p);
+#endif
         }
       }
       for (int i = 0; i < R; ++i)
-        for (int v = 0; v < TV; ++v) asm volatile("" : "+x"(sum[i][v]));
+        for (int v = 0; v < TV; ++v) asm volatile("" : MA_TOK_REG(sum[i][v]));
     };
     auto dot = [&](auto k0_const, auto k1_const, __m256i (&sum)[R][TV]) __attribute__((always_inline)) {
       constexpr int k0 = decltype(k0_const)::value, k1 = decltype(k1_const)::value;
-      pair(k0, true, sum);
+      __m256i part[kChains][R][TV];
 #pragma GCC unroll 16
-      for (int k = k0 + 1; k < k1; ++k) pair(k, false, sum);
+      for (int k = k0; k < k1; ++k) pair(k, k < k0 + kChains, part[(k - k0) % kChains]);
+      for (int i = 0; i < R; ++i)
+        for (int v = 0; v < TV; ++v) {
+          sum[i][v] = part[0][i][v];
+          for (int ch = 1; ch < kChains; ++ch) sum[i][v] = _mm256_add_epi32(sum[i][v], part[ch][i][v]);
+        }
     };
     using K0 = std::integral_constant<int, 0>;
     using K8 = std::integral_constant<int, 8>;
@@ -226,8 +251,8 @@ void tok_tile(const TokRows& rows, int nb, const TokActs* const* acts, float* y,
       for (int i = 0; i < R; ++i) {
         const __m256 ds = _mm256_broadcast_ss(scale + b * R + i);
         for (int v = 0; v < TV; ++v)
-          cls[i][c][v] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sum[i][v]), _mm256_mul_ps(ds, _mm256_load_ps(ab[v]->d)),
-                                         cls[i][c][v]);
+          acc[i][v] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sum[i][v]), _mm256_mul_ps(ds, _mm256_load_ps(ab[v]->d)),
+                                      acc[i][v]);
       }
     };
     __m256i sum[R][TV];
@@ -242,10 +267,13 @@ void tok_tile(const TokRows& rows, int nb, const TokActs* const* acts, float* y,
       if constexpr (has_min(WT)) {
         for (int i = 0; i < R; ++i) {
           const __m256 m = _mm256_broadcast_ss(rows.dx + b * R + i);
-          for (int v = 0; v < TV; ++v) cls[i][c][v] = _mm256_fmadd_ps(m, _mm256_load_ps(ab[v]->s), cls[i][c][v]);
+          for (int v = 0; v < TV; ++v) acc[i][v] = _mm256_fmadd_ps(m, _mm256_load_ps(ab[v]->s), acc[i][v]);
         }
       }
     }
+  }
+  for (int i = 0; i < R; ++i)
+    for (int v = 0; v < TV; ++v) cls[i][c][v] = acc[i][v];
   }
   // The group tiles' reduce(): lanes (0,4) (2,6) (1,5) (3,7) hold classes (0,1) (4,5) (2,3) (6,7).
   for (int i = 0; i < R; ++i) {
@@ -263,9 +291,16 @@ void tok_tile(const TokRows& rows, int nb, const TokActs* const* acts, float* y,
 
 // ---------------------------------------------------------------- a prompt projection
 
+// Software prefetch this far ahead of the rows being decoded, as TiledMatmul does (tiled_matmul.h): with few tokens
+// a row tile's decode waits on its weights otherwise (8-row batches: the weights stream from DRAM every step).
+constexpr size_t kTokPrefetchBytes = 8192;
+
 template <GgmlType WT, int R>
 void tok_rows(const WeightView& w, int64_t r, int nb, const TokRows& dec, const TokActs* packed, int n, float* Y,
               int64_t ldy) {
+  const size_t stride = w.row_stride();
+  const uint8_t* ahead = w.row(r) + kTokPrefetchBytes;
+  for (size_t off = 0; off < R * stride; off += 64) _mm_prefetch(reinterpret_cast<const char*>(ahead + off), _MM_HINT_T0);
   for (int i = 0; i < R; ++i) tok_decode_row<WT, R>(w.row(r + i), nb, dec, i);
   const int tiles = (n + kTokLanes - 1) / kTokLanes;
   int tile = 0;

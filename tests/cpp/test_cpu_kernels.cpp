@@ -356,6 +356,72 @@ TEST_P(QuantTypes, MatvecModelShapes) {
   for (const auto& s : model_shapes(type)) check_matvec(type, s[0], s[1], seed += 17);
 }
 
+// Matmul at the row counts a batched decode step (8 rows: every row in the lanes of one token tile) and a short prompt
+// (16: two token registers) give, at every model shape, on every ISA: each token's outputs against the scalar reference
+// (float activations, and the same int16 activations as the kernel) with check_matvec's bounds, nothing written
+// outside the rows asked for.
+void check_matmul(GgmlType type, int64_t rows, int64_t cols, int n_tok, uint32_t seed) {
+  SCOPED_TRACE(testing::Message() << type_name(type) << " " << rows << "x" << cols << " n_tok=" << n_tok);
+  const Matrix m = random_matrix(type, rows, cols, seed);
+  const std::vector<float> X = random_acts(n_tok * cols, seed + 1);
+  const bool quantized = is_quantized(type) && cols % 32 == 0;
+  std::vector<block_q16_act> xq_all(quantized ? n_tok * cols / 32 : 0);
+  if (quantized) quantize_acts(Isa::Scalar, X.data(), n_tok * cols, xq_all.data());
+  std::vector<std::vector<float>> ref_y(n_tok, std::vector<float>(rows)), ref_yhat(n_tok, std::vector<float>(rows));
+  std::vector<RowBudget> budget;
+  for (int t = 0; t < n_tok; ++t) {
+    const float* x = X.data() + static_cast<int64_t>(t) * cols;
+    ref::matvec(m.view, x, ref_y[t].data(), 0, rows);
+    std::vector<block_q16_act> xq;
+    if (quantized) {
+      xq.assign(xq_all.begin() + t * cols / 32, xq_all.begin() + (t + 1) * cols / 32);
+      const std::vector<float> xhat = dequantize_acts(xq);
+      ref::matvec(m.view, xhat.data(), ref_yhat[t].data(), 0, rows);
+    }
+    budget.push_back(row_budget(m.view, x, xq.empty() ? nullptr : &xq, 0, rows));
+  }
+  const int64_t ldy = rows + 3;
+  for (Isa isa : supported_isas()) {
+    SCOPED_TRACE(isa_name(isa));
+    const bool quant_acts = uses_quantized_acts(isa, type);
+    std::vector<block_q16_act> Xq(n_tok * cols / 32);
+    if (quant_acts) quantize_acts(isa, X.data(), n_tok * cols, Xq.data());
+    std::vector<float> Y(n_tok * ldy, kPoison);
+    matmul(isa, m.view, X.data(), quant_acts ? Xq.data() : nullptr, n_tok, Y.data(), ldy, 0, rows);
+    int failures = 0;
+    for (int t = 0; t < n_tok; ++t) {
+      for (int64_t r = rows; r < ldy; ++r) ASSERT_TRUE(is_poison(Y[t * ldy + r])) << "token " << t << ": write past y";
+      for (int64_t r = 0; r < rows && failures < 5; ++r) {
+        const float y = Y[t * ldy + r];
+        const double float_tol = 1e-5 * budget[t].mag[r] + 1e-30;
+        const double tol = (quant_acts ? budget[t].acts[r] : 0.0) + float_tol;
+        const double err = std::fabs(static_cast<double>(y) - ref_y[t][r]);
+        if (!(err <= tol)) {
+          ADD_FAILURE() << "token " << t << " row " << r << ": " << y << " vs reference " << ref_y[t][r] << " (err "
+                        << err << " > " << tol << ")";
+          ++failures;
+        }
+        if (quant_acts) {
+          const double err_hat = std::fabs(static_cast<double>(y) - ref_yhat[t][r]);
+          if (!(err_hat <= float_tol)) {
+            ADD_FAILURE() << "token " << t << " row " << r << ": " << y << " vs reference on int16 activations "
+                          << ref_yhat[t][r] << " (err " << err_hat << " > " << float_tol << ")";
+            ++failures;
+          }
+        }
+      }
+    }
+  }
+}
+
+TEST_P(QuantTypes, MatmulModelShapes) {
+  const GgmlType type = GetParam();
+  uint32_t seed = 300 + static_cast<uint32_t>(type) * 1000;
+  for (const auto& s : model_shapes(type))
+    for (int n_tok : {8, 16})
+      if (n_tok == 8 || s[0] < 16384) check_matmul(type, s[0], s[1], n_tok, seed += 23);  // lm_heads: 8 rows only
+}
+
 TEST_P(QuantTypes, MatvecOddShapes) {
   // Odd block counts (a lone tail block in the paired AVX-512 loop), float rows with a partial vector tail,
   // row counts that leave tile remainders.
