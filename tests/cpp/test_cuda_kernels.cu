@@ -1502,12 +1502,16 @@ TEST(CudaBackend, PromptGraphReplayAtNewStartPositions) {
     expect_logits_close(last, dec[p0 + 31], 1e-3, "replayed prompt, last logits");
     EXPECT_EQ(r.token, ref::argmax(last.data(), V).token);
     double worst = 0;
+    int worst_t = 0;
     for (int t = 0; t < 32; t += 3) {
       const std::vector<float> row(all.begin() + static_cast<size_t>(t) * V, all.begin() + static_cast<size_t>(t + 1) * V);
-      worst = std::max(worst, rel_l2(row, dec[p0 + t]));
+      const double e = rel_l2(row, dec[p0 + t]);
+      if (e > worst) worst = e, worst_t = t;
+      SCOPED_TRACE("all_logits row " + std::to_string(t));
       expect_logits_close(row, dec[p0 + t], 1e-3, "replayed prompt, all_logits row");
     }
-    std::printf("[ replay at %d: rel L2 last %.2e, worst all_logits row %.2e ]\n", p0, rel_l2(last, dec[p0 + 31]), worst);
+    std::printf("[ replay at %d: rel L2 last %.2e, worst all_logits row %.2e (row %d) ]\n", p0,
+                rel_l2(last, dec[p0 + 31]), worst, worst_t);
   }
 }
 
