@@ -325,7 +325,9 @@ PackedMatrix pack_matrix(const std::vector<const WeightView*>& parts, GgmlType t
 
 // ------------------------------------------------------------------ launch plumbing
 
-static bool g_programmatic = false;
+// Per host thread: a backend sets it around its own enqueues (ProgrammaticLaunchScope), and models driven from
+// different threads must not switch it under each other's launches.
+static thread_local bool g_programmatic = false;
 void set_programmatic_launch(bool on) { g_programmatic = on; }
 bool programmatic_launch() { return g_programmatic; }
 
