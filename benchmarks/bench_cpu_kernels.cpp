@@ -283,6 +283,43 @@ int main(int argc, char** argv) {
                                tokens;
       std::printf("  %s decode: %.0f tok/s (%.1f MB of weights per token, %.1f GB/s)\n", type_name(type),
                   1 / per_token, total / 1e6, total / per_token / 1e9);
+      if (lane_rows_supported(isa, type)) {  // the decode path's repacked layer rows (kernels.h), lm_head as above
+        std::vector<std::vector<uint8_t>> packed;
+        std::vector<WeightView> pviews;
+        for (size_t k = 0; k + 1 < views.size(); ++k) {
+          packed.emplace_back(views[k].rows * views[k].row_stride());
+          pack_lane_rows(isa, views[k], packed.back().data());
+          pviews.push_back(WeightView{type, packed.back().data(), views[k].rows, views[k].cols});
+        }
+        std::vector<uint8_t> acts_buf(lane_acts_bytes(1536) + 32);
+        void* acts = acts_buf.data() + (32 - reinterpret_cast<uintptr_t>(acts_buf.data()) % 32) % 32;
+        struct LaneJob { Isa isa; const WeightView* w; const void* acts; float* y; };
+        auto lane_token = [&] {
+          for (size_t k = 0; k < pviews.size(); ++k) {
+            quantize_acts(isa, x.data(), pviews[k].cols, xq.data());
+            pack_lane_acts(isa, xq.data(), pviews[k].cols, acts);
+            LaneJob job{isa, &pviews[k], acts, y.data()};
+            pool.run(
+                [](void* c, int i, int n) {
+                  auto* j = static_cast<LaneJob*>(c);
+                  int64_t r0, r1;
+                  split_range(j->w->rows, i, n, 16, &r0, &r1);
+                  matvec_lane_rows(j->isa, *j->w, j->acts, j->y, r0, r1);
+                },
+                &job);
+          }
+          quantize_acts(isa, x.data(), views.back().cols, xq.data());
+          MatvecJob job{isa, &views.back(), x.data(), xq.data(), y.data()};
+          run_matvec(pool, job);
+        };
+        for (int i = 0; i < 3; ++i) lane_token();
+        const double lane_per_token = time_best(4, [&] {
+                                        for (int i = 0; i < tokens; ++i) lane_token();
+                                      }) /
+                                      tokens;
+        std::printf("  %s decode, lane rows: %.0f tok/s (%.1f GB/s)\n", type_name(type), 1 / lane_per_token,
+                    total / lane_per_token / 1e9);
+      }
 
       std::vector<float> Y(static_cast<size_t>(1536) * n_tok);
       auto prefill = [&] {  // lm_head only for the last token, as forward_prompt does

@@ -41,6 +41,8 @@ struct Projection {
   const block_q16_act* xq;   // n_tok x w->cols/32, or null
   float* y;                 // n_tok x ldy
   int64_t ldy;
+  const WeightView* lane = nullptr;  // w as lane rows (kernels.h), used for one token when lane_acts is given
+  const void* lane_acts = nullptr;
 };
 
 // exp(x), branch-free so loops over it vectorise: 2^t = 2^round(t) * 2^f with |f| <= 1/2 and a degree-6 Taylor
@@ -125,10 +127,13 @@ ArgmaxResult argmax_logits(const float* x, int n) {
 // Attention for the G query heads that share one KV head (a GQA group) and T consecutive query tokens (token t
 // sees positions [0, n_pos0 + t)), written with GCC vector types (16 floats: one AVX-512 register, two AVX2 ones)
 // so the G x T accumulators stay in registers and every K and V load serves all of them.
-// The K cache of a KV head is stored transposed (head_dim rows of n_ctx floats): scores of 16 positions accumulate
-// in one vector per (token, head) over head_dim, with no horizontal sums. V stays row-major: each 16-float slice
+// The K cache of a KV head is stored transposed in blocks of 16 positions (k_cap / 16 blocks of head_dim x 16
+// floats: 4 KiB for head_dim 64): scores of 16 positions accumulate in one vector per (token, head) over head_dim,
+// with no horizontal sums, and 16 positions' keys share one page (a plain transpose put every dim row on its own).
+// Scores are written for whole blocks, so each scores row holds k_cap floats. V stays row-major: each 16-float slice
 // of a position's row is loaded once and added into every (token, head) output. Positions a token must not see
-// (the later tokens of its own tile, whose K/V are already in the cache) get probability 0.
+// (the later tokens of its own tile, whose K/V are already in the cache) get probability 0. k_cap: positions the
+// head's K holds, a multiple of 16.
 // q: token t, head h at q + t * q_stride + h * head_dim; out likewise with out_stride; scores: G*T rows of scratch
 // (stride scores_stride). head_dim must be a multiple of 16 (checked at construction). With a sliding window
 // (window > 0) token t sees only the last `window` positions up to its own; `scale` multiplies q.k.
@@ -147,21 +152,22 @@ __attribute__((always_inline)) inline void store16(float* p, v16f v) { std::memc
 
 template <int G, int T>
 __attribute__((target_clones("avx512f", "avx2", "default")))
-void attend_group(const float* q, int q_stride, const float* k_t, int k_t_stride, const float* v, int v_stride,
+void attend_group(const float* q, int q_stride, const float* k_t, int k_cap, const float* v, int v_stride,
                   int n_pos0, int head_dim, int window, float scale, float* scores, int scores_stride, float* out,
                   int out_stride) {
   const int n_all = n_pos0 + T - 1;  // positions the last token of the tile sees
   // First position any token of the tile sees; scores start at the 16-aligned block holding it.
   const int lo0 = window > 0 ? std::max(0, n_pos0 - window) : 0;
   const int start = lo0 / 16 * 16;
-  // Whole 16-position blocks, also past n_all where the cache row has room (those scores are never used): every
-  // score then comes from the same vector code whatever the tile, so a prompt matches token-by-token decode exactly.
+  // Whole 16-position blocks, also past n_all (those scores are never used): every score then comes from the same
+  // vector code whatever the tile, so a prompt matches token-by-token decode exactly.
   int full = (n_all + 15) / 16 * 16;
-  if (full > k_t_stride) full -= 16;
+  if (full > k_cap) full -= 16;
   for (int t0 = start; t0 < full; t0 += 16) {
     v16f acc[T][G] = {};
+    const float* kb = k_t + static_cast<int64_t>(t0) * head_dim;  // block t0 / 16: head_dim x 16 floats
     for (int j = 0; j < head_dim; ++j) {
-      const v16f kr = load16(k_t + static_cast<int64_t>(j) * k_t_stride + t0);
+      const v16f kr = load16(kb + 16 * j);
       for (int t = 0; t < T; ++t)
         for (int h = 0; h < G; ++h) acc[t][h] += q[t * q_stride + h * head_dim + j] * kr;
     }
@@ -173,7 +179,7 @@ void attend_group(const float* q, int q_stride, const float* k_t, int k_t_stride
       for (int h = 0; h < G; ++h) {
         float sum = 0.f;
         for (int j = 0; j < head_dim; ++j)
-          sum += q[t * q_stride + h * head_dim + j] * k_t[static_cast<int64_t>(j) * k_t_stride + p];
+          sum += q[t * q_stride + h * head_dim + j] * k_t[static_cast<int64_t>(p / 16) * 16 * head_dim + 16 * j + p % 16];
         scores[(t * G + h) * scores_stride + p] = sum * scale;
       }
   for (int t = 0; t < T; ++t)
@@ -250,7 +256,8 @@ class CpuBackend final : public Backend {
       : s_(spec), w_(w), isa_(cpu::selected_isa()), pool_(n_threads), attn_scale_(spec.attention_scale()) {
     validate_model(s_, w_);
     // calloc: pages of slots and positions never written are never touched (a server's idle slots cost no RSS).
-    cache_elems_ = static_cast<size_t>(s_.n_seq) * s_.n_layers * s_.n_ctx * s_.kv_dim();
+    k_cap_ = (s_.n_ctx + 15) / 16 * 16;
+    cache_elems_ = static_cast<size_t>(s_.n_seq) * s_.n_layers * k_cap_ * s_.kv_dim();
     k_cache_.reset(static_cast<float*>(std::calloc(cache_elems_, sizeof(float))));
     v_cache_.reset(static_cast<float*>(std::calloc(cache_elems_, sizeof(float))));
     if (!k_cache_ || !v_cache_)
@@ -258,9 +265,10 @@ class CpuBackend final : public Backend {
                         std::to_string(2 * cache_elems_ * sizeof(float) >> 20) + " MiB for " +
                         std::to_string(s_.n_seq) + " x " + std::to_string(s_.n_ctx) + " positions)");
     ensure_scratch(1);
+    make_lane_rows();
     if (s_.head_dim % 16 != 0) throw EngineError("cpu backend: head_dim must be a multiple of 16");
     attend_ = attend_fns_for(s_.n_heads / s_.n_kv_heads);
-    scores_.resize(static_cast<size_t>(pool_.size()) * kQueryTile * (s_.n_heads / s_.n_kv_heads) * s_.n_ctx);
+    scores_.resize(static_cast<size_t>(pool_.size()) * kQueryTile * (s_.n_heads / s_.n_kv_heads) * k_cap_);
     // One cos/sin table per distinct (base, scale) among the layers (Gemma 3 has two), shared by the layers using it.
     for (int l = 0; l < s_.n_layers; ++l) {
       const LayerSpec ls = s_.layer(l);
@@ -294,6 +302,48 @@ class CpuBackend final : public Backend {
         t.sin[static_cast<size_t>(pos) * half + i] = static_cast<float>(std::sin(theta));
       }
     return t;
+  }
+
+  // Single-token decode reads the layer matrices the AVX2 lane-row kernel takes (Q4_0) from a repacked copy
+  // (kernels.h): the same results, ~1.2-1.4x the matvec speed. Prompts and batches keep reading the GGUF rows.
+  void make_lane_rows() {
+    size_t total = 0, acts = 0;
+    for (const LayerWeights& L : w_.layers)
+      for (const WeightView* w : {&L.wq, &L.wk, &L.wv, &L.wo, &L.w_gate, &L.w_up, &L.w_down})
+        if (cpu::lane_rows_supported(isa_, w->type) && w->cols % kQuantBlock == 0) {
+          total += (w->rows * w->row_stride() + 63) / 64 * 64;
+          acts = std::max(acts, cpu::lane_acts_bytes(w->cols));
+        }
+    lane_.assign(w_.layers.size(), LaneLayer{});
+    if (total == 0) return;
+    lane_bytes_ = total;
+    lane_store_.reset(static_cast<uint8_t*>(std::aligned_alloc(64, total)));
+    lane_acts_.reset(static_cast<uint8_t*>(std::aligned_alloc(64, (acts + 63) / 64 * 64)));
+    if (!lane_store_ || !lane_acts_) throw EngineError("cpu backend: cannot allocate the repacked Q4_0 rows");
+    uint8_t* at = lane_store_.get();
+    for (size_t l = 0; l < w_.layers.size(); ++l) {
+      const LayerWeights& L = w_.layers[l];
+      const WeightView* src[7] = {&L.wq, &L.wk, &L.wv, &L.wo, &L.w_gate, &L.w_up, &L.w_down};
+      WeightView* dst[7] = {&lane_[l].wq, &lane_[l].wk, &lane_[l].wv, &lane_[l].wo, &lane_[l].gate, &lane_[l].up,
+                            &lane_[l].down};
+      for (int i = 0; i < 7; ++i) {
+        if (!cpu::lane_rows_supported(isa_, src[i]->type) || src[i]->cols % kQuantBlock != 0) continue;
+        cpu::pack_lane_rows(isa_, *src[i], at);
+        *dst[i] = WeightView{src[i]->type, at, src[i]->rows, src[i]->cols};
+        at += (src[i]->rows * src[i]->row_stride() + 63) / 64 * 64;
+      }
+    }
+  }
+
+  // The lane-row view of w for a one-token pass (null when w has none), and the activations it needs packed from xq
+  // (done once here, on the calling thread, for every projection of the region).
+  const WeightView* lane_of(const WeightView& lane, int n) const {
+    return n == 1 && lane.data != nullptr ? &lane : nullptr;
+  }
+  const void* pack_lane_acts(const WeightView* lane, const block_q16_act* xq) {
+    if (lane == nullptr || xq == nullptr) return nullptr;
+    cpu::pack_lane_acts(isa_, xq, lane->cols, lane_acts_.get());
+    return lane_acts_.get();
   }
 
   const char* name() const override { return "cpu"; }
@@ -375,6 +425,7 @@ class CpuBackend final : public Backend {
 
   MemoryInfo memory_info() const override {
     MemoryInfo m;
+    m.weights = lane_bytes_;  // the repacked Q4_0 rows; the GGUF weights themselves are read from the mmap
     m.kv_cache = 2 * cache_elems_ * sizeof(float);
     m.scratch = (x_.size() + xn_.size() + q_.size() + k_.size() + v_.size() + att_.size() + tmp_.size() + gate_.size() +
                  up_.size() + logits_.size() + scores_.size() + batch_logits_.size()) * sizeof(float) +
@@ -467,7 +518,9 @@ class CpuBackend final : public Backend {
           const Projection& p = ps[i];
           const int64_t lo = std::max(b - base, int64_t{0}), hi = std::min(e - base, p.w->rows);
           if (lo < hi) {
-            if (n_tok == 1)
+            if (n_tok == 1 && p.lane != nullptr && p.lane_acts != nullptr)
+              cpu::matvec_lane_rows(isa_, *p.lane, p.lane_acts, p.y, lo, hi);
+            else if (n_tok == 1)
               cpu::matvec(isa_, *p.w, p.x, p.xq, p.y, lo, hi);
             else
               cpu::matmul(isa_, *p.w, p.x, p.xq, n_tok, p.y, p.ldy, lo, hi);
@@ -508,10 +561,15 @@ class CpuBackend final : public Backend {
       const LayerWeights& L = w_.layers[l];
 
       // Attention block.
+      const LaneLayer& LL = lane_[l];
       const block_q16_act* xq = norm_quantize(x_.data(), L.attn_norm, xn_.data(), n, {&L.wq, &L.wk, &L.wv});
-      project({{&L.wq, xn_.data(), xq, q_.data(), qd}, {&L.wk, xn_.data(), xq, k_.data(), kvd},
-               {&L.wv, xn_.data(), xq, v_.data(), kvd}},
-              n);
+      {
+        const WeightView *lq = lane_of(LL.wq, n), *lk = lane_of(LL.wk, n), *lv = lane_of(LL.wv, n);
+        const void* la = pack_lane_acts(lq ? lq : lk ? lk : lv, xq);
+        project({{&L.wq, xn_.data(), xq, q_.data(), qd, lq, la}, {&L.wk, xn_.data(), xq, k_.data(), kvd, lk, la},
+                 {&L.wv, xn_.data(), xq, v_.data(), kvd, lv, la}},
+                n);
+      }
       const RopeTable& rt = rope_tables_[layer_rope_[l]];
       const LayerSpec ls = s_.layer(l);
       const int group = s_.n_heads / s_.n_kv_heads;
@@ -534,7 +592,9 @@ class CpuBackend final : public Backend {
         rope_from_table(qt + q0, (h1 - h0) * group, hd, s_.rope_style, cs, sn);
         rope_from_table(kt + k0, h1 - h0, hd, s_.rope_style, cs, sn);
         float* kc = k_layer(row_slot_[t], l);
-        for (int i = k0; i < k1; ++i) kc[static_cast<size_t>(i) * s_.n_ctx + pos] = kt[i];
+        for (int i = k0; i < k1; ++i)  // KV head i / hd, dim i % hd, in the 16-position block of pos
+          kc[static_cast<size_t>(i / hd) * hd * k_cap_ + static_cast<size_t>(pos / 16) * 16 * hd + 16 * (i % hd) + pos % 16] =
+              kt[i];
         std::memcpy(v_layer(row_slot_[t], l) + static_cast<size_t>(pos) * kvd + k0, vt + k0, (k1 - k0) * sizeof(float));
       };
       // A batch (every row in its own slot) prepares each (row, KV head) inside its attention job; rows of one slot
@@ -554,29 +614,37 @@ class CpuBackend final : public Backend {
       const int jobs = static_cast<int>(tiles_.size()) * s_.n_kv_heads;
       std::atomic<int> next_job{0};
       pool_.parallel([&](int ti, int) {
-        float* scores = scores_.data() + static_cast<size_t>(ti) * kQueryTile * group * s_.n_ctx;
+        float* scores = scores_.data() + static_cast<size_t>(ti) * kQueryTile * group * k_cap_;
         for (int j; (j = next_job.fetch_add(1, std::memory_order_relaxed)) < jobs;) {
           const int kvh = j % s_.n_kv_heads;
           const Tile tile = tiles_[j / s_.n_kv_heads];
           if (own_slots) prepare(tile.row, kvh, kvh + 1);
-          const float* kt = k_layer(row_slot_[tile.row], l) + static_cast<size_t>(kvh) * hd * s_.n_ctx;
+          const float* kt = k_layer(row_slot_[tile.row], l) + static_cast<size_t>(kvh) * hd * k_cap_;
           const float* vc = v_layer(row_slot_[tile.row], l);
           for (int t = tile.row; t < tile.row + tile.count;) {
             const bool whole = t + kQueryTile <= tile.row + tile.count;
-            (whole ? attend_.tile : attend_.one)(&q_[t * qd + kvh * group * hd], qd, kt, s_.n_ctx, vc + kvh * hd, kvd,
-                                                 row_pos_[t] + 1, hd, ls.window, attn_scale_, scores, s_.n_ctx,
+            (whole ? attend_.tile : attend_.one)(&q_[t * qd + kvh * group * hd], qd, kt, k_cap_, vc + kvh * hd, kvd,
+                                                 row_pos_[t] + 1, hd, ls.window, attn_scale_, scores, k_cap_,
                                                  &att_[t * qd + kvh * group * hd], qd);
             t += whole ? kQueryTile : 1;
           }
         }
       });
       const block_q16_act* aq = quantize_if_needed(att_.data(), n, qd, {&L.wo});
-      project({{&L.wo, att_.data(), aq, tmp_.data(), d}}, n);
+      {
+        const WeightView* lo = lane_of(LL.wo, n);
+        project({{&L.wo, att_.data(), aq, tmp_.data(), d, lo, pack_lane_acts(lo, aq)}}, n);
+      }
       add_residual(x_.data(), tmp_.data(), L.post_attn_norm, n);
 
       // Feed-forward block: down(act(gate x) * up x), then the post-FFN norm where the architecture has one.
       const block_q16_act* fq = norm_quantize(x_.data(), L.ffn_norm, xn_.data(), n, {&L.w_gate, &L.w_up});
-      project({{&L.w_gate, xn_.data(), fq, gate_.data(), ff}, {&L.w_up, xn_.data(), fq, up_.data(), ff}}, n);
+      {
+        const WeightView *lg = lane_of(LL.gate, n), *lu = lane_of(LL.up, n);
+        const void* la = pack_lane_acts(lg ? lg : lu, fq);
+        project({{&L.w_gate, xn_.data(), fq, gate_.data(), ff, lg, la}, {&L.w_up, xn_.data(), fq, up_.data(), ff, lu, la}},
+                n);
+      }
       const bool down_quant = needs_quantized({&L.w_down});
       for_tokens(n, [&](int b, int e) {  // the activation, then the down projection's int16 activations
         float* g = &gate_[static_cast<int64_t>(b) * ff];
@@ -588,7 +656,10 @@ class CpuBackend final : public Backend {
             cpu::quantize_acts(isa_, &gate_[static_cast<int64_t>(t) * ff], ff, xq_.data() + t * (ff / 32));
       });
       const block_q16_act* hq = down_quant ? xq_.data() : nullptr;
-      project({{&L.w_down, gate_.data(), hq, tmp_.data(), d}}, n);
+      {
+        const WeightView* ld = lane_of(LL.down, n);
+        project({{&L.w_down, gate_.data(), hq, tmp_.data(), d, ld, pack_lane_acts(ld, hq)}}, n);
+      }
       add_residual(x_.data(), tmp_.data(), L.post_ffn_norm, n);
       if (hidden_out_) std::memcpy(hidden_out_ + static_cast<size_t>(l + 1) * d, x_.data(), d * sizeof(float));
     }
@@ -615,12 +686,12 @@ class CpuBackend final : public Backend {
     return true;
   }
 
-  // Layer l of slot s: K [kv_head][head_dim][n_ctx] (transposed, see attend_group), V [n_ctx][kv_dim].
+  // Layer l of slot s: K [kv_head][k_cap / 16][head_dim][16] (transposed by blocks, see attend_group), V [n_ctx][kv_dim].
   float* k_layer(int slot, int l) const {
-    return k_cache_.get() + (static_cast<size_t>(slot) * s_.n_layers + l) * s_.n_ctx * s_.kv_dim();
+    return k_cache_.get() + (static_cast<size_t>(slot) * s_.n_layers + l) * k_cap_ * s_.kv_dim();
   }
   float* v_layer(int slot, int l) const {
-    return v_cache_.get() + (static_cast<size_t>(slot) * s_.n_layers + l) * s_.n_ctx * s_.kv_dim();
+    return v_cache_.get() + (static_cast<size_t>(slot) * s_.n_layers + l) * k_cap_ * s_.kv_dim();
   }
 
   struct FreeDeleter {
@@ -629,12 +700,19 @@ class CpuBackend final : public Backend {
   struct Tile {
     int row, count;
   };
+  struct LaneLayer {  // a layer's matrices as lane rows (data null where the layer's type has none)
+    WeightView wq, wk, wv, wo, gate, up, down;
+  };
+  struct ByteFreeDeleter {
+    void operator()(uint8_t* p) const { std::free(p); }
+  };
 
   ModelSpec s_;
   ModelWeights w_;
   Isa isa_;
   cpu::ThreadPool pool_;
-  size_t cache_elems_ = 0;  // per cache (K or V): n_seq x n_layers x n_ctx x kv_dim floats
+  size_t k_cap_ = 0;        // positions per (slot, layer) in the caches: n_ctx rounded up to 16
+  size_t cache_elems_ = 0;  // per cache (K or V): n_seq x n_layers x k_cap_ x kv_dim floats
   std::unique_ptr<float[], FreeDeleter> k_cache_, v_cache_;
   std::vector<int32_t> row_slot_, row_pos_;  // run_chunk's rows
   std::vector<Tile> tiles_;
@@ -645,6 +723,9 @@ class CpuBackend final : public Backend {
   std::vector<int> layer_rope_;  // index into rope_tables_ per layer
   std::vector<block_q16_act> xq_;
   float* hidden_out_ = nullptr;
+  std::vector<LaneLayer> lane_;
+  std::unique_ptr<uint8_t[], ByteFreeDeleter> lane_store_, lane_acts_;
+  size_t lane_bytes_ = 0;
   AttendFns attend_;
   float attn_scale_;
 };

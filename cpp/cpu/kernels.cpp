@@ -153,4 +153,44 @@ void matmul(Isa isa, const WeightView& w, const float* X, const block_q16_act* X
   }
 }
 
+bool lane_rows_supported(Isa isa, GgmlType type) {
+#ifdef METALATTN_X86
+  return isa == Isa::Avx2 && type == GgmlType::Q4_0 && isa_supported(isa);
+#else
+  return false;
+#endif
+}
+
+void pack_lane_rows(Isa isa, const WeightView& w, uint8_t* out) {
+  if (!lane_rows_supported(isa, w.type) || w.cols % kQuantBlock != 0)
+    throw EngineError("pack_lane_rows: needs the AVX2 ISA and Q4_0 rows of whole blocks");
+#ifdef METALATTN_X86
+  avx2::pack_lane_rows(w, out);
+#endif
+}
+
+size_t lane_acts_bytes(int64_t cols) {
+#ifdef METALATTN_X86
+  return avx2::lane_acts_bytes(cols);
+#else
+  return 0;
+#endif
+}
+
+void pack_lane_acts(Isa isa, const block_q16_act* xq, int64_t cols, void* out) {
+  if (!lane_rows_supported(isa, GgmlType::Q4_0) || cols % kQuantBlock != 0)
+    throw EngineError("pack_lane_acts: needs the AVX2 ISA and whole blocks");
+#ifdef METALATTN_X86
+  avx2::pack_lane_acts(xq, cols, out);
+#endif
+}
+
+void matvec_lane_rows(Isa isa, const WeightView& packed, const void* acts, float* y, int64_t r0, int64_t r1) {
+  if (!lane_rows_supported(isa, packed.type)) throw EngineError("matvec_lane_rows: needs the AVX2 ISA and Q4_0");
+  if (r0 < 0 || r1 > packed.rows || r0 > r1) throw EngineError("matvec_lane_rows: row range out of bounds");
+#ifdef METALATTN_X86
+  avx2::matvec_lane_rows(packed, acts, y, r0, r1);
+#endif
+}
+
 }  // namespace metalattn::cpu

@@ -41,4 +41,19 @@ void matvec(Isa isa, const WeightView& w, const float* x, const block_q16_act* x
 void matmul(Isa isa, const WeightView& w, const float* X, const block_q16_act* Xq, int n_tok, float* Y, int64_t ldy,
             int64_t r0, int64_t r1);
 
+// Lane rows: Q4_0 matrices repacked once for the AVX2 single-token matvec, the decode path's hottest loop. Each full
+// group of 8 blocks of a row becomes its 8 fp16 scales in the group tiles' lane order followed by 4 x 32 bytes whose
+// 32-bit lane L holds 4 quant bytes of block kLaneBlock[L] (the same 144 bytes); a row's partial last group stays in
+// GGUF order. So every block's integer sum lands in its own lane without the group tiles' lane folds, scale gathers
+// and 128-bit inserts, and the float operations per row are exactly the group tiles' (matvec_lane_rows gives the
+// bits matvec gives on the GGUF rows). The activations are packed once per input vector (pack_lane_acts).
+bool lane_rows_supported(Isa isa, GgmlType type);  // AVX2 and Q4_0
+// out: w.rows * w.row_stride() bytes, the repacked rows (w.cols % 32 == 0).
+void pack_lane_rows(Isa isa, const WeightView& w, uint8_t* out);
+size_t lane_acts_bytes(int64_t cols);
+// out: lane_acts_bytes(cols) bytes, 32-byte aligned; xq: cols / 32 blocks of one token.
+void pack_lane_acts(Isa isa, const block_q16_act* xq, int64_t cols, void* out);
+// y[r] = w[r,:] . x for r in [r0, r1), `packed` viewing pack_lane_rows' output, acts from pack_lane_acts(quantize(x)).
+void matvec_lane_rows(Isa isa, const WeightView& packed, const void* acts, float* y, int64_t r0, int64_t r1);
+
 }  // namespace metalattn::cpu

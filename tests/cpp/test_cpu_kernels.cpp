@@ -491,6 +491,70 @@ TEST_P(QuantTypes, MatmulEqualsPerTokenMatvec) {
   }
 }
 
+// Lane rows (kernels.h: Q4_0 repacked for the AVX2 single-token matvec) at every model shape and a few odd ones: the
+// reference on the same int16 activations within float rounding, and bit for bit what matvec gives on the GGUF
+// rows (so decode, prompts and batch rows keep agreeing), full range and a mid-matrix range, nothing written
+// outside it.
+TEST(LaneRows, MatchMatvecAndReferenceAtModelShapes) {
+  if (!lane_rows_supported(Isa::Avx2, GgmlType::Q4_0)) GTEST_SKIP() << "no AVX2 here";
+  const Isa isa = Isa::Avx2;
+  std::vector<std::array<int64_t, 2>> shapes = model_shapes(GgmlType::Q4_0);
+  for (const auto& odd : std::vector<std::array<int64_t, 2>>{{7, 32}, {13, 96}, {37, 224}, {5, 256}, {9, 4864}})
+    shapes.push_back(odd);
+  uint32_t seed = 900;
+  for (const auto& s : shapes) {
+    const int64_t rows = s[0], cols = s[1];
+    SCOPED_TRACE(testing::Message() << "Q4_0 " << rows << "x" << cols);
+    const Matrix m = random_matrix(GgmlType::Q4_0, rows, cols, seed += 13);
+    const std::vector<float> x = random_acts(cols, seed + 1);
+    std::vector<block_q16_act> xq(cols / 32);
+    quantize_acts(isa, x.data(), cols, xq.data());
+    std::vector<float> ref_yhat(rows);
+    const std::vector<float> xhat = dequantize_acts(xq);
+    ref::matvec(m.view, xhat.data(), ref_yhat.data(), 0, rows);
+    const RowBudget budget = row_budget(m.view, x.data(), &xq, 0, rows);
+    std::vector<float> y(rows);
+    matvec(isa, m.view, x.data(), xq.data(), y.data(), 0, rows);
+
+    std::vector<uint8_t> packed(rows * m.view.row_stride());
+    pack_lane_rows(isa, m.view, packed.data());
+    const WeightView pv{GgmlType::Q4_0, packed.data(), rows, cols};
+    std::vector<uint8_t> acts_buf(lane_acts_bytes(cols) + 32);
+    void* acts = acts_buf.data() + (32 - reinterpret_cast<uintptr_t>(acts_buf.data()) % 32) % 32;
+    pack_lane_acts(isa, xq.data(), cols, acts);
+
+    constexpr int kGuard = 4;
+    std::vector<float> buf(rows + 2 * kGuard, kPoison);
+    float* yl = buf.data() + kGuard;
+    matvec_lane_rows(isa, pv, acts, yl, 0, rows);
+    for (int i = 0; i < kGuard; ++i) {
+      ASSERT_TRUE(is_poison(buf[i])) << "write before y";
+      ASSERT_TRUE(is_poison(buf[kGuard + rows + i])) << "write past y";
+    }
+    for (int64_t r = 0; r < rows; ++r) {
+      const double float_tol = 1e-5 * budget.mag[r] + 1e-30;
+      ASSERT_LE(std::fabs(static_cast<double>(yl[r]) - ref_yhat[r]), float_tol) << "row " << r << " vs reference";
+      ASSERT_TRUE(same_bits(yl[r], y[r])) << "row " << r << ": " << yl[r] << " vs matvec " << y[r];
+    }
+    const int64_t r0 = rows / 3 + 1, r1 = 2 * rows / 3 + 3 < rows ? 2 * rows / 3 + 3 : rows;
+    std::vector<float> part(rows, kPoison);
+    matvec_lane_rows(isa, pv, acts, part.data(), r0, r1);
+    for (int64_t r = 0; r < rows; ++r) {
+      if (r >= r0 && r < r1) {
+        ASSERT_TRUE(same_bits(part[r], y[r])) << "row " << r << " differs in a partial range";
+      } else {
+        ASSERT_TRUE(is_poison(part[r])) << "row " << r << " written outside [" << r0 << ", " << r1 << ")";
+      }
+    }
+  }
+}
+
+TEST(LaneRows, OnlyAvx2Q4_0) {
+  EXPECT_FALSE(lane_rows_supported(Isa::Scalar, GgmlType::Q4_0));
+  EXPECT_FALSE(lane_rows_supported(Isa::Avx512, GgmlType::Q4_0));
+  EXPECT_FALSE(lane_rows_supported(Isa::Avx2, GgmlType::Q4_1));
+}
+
 INSTANTIATE_TEST_SUITE_P(AllTypes, QuantTypes,
                          ::testing::Values(GgmlType::Q4_0, GgmlType::Q4_1, GgmlType::Q8_0, GgmlType::F32,
                                            GgmlType::F16, GgmlType::BF16, GgmlType::Q5_0, GgmlType::Q5_1,
