@@ -225,8 +225,8 @@ class Model:
             return self._engine.pos
 
     def memory_info(self) -> dict:
-        """Bytes the backend holds, by kind: weights (device copies; 0 on the CPU, which reads the mmap),
-        kv_cache, scratch."""
+        """Bytes the backend holds, by kind: weights (device copies on CUDA; on the CPU, which reads the mmap, only
+        the copies it repacks, e.g. Q4_0 layers on AVX2), kv_cache, scratch."""
         with self.lock:
             return dict(self._engine.memory_info())
 

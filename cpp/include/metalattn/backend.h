@@ -15,7 +15,7 @@ struct ArgmaxResult {
 };
 
 struct MemoryInfo {
-  size_t weights = 0;  // bytes the backend holds for weights (0 for the CPU: it reads the mmap)
+  size_t weights = 0;  // bytes the backend holds for weights beyond the file's mmap (CPU: repacked copies only)
   size_t kv_cache = 0;
   size_t scratch = 0;  // activations, logits, staging
 };
