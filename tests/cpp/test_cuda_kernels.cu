@@ -30,6 +30,13 @@ bool gpu_available() {
 #define REQUIRE_GPU() \
   if (!gpu_available()) GTEST_SKIP() << "no CUDA device present (cudaGetDeviceCount reports none)"
 
+// METALATTN_TEST_QUICK=1 (set by benchmarks/device/sanitize.sh for the slow race checker): the tests that honour it
+// run fewer cases or smaller models through the same kernels.
+bool quick_mode() {
+  const char* v = std::getenv("METALATTN_TEST_QUICK");
+  return v != nullptr && std::strcmp(v, "1") == 0;
+}
+
 std::mt19937& rng() {
   static std::mt19937 g([] {
     const unsigned seed = std::random_device{}();
@@ -425,8 +432,7 @@ TEST(CudaFused, NormQkvRopeAndCacheAppend) {
 // themselves. METALATTN_TEST_QUICK=1 (for the slow race checker) keeps SmolLM2's heads and a few cases.
 TEST(CudaFused, DecodeAttentionSinglePassAndSplit) {
   REQUIRE_GPU();
-  const char* quick_env = std::getenv("METALATTN_TEST_QUICK");
-  const bool quick = quick_env != nullptr && std::strcmp(quick_env, "1") == 0;
+  const bool quick = quick_mode();
   struct Shape {
     int n_heads, n_kv, hd;
   };
@@ -1085,8 +1091,7 @@ TEST(CudaPrompt, MmaProjectionsMatchReferenceAtEveryShape) {
                         {40, 160, PromptMmaOut::AddResidual, true}};
   // METALATTN_TEST_QUICK=1 (for the slow race checker): Q4_1 (the type with the most shared-memory traffic) and two
   // token counts.
-  const char* quick_env = std::getenv("METALATTN_TEST_QUICK");
-  const bool quick = quick_env != nullptr && std::strcmp(quick_env, "0") != 0;
+  const bool quick = quick_mode();
   for (GgmlType type : {GgmlType::Q4_0, GgmlType::Q4_1, GgmlType::Q8_0}) {
     if (quick && type != GgmlType::Q4_1) continue;
     for (const Case& cs : cases) {
@@ -1427,8 +1432,7 @@ TEST_P(CudaBackendPrompt, MatchesTokenByTokenDecode) {
   REQUIRE_GPU();
   // METALATTN_TEST_QUICK=1 (for the slow race checker): 2 layers instead of 30 and a 4096-token vocabulary. The
   // kernels are the same; the layers only repeat them, and the lm_head's rows only lengthen its loop.
-  const char* quick_env = std::getenv("METALATTN_TEST_QUICK");
-  const bool quick = quick_env != nullptr && std::string(quick_env) == "1";
+  const bool quick = quick_mode();
   auto m = make_model(quick ? 2 : 30, quick ? 4096 : 49152, 2048, GgmlType::Q4_0, GgmlType::Q8_0);
   auto be = make_cuda_backend(m->spec, m->w, false);
   const int V = m->spec.vocab;
@@ -1621,8 +1625,7 @@ TEST(CudaBackend, DecodeMatchesReferenceForEachLayerTypeAndOddCapacity) {
   };
   // METALATTN_TEST_QUICK=1 (for the slow race checker): Q4_0 only (the other types' decode kernels run under it in
   // CudaMatvec and CudaFused), across the same attention switch-over and odd capacity.
-  const char* quick_env = std::getenv("METALATTN_TEST_QUICK");
-  const bool quick = quick_env != nullptr && std::string(quick_env) == "1";
+  const bool quick = quick_mode();
   std::vector<Case> cases = {Case{GgmlType::Q4_0, 264}, Case{GgmlType::Q4_1, 264}, Case{GgmlType::Q8_0, 264},
                              Case{GgmlType::Q4_0, 41}};
   if (quick) cases = {Case{GgmlType::Q4_0, 264}, Case{GgmlType::Q4_0, 41}};
