@@ -24,7 +24,7 @@ for pdl in 1 0; do
   METALATTN_CUDA_PDL=$pdl timeout 280 "$BIN" --gtest_filter="$TEST" --gtest_repeat="$REPEATS" > "$log" 2>&1
   echo "PDL=$pdl (rc $?): $(grep -c '^\[       OK \]' "$log") passed, $(grep -c '^\[  FAILED  \] [A-Z]' "$log") failed"
   # The failing assertions and their traces (which row, which start position), counted.
-  grep -E "^Expected|actual:|Google Test trace|all_logits row [0-9]+$|tokens at [0-9]+$" "$log" | grep -vE "^Google" \
+  grep -E "^Expected|actual:|Google Test trace|all_logits row [0-9]+:|decode at [0-9]+$|tokens at [0-9]+$" "$log" | grep -vE "^Google" \
     | sed -E 's/actual: [0-9.e-]+ vs/actual: X vs/' | sort | uniq -c | sort -rn | head -12
 done
 echo "total $(( $(date +%s) - t0 )) s"
