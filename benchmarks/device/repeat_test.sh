@@ -21,7 +21,7 @@ if [ -z "$BIN" ]; then
 fi
 for pdl in 1 0; do
   log="$OUT/repeat_pdl$pdl.log"
-  METALATTN_CUDA_PDL=$pdl timeout 280 "$BIN" --gtest_filter="$TEST" --gtest_repeat="$REPEATS" > "$log" 2>&1
+  METALATTN_CUDA_PDL=$pdl timeout "${REPEAT_TIMEOUT:-280}" "$BIN" --gtest_filter="$TEST" --gtest_repeat="$REPEATS" > "$log" 2>&1
   echo "PDL=$pdl (rc $?): $(grep -c '^\[       OK \]' "$log") passed, $(grep -c '^\[  FAILED  \] [A-Z]' "$log") failed"
   # The failing assertions and their traces (which row, which start position), counted.
   grep -E "^Expected|actual:|Google Test trace|all_logits row [0-9]+:|decode at [0-9]+$|tokens at [0-9]+$" "$log" | grep -vE "^Google" \
