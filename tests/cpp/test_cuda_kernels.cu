@@ -11,6 +11,7 @@
 #include <limits>
 #include <memory>
 #include <random>
+#include <string>
 #include <vector>
 
 #include "cpu/reference.h"
@@ -1531,6 +1532,65 @@ TEST(CudaBackend, PromptGraphReplayAtNewStartPositions) {
     }
     std::printf("[ replay at %d: rel L2 last %.2e, worst all_logits row %.2e (row %d) ]\n", p0,
                 rel_l2(last, dec[p0 + 31]), worst, worst_t);
+  }
+}
+
+// Replays of one 32-token prompt over the same cache are bit-identical, and so are repeated decode steps at one
+// position: neither path has a data-dependent reduction order, so any difference is a race or a read of memory
+// that nothing wrote. Each launch mode separately: graph with and without programmatic launch, and debug mode
+// (eager launches). PromptGraphReplayAtNewStartPositions failed intermittently in one row of such a prompt.
+TEST(CudaBackend, PromptAndDecodeReplaysAreBitIdentical) {
+  REQUIRE_GPU();
+  auto m = make_model(4, 2048, 256, GgmlType::Q4_0, GgmlType::Q8_0);
+  const int V = m->spec.vocab, p0 = 72, n = 32;
+  const std::vector<int32_t> toks = random_tokens(p0 + n, V);
+  const int reps = quick_mode() ? 20 : 300;
+  struct Mode {
+    const char* name;
+    bool debug;
+    const char* pdl;
+  };
+  for (const Mode mode : {Mode{"graph, PDL", false, "1"}, Mode{"graph, no PDL", false, "0"},
+                          Mode{"debug mode (eager)", true, "1"}}) {
+    SCOPED_TRACE(mode.name);
+    setenv("METALATTN_CUDA_PDL", mode.pdl, 1);
+    auto be = make_cuda_backend(m->spec, m->w, mode.debug);
+    unsetenv("METALATTN_CUDA_PDL");
+    std::vector<float> dec_first(V), dec(V);
+    for (int p = 0; p < p0; ++p) be->forward_token(toks[p], p, dec_first.data());
+    const size_t all_n = static_cast<size_t>(n) * V;
+    std::vector<float> first(all_n, NAN), all(all_n);
+    be->forward_prompt(toks.data() + p0, n, p0, nullptr, first.data());
+    int bad_prompts = 0, bad_decodes = 0;
+    std::vector<int> bad_rows(n, 0);
+    double worst = 0;
+    for (int r = 0; r < reps; ++r) {
+      std::fill(all.begin(), all.end(), NAN);
+      be->forward_prompt(toks.data() + p0, n, p0, nullptr, all.data());
+      bool bad = false;
+      for (int t = 0; t < n; ++t) {
+        const size_t o = static_cast<size_t>(t) * V;
+        if (std::memcmp(all.data() + o, first.data() + o, V * sizeof(float)) == 0) continue;
+        bad = true;
+        ++bad_rows[t];
+        worst = std::max(worst, rel_l2(std::vector<float>(all.begin() + o, all.begin() + o + V),
+                                       std::vector<float>(first.begin() + o, first.begin() + o + V)));
+      }
+      bad_prompts += bad;
+    }
+    // Decode at p0 - 1 again and again (it rewrites that cache row with the same values).
+    for (int r = 0; r < reps; ++r) {
+      std::fill(dec.begin(), dec.end(), NAN);
+      be->forward_token(toks[p0 - 1], p0 - 1, dec.data());
+      bad_decodes += std::memcmp(dec.data(), dec_first.data(), V * sizeof(float)) != 0;
+    }
+    std::string rows;
+    for (int t = 0; t < n; ++t)
+      if (bad_rows[t] > 0) rows += " " + std::to_string(t) + "x" + std::to_string(bad_rows[t]);
+    std::printf("[ %s: %d of %d prompt replays differ from the first (rows:%s; worst rel L2 %.2e), %d of %d decode steps ]\n",
+                mode.name, bad_prompts, reps, rows.empty() ? " none" : rows.c_str(), worst, bad_decodes, reps);
+    EXPECT_EQ(bad_prompts, 0) << "rows (row x times):" << rows << ", worst rel L2 " << worst;
+    EXPECT_EQ(bad_decodes, 0);
   }
 }
 
