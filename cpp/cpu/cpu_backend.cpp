@@ -8,6 +8,7 @@
 #include <cstring>
 #include <memory>
 #include <string>
+#include <unordered_map>
 #include <vector>
 
 #include "cpu/kernels.h"
@@ -268,6 +269,7 @@ class CpuBackend final : public Backend {
                         std::to_string(s_.n_seq) + " x " + std::to_string(s_.n_ctx) + " positions)");
     ensure_scratch(1);
     make_lane_rows();
+    make_slot_rows();
     if (s_.head_dim % 16 != 0) throw EngineError("cpu backend: head_dim must be a multiple of 16");
     attend_ = attend_fns_for(s_.n_heads / s_.n_kv_heads);
     scores_.resize(static_cast<size_t>(pool_.size()) * kQueryTile * (s_.n_heads / s_.n_kv_heads) * k_cap_);
@@ -335,6 +337,40 @@ class CpuBackend final : public Backend {
         at += (src[i]->rows * src[i]->row_stride() + 63) / 64 * 64;
       }
     }
+  }
+
+  // Batched decode steps (8+ rows) and prompts on AVX-512 read the Q4_0 / Q4_1 / Q8_0 matrices (the layers and the
+  // lm_head) from a repacked copy, slot rows (kernels.h): the same results as the GGUF rows, whose decode took ~40%
+  // of the 8-token matmuls. Single tokens keep reading the GGUF rows (the group tiles stream them faster).
+  void make_slot_rows() {
+    std::vector<const WeightView*> src;
+    for (const LayerWeights& L : w_.layers)
+      for (const WeightView* w : {&L.wq, &L.wk, &L.wv, &L.wo, &L.w_gate, &L.w_up, &L.w_down}) src.push_back(w);
+    src.push_back(&w_.output);
+    size_t total = 0;
+    for (const WeightView* w : src)
+      if (cpu::slot_rows_supported(isa_, *w) && slot_.count(w->data) == 0) {
+        slot_[w->data] = WeightView{};  // placeholder: a matrix shared by two views is packed once
+        total += (w->rows * w->row_stride() + 63) / 64 * 64;
+      }
+    if (total == 0) return;
+    slot_bytes_ = total;
+    slot_store_.reset(static_cast<uint8_t*>(std::aligned_alloc(64, total)));
+    if (!slot_store_) throw EngineError("cpu backend: cannot allocate the repacked slot rows");
+    uint8_t* at = slot_store_.get();
+    for (const WeightView* w : src) {
+      auto it = slot_.find(w->data);
+      if (it == slot_.end() || it->second.data != nullptr) continue;
+      cpu::pack_slot_rows(isa_, *w, at);
+      it->second = WeightView{w->type, at, w->rows, w->cols};
+      at += (w->rows * w->row_stride() + 63) / 64 * 64;
+    }
+  }
+  // The slot-row view of w for an n-row pass (null for fewer than kSlotMinTokens rows or where w has none).
+  const WeightView* slot_of(const WeightView& w, int n) const {
+    if (n < cpu::kSlotMinTokens || slot_.empty()) return nullptr;
+    const auto it = slot_.find(w.data);
+    return it == slot_.end() ? nullptr : &it->second;
   }
 
   // The lane-row view of w for a one-token pass (null when w has none), and the activations it needs packed from xq
@@ -427,7 +463,7 @@ class CpuBackend final : public Backend {
 
   MemoryInfo memory_info() const override {
     MemoryInfo m;
-    m.weights = lane_bytes_;  // the repacked Q4_0 rows; the GGUF weights themselves are read from the mmap
+    m.weights = lane_bytes_ + slot_bytes_;  // the repacked rows; the GGUF weights themselves are read from the mmap
     m.kv_cache = 2 * cache_elems_ * sizeof(float);
     m.scratch = (x_.size() + xn_.size() + q_.size() + k_.size() + v_.size() + att_.size() + tmp_.size() + gate_.size() +
                  up_.size() + logits_.size() + scores_.size() + batch_logits_.size()) * sizeof(float) +
@@ -507,7 +543,11 @@ class CpuBackend final : public Backend {
     const Projection* ps = list.begin();
     const int count = static_cast<int>(list.size());
     int64_t total = 0;
-    for (int i = 0; i < count; ++i) total += ps[i].w->rows;
+    const WeightView* slot[8] = {};
+    for (int i = 0; i < count; ++i) {
+      total += ps[i].w->rows;
+      if (i < 8 && ps[i].xq != nullptr) slot[i] = slot_of(*ps[i].w, n_tok);
+    }
     const int64_t chunk = row_chunk(total, pool_.size(), n_tok);
     std::atomic<int64_t> next{0};
     pool_.parallel([&](int, int) {
@@ -522,6 +562,8 @@ class CpuBackend final : public Backend {
           if (lo < hi) {
             if (n_tok == 1 && p.lane != nullptr && p.lane_acts != nullptr)
               cpu::matvec_lane_rows(isa_, *p.lane, p.lane_acts, p.y, lo, hi);
+            else if (i < 8 && slot[i] != nullptr)
+              cpu::matmul_slot_rows(isa_, *slot[i], p.xq, n_tok, p.y, p.ldy, lo, hi);
             else if (n_tok == 1)
               cpu::matvec(isa_, *p.w, p.x, p.xq, p.y, lo, hi);
             else
@@ -728,6 +770,9 @@ class CpuBackend final : public Backend {
   std::vector<LaneLayer> lane_;
   std::unique_ptr<uint8_t[], ByteFreeDeleter> lane_store_, lane_acts_;
   size_t lane_bytes_ = 0;
+  std::unordered_map<const void*, WeightView> slot_;  // slot rows by the GGUF matrix's data pointer
+  std::unique_ptr<uint8_t[], ByteFreeDeleter> slot_store_;
+  size_t slot_bytes_ = 0;
   AttendFns attend_;
   float attn_scale_;
 };

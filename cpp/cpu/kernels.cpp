@@ -193,4 +193,33 @@ void matvec_lane_rows(Isa isa, const WeightView& packed, const void* acts, float
 #endif
 }
 
+bool slot_rows_supported(Isa isa, const WeightView& w) {
+#ifdef METALATTN_X86
+  const bool type = w.type == GgmlType::Q4_0 || w.type == GgmlType::Q4_1 || w.type == GgmlType::Q8_0;
+  return (isa == Isa::Avx512 || isa == Isa::Avx2) && isa_supported(isa) && type && w.cols % (2 * kQuantBlock) == 0;
+#else
+  return false;
+#endif
+}
+
+void pack_slot_rows(Isa isa, const WeightView& w, uint8_t* out) {
+  if (!slot_rows_supported(isa, w))
+    throw EngineError("pack_slot_rows: needs a SIMD ISA and Q4_0 / Q4_1 / Q8_0 rows of an even number of blocks");
+#ifdef METALATTN_X86
+  avx2::pack_slot_rows(w, out);  // the same bytes for both ISAs
+#endif
+}
+
+void matmul_slot_rows(Isa isa, const WeightView& packed, const block_q16_act* Xq, int n_tok, float* Y, int64_t ldy,
+                      int64_t r0, int64_t r1) {
+  if (!slot_rows_supported(isa, packed)) throw EngineError("matmul_slot_rows: needs a SIMD ISA and a slot-row type");
+  if (r0 < 0 || r1 > packed.rows || r0 > r1) throw EngineError("matmul_slot_rows: row range out of bounds");
+  if (Xq == nullptr) throw EngineError("matmul_slot_rows: needs the quantized activations");
+  if (n_tok <= 0) return;
+#ifdef METALATTN_X86
+  if (isa == Isa::Avx512) return avx512::matmul_slot_rows(packed, Xq, n_tok, Y, ldy, r0, r1);
+  avx2::matmul_slot_rows(packed, Xq, n_tok, Y, ldy, r0, r1);
+#endif
+}
+
 }  // namespace metalattn::cpu

@@ -56,4 +56,17 @@ void pack_lane_acts(Isa isa, const block_q16_act* xq, int64_t cols, void* out);
 // y[r] = w[r,:] . x for r in [r0, r1), `packed` viewing pack_lane_rows' output, acts from pack_lane_acts(quantize(x)).
 void matvec_lane_rows(Isa isa, const WeightView& packed, const void* acts, float* y, int64_t r0, int64_t r1);
 
+// Slot rows: Q4_0 / Q4_1 / Q8_0 matrices repacked once for the 8-token tiles (slot_tiles.h) that batched
+// decode steps (8+ rows) and prompts run: each row as its fp16 scales, its fp16 mins (Q4_1), then its quant bytes with
+// the 16-bit words of each pair of blocks interleaved (the same number of bytes as the GGUF row). The tiles give the
+// bits matvec and matmul give on the GGUF rows (the group tiles' integer block sums and float operations).
+constexpr int kSlotMinTokens = 8;  // fewer tokens: matvec / matmul on the GGUF rows are faster
+bool slot_rows_supported(Isa isa, const WeightView& w);  // AVX-512, AVX2; Q4_0, Q4_1, Q8_0; even blocks a row
+// out: w.rows * w.row_stride() bytes.
+void pack_slot_rows(Isa isa, const WeightView& w, uint8_t* out);
+// Y[t*ldy + r] = w[r,:] . X_t for t < n_tok, r in [r0, r1), `packed` viewing pack_slot_rows' output (type, rows and
+// cols of w), Xq: n_tok rows of w.cols/32 blocks.
+void matmul_slot_rows(Isa isa, const WeightView& packed, const block_q16_act* Xq, int n_tok, float* Y, int64_t ldy,
+                      int64_t r0, int64_t r1);
+
 }  // namespace metalattn::cpu

@@ -15,6 +15,15 @@ namespace metalattn::cpu::avx2 {
 #define MA_GROUP_TILES_VNNI 0
 #include "group_tiles.h"
 #include "token_tiles.h"
+namespace slots {
+#include "slot_tiles.h"
+}  // namespace slots
+
+void pack_slot_rows(const WeightView& w, uint8_t* out) { slots::pack_slot_rows(w, out); }
+void matmul_slot_rows(const WeightView& packed, const block_q16_act* Xq, int n_tok, float* Y, int64_t ldy, int64_t r0,
+                      int64_t r1) {
+  slots::matmul_slot_rows(packed, Xq, n_tok, Y, ldy, r0, r1);
+}
 
 void quantize_acts(const float* x, int64_t n, block_q16_act* out) {
   const __m256 sign = _mm256_set1_ps(-0.f);

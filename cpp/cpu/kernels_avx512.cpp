@@ -323,7 +323,14 @@ namespace groups {
 #define MA_GROUP_TILES_VNNI 1
 #include "group_tiles.h"
 #include "token_tiles.h"
+#include "slot_tiles.h"
 }  // namespace groups
+
+void pack_slot_rows(const WeightView& w, uint8_t* out) { groups::pack_slot_rows(w, out); }
+void matmul_slot_rows(const WeightView& packed, const block_q16_act* Xq, int n_tok, float* Y, int64_t ldy, int64_t r0,
+                      int64_t r1) {
+  groups::matmul_slot_rows(packed, Xq, n_tok, Y, ldy, r0, r1);
+}
 
 void matmul(const WeightView& w, const float* X, const block_q16_act* Xq, int n_tok, float* Y, int64_t ldy,
             int64_t r0, int64_t r1) {

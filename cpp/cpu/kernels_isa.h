@@ -21,11 +21,17 @@ void pack_lane_rows(const WeightView& w, uint8_t* out);
 size_t lane_acts_bytes(int64_t cols);
 void pack_lane_acts(const block_q16_act* xq, int64_t cols, void* out);
 void matvec_lane_rows(const WeightView& packed, const void* acts, float* y, int64_t r0, int64_t r1);
+void pack_slot_rows(const WeightView& w, uint8_t* out);
+void matmul_slot_rows(const WeightView& packed, const block_q16_act* Xq, int n_tok, float* Y, int64_t ldy, int64_t r0,
+                      int64_t r1);
 }  // namespace avx2
 namespace avx512 {
 void quantize_acts(const float* x, int64_t n, block_q16_act* out);
 void matmul(const WeightView& w, const float* X, const block_q16_act* Xq, int n_tok, float* Y, int64_t ldy,
             int64_t r0, int64_t r1);
+void pack_slot_rows(const WeightView& w, uint8_t* out);
+void matmul_slot_rows(const WeightView& packed, const block_q16_act* Xq, int n_tok, float* Y, int64_t ldy, int64_t r0,
+                      int64_t r1);
 }  // namespace avx512
 #endif
 

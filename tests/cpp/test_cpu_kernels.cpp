@@ -555,6 +555,82 @@ TEST(LaneRows, OnlyAvx2Q4_0) {
   EXPECT_FALSE(lane_rows_supported(Isa::Avx2, GgmlType::Q4_1));
 }
 
+// Slot rows (kernels.h: Q4_0 / Q4_1 / Q8_0 repacked for the 8-token tiles of batched decode steps and prompts)
+// at every model shape and a few odd ones, at the row counts of a batch step (8), a short prompt (17: a partial second
+// tile) and a few tokens (3: padding lanes): bit for bit what per-token matvec gives on the GGUF rows (so batch rows
+// equal solo decode), the reference on the same int16 activations within float rounding, full range and a mid-matrix
+// range with odd bounds (the one-row tail tiles), nothing written outside it.
+TEST(SlotRows, MatchMatvecAndReferenceAtModelShapes) {
+  if (!isa_supported(Isa::Avx2)) GTEST_SKIP() << "no AVX2 here";
+  for (Isa isa : supported_isas()) {
+    if (isa == Isa::Scalar) continue;
+    SCOPED_TRACE(isa_name(isa));
+    for (GgmlType type : {GgmlType::Q4_0, GgmlType::Q4_1, GgmlType::Q8_0}) {
+      std::vector<std::array<int64_t, 2>> shapes = model_shapes(type);
+      for (const auto& odd : std::vector<std::array<int64_t, 2>>{{7, 64}, {13, 192}, {37, 448}, {9, 4864}})
+        shapes.push_back(odd);
+      uint32_t seed = 1900 + static_cast<uint32_t>(type) * 100;
+      for (const auto& s : shapes) {
+        const int64_t rows = s[0], cols = s[1];
+        const Matrix m = random_matrix(type, rows, cols, seed += 13);
+        ASSERT_TRUE(slot_rows_supported(isa, m.view));
+        std::vector<uint8_t> packed(rows * m.view.row_stride());
+        pack_slot_rows(isa, m.view, packed.data());
+        const WeightView pv{type, packed.data(), rows, cols};
+        for (int n_tok : {8, 17, 3}) {
+          if (n_tok != 8 && rows >= 16384) continue;  // lm_heads: 8 rows only
+          SCOPED_TRACE(testing::Message() << type_name(type) << " " << rows << "x" << cols << " n_tok=" << n_tok);
+          const std::vector<float> X = random_acts(n_tok * cols, seed + n_tok);
+          std::vector<block_q16_act> Xq(n_tok * cols / 32);
+          quantize_acts(isa, X.data(), n_tok * cols, Xq.data());
+          const int64_t ldy = rows + 3;  // a gap after each token's row catches writes past r1
+          std::vector<float> Y(n_tok * ldy, kPoison), Ypart(n_tok * ldy, kPoison);
+          matmul_slot_rows(isa, pv, Xq.data(), n_tok, Y.data(), ldy, 0, rows);
+          const int64_t r0 = rows / 4 + 3 < rows ? rows / 4 + 3 : 0, r1 = rows - rows / 5 - 1 > r0 ? rows - rows / 5 - 1 : rows;
+          matmul_slot_rows(isa, pv, Xq.data(), n_tok, Ypart.data(), ldy, r0, r1);
+          std::vector<float> y(rows), ref_yhat(rows);
+          for (int t = 0; t < n_tok; ++t) {
+            const block_q16_act* xq = Xq.data() + t * cols / 32;
+            matvec(isa, m.view, X.data() + t * cols, xq, y.data(), 0, rows);
+            const std::vector<block_q16_act> xq_t(xq, xq + cols / 32);
+            const std::vector<float> xhat = dequantize_acts(xq_t);
+            ref::matvec(m.view, xhat.data(), ref_yhat.data(), 0, rows);
+            const RowBudget budget = row_budget(m.view, X.data() + t * cols, &xq_t, 0, rows);
+            for (int64_t r = 0; r < ldy; ++r) {
+              const float v = Y[t * ldy + r], vp = Ypart[t * ldy + r];
+              if (r >= rows) {
+                ASSERT_TRUE(is_poison(v) && is_poison(vp)) << "token " << t << ": write in the gap at " << r;
+                continue;
+              }
+              ASSERT_TRUE(same_bits(v, y[r])) << "token " << t << " row " << r << ": " << v << " vs matvec " << y[r];
+              ASSERT_LE(std::fabs(static_cast<double>(v) - ref_yhat[r]), 1e-5 * budget.mag[r] + 1e-30)
+                  << "token " << t << " row " << r << " vs reference";
+              if (r >= r0 && r < r1) {
+                ASSERT_TRUE(same_bits(vp, y[r])) << "token " << t << " row " << r << " (partial range)";
+              } else {
+                ASSERT_TRUE(is_poison(vp)) << "token " << t << " row " << r << " written outside the range";
+              }
+            }
+          }
+        }
+      }
+    }
+  }
+}
+
+TEST(SlotRows, OnlySimdLegacyTypesOfEvenBlockCounts) {
+  uint8_t dummy[64] = {};
+  EXPECT_FALSE(slot_rows_supported(Isa::Scalar, WeightView{GgmlType::Q4_1, dummy, 1, 64}));
+  for (Isa isa : supported_isas()) {
+    if (isa == Isa::Scalar) continue;
+    EXPECT_TRUE(slot_rows_supported(isa, WeightView{GgmlType::Q4_1, dummy, 1, 64}));
+    EXPECT_TRUE(slot_rows_supported(isa, WeightView{GgmlType::Q8_0, dummy, 1, 64}));
+    EXPECT_FALSE(slot_rows_supported(isa, WeightView{GgmlType::Q4_1, dummy, 1, 96}));  // 3 blocks a row
+    EXPECT_FALSE(slot_rows_supported(isa, WeightView{GgmlType::Q5_0, dummy, 1, 64}));
+    EXPECT_FALSE(slot_rows_supported(isa, WeightView{GgmlType::Q4_K, dummy, 1, 256}));
+  }
+}
+
 INSTANTIATE_TEST_SUITE_P(AllTypes, QuantTypes,
                          ::testing::Values(GgmlType::Q4_0, GgmlType::Q4_1, GgmlType::Q8_0, GgmlType::F32,
                                            GgmlType::F16, GgmlType::BF16, GgmlType::Q5_0, GgmlType::Q5_1,
