@@ -38,9 +38,12 @@ bool quick_mode() {
   return v != nullptr && std::strcmp(v, "1") == 0;
 }
 
+// Fresh random data every run; METALATTN_TEST_SEED=<the printed seed> replays a run's data (with the same
+// --gtest_filter and --gtest_repeat, the draws come in the same order).
 std::mt19937& rng() {
   static std::mt19937 g([] {
-    const unsigned seed = std::random_device{}();
+    const char* fixed = std::getenv("METALATTN_TEST_SEED");
+    const unsigned seed = fixed != nullptr ? static_cast<unsigned>(std::strtoul(fixed, nullptr, 10)) : std::random_device{}();
     std::printf("[ random seed %u ]\n", seed);
     return seed;
   }());
