@@ -148,9 +148,15 @@ struct SlotRows {
   int ld;  // nb rounded up to 16
 };
 
+// Software prefetch of the rows this far ahead (the weights stream from L3 / DRAM every step), one line per block pair
+// decoded: a burst of a whole tile's lines at once waited on the fill buffers (half the decode's samples).
+constexpr size_t kSlotPrefetchBytes = 8192;
+
 template <GgmlType WT, int R>
-MA_INLINE void slot_decode_row(const uint8_t* row, int nb, const SlotRows& out, int i) {
+MA_INLINE void slot_decode_row(const uint8_t* row, size_t stride, int nb, const SlotRows& out, int i) {
   const uint8_t* qs = row + slot_quant_offset(WT, nb);
+  const char* ahead = reinterpret_cast<const char*>(row + kSlotPrefetchBytes);
+  size_t pf = 0;  // bytes of the row ahead prefetched so far
 #if MA_GROUP_TILES_VNNI
   for (int b0 = 0; b0 < nb; b0 += 16) {
     const __mmask16 valid = static_cast<__mmask16>(nb - b0 >= 16 ? 0xFFFF : (1u << (nb - b0)) - 1);
@@ -158,7 +164,8 @@ MA_INLINE void slot_decode_row(const uint8_t* row, int nb, const SlotRows& out, 
     if constexpr (has_min(WT))
       _mm512_store_ps(out.dm + i * out.ld + b0, _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(valid, row + 2 * (nb + b0))));
   }
-  for (int q = 0; q < nb / 2; ++q) {
+  for (int q = 0; q < nb / 2; ++q, pf += 64) {
+    if (pf < stride) _mm_prefetch(ahead + pf, _MM_HINT_T0);
     int16_t* w = out.w + (static_cast<size_t>(q) * R + i) * 64;
     __m512i lo, hi;  // qwords k = 0..7 and 8..15: (pair k of block 2q, pair k of block 2q + 1)
     if constexpr (WT == GgmlType::Q8_0) {
@@ -185,7 +192,8 @@ MA_INLINE void slot_decode_row(const uint8_t* row, int nb, const SlotRows& out, 
       _mm256_store_ps(out.dm + i * out.ld + b0,
                       _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(row + 2 * (nb + b0)))));
   }
-  for (int q = 0; q < nb / 2; ++q) {
+  for (int q = 0; q < nb / 2; ++q, pf += 64) {
+    if (pf < stride) _mm_prefetch(ahead + pf, _MM_HINT_T0);
     int16_t* w = out.w + (static_cast<size_t>(q) * R + i) * 64;
     auto bytes16 = [&](int off) { return _mm_loadu_si128(reinterpret_cast<const __m128i*>(qs + off)); };
     auto store = [&](int at, __m256i v) { _mm256_store_si256(reinterpret_cast<__m256i*>(w + at), v); };
@@ -205,6 +213,7 @@ MA_INLINE void slot_decode_row(const uint8_t* row, int nb, const SlotRows& out, 
     }
   }
 #endif
+  for (; pf < stride; pf += 64) _mm_prefetch(ahead + pf, _MM_HINT_T0);  // Q8_0: a row has more lines than pairs
 }
 
 #if MA_GROUP_TILES_VNNI
@@ -311,10 +320,7 @@ void slot_tile(const SlotRows& rows, int nb, const SlotActs* acts, float* y, int
 template <GgmlType WT, int R>
 void slot_rows(const WeightView& w, int64_t r, int nb, const SlotRows& dec, const SlotActs* packed, int n, float* Y,
                int64_t ldy) {
-  const size_t stride = w.row_stride();
-  const uint8_t* ahead = w.row(r) + kTokPrefetchBytes;
-  for (size_t off = 0; off < R * stride; off += 64) _mm_prefetch(reinterpret_cast<const char*>(ahead + off), _MM_HINT_T0);
-  for (int i = 0; i < R; ++i) slot_decode_row<WT, R>(w.row(r + i), nb, dec, i);
+  for (int i = 0; i < R; ++i) slot_decode_row<WT, R>(w.row(r + i), w.row_stride(), nb, dec, i);
   for (int tile = 0; tile * kSlotTokens < n; ++tile)
     slot_tile<WT, R>(dec, nb, packed + static_cast<size_t>(tile) * (nb / 2),
                      Y + static_cast<int64_t>(tile) * kSlotTokens * ldy + r, ldy, std::min(kSlotTokens, n - tile * kSlotTokens));
@@ -343,7 +349,10 @@ void slot_matmul(const WeightView& w, const block_q16_act* Xq, int n_tok, float*
                      std::min(kSlotTokens, n - tile * kSlotTokens), packed.data() + static_cast<size_t>(tile) * np);
     float* y = Y + static_cast<int64_t>(t0) * ldy;
     int64_t r = r0;
-    for (; r + kSlotRows <= r1; r += kSlotRows) slot_rows<WT, kSlotRows>(w, r, nb, dec, packed.data(), n, y, ldy);
+    if (nb <= 32 || kSlotRows < 8)
+      for (; r + kSlotRows <= r1; r += kSlotRows) slot_rows<WT, kSlotRows>(w, r, nb, dec, packed.data(), n, y, ldy);
+    else  // wide rows: 4-row tiles keep the decoded rows and the activations in L1 (576x1536: 67 -> 80 GMAC/s)
+      for (; r + 4 <= r1; r += 4) slot_rows<WT, 4>(w, r, nb, dec, packed.data(), n, y, ldy);
     for (; r < r1; ++r) slot_rows<WT, 1>(w, r, nb, dec, packed.data(), n, y, ldy);
   }
 }
