@@ -339,10 +339,12 @@ class CpuBackend final : public Backend {
     }
   }
 
-  // Batched decode steps (8+ rows) and prompts on AVX-512 read the Q4_0 / Q4_1 / Q8_0 matrices (the layers and the
-  // lm_head) from a repacked copy, slot rows (kernels.h): the same results as the GGUF rows, whose decode took ~40%
-  // of the 8-token matmuls. Single tokens keep reading the GGUF rows (the group tiles stream them faster).
+  // Batched decode steps (8+ rows) and prompts read the Q4_0 / Q4_1 / Q8_0 matrices (the layers and the lm_head) from
+  // a repacked copy, slot rows (kernels.h): the same results as the GGUF rows, whose decode took ~40% of the 8-token
+  // matmuls. Single tokens keep reading the GGUF rows (the group tiles stream them faster). On AVX2 prompts gain
+  // nothing measurable from it (pp512 unchanged), so a model of one sequence slot, which never batches, keeps no copy.
   void make_slot_rows() {
+    if (isa_ == Isa::Avx2 && s_.n_seq < 2) return;
     std::vector<const WeightView*> src;
     for (const LayerWeights& L : w_.layers)
       for (const WeightView* w : {&L.wq, &L.wk, &L.wv, &L.wo, &L.w_gate, &L.w_up, &L.w_down}) src.push_back(w);
