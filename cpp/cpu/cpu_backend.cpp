@@ -368,9 +368,9 @@ class CpuBackend final : public Backend {
       at += (w->rows * w->row_stride() + 63) / 64 * 64;
     }
   }
-  // The slot-row view of w for an n-row pass (null for fewer than kSlotMinTokens rows or where w has none).
+  // The slot-row view of w for an n-row pass (null for fewer rows than slot_min_tokens or where w has none).
   const WeightView* slot_of(const WeightView& w, int n) const {
-    if (n < cpu::kSlotMinTokens || slot_.empty()) return nullptr;
+    if (n < cpu::slot_min_tokens(isa_) || slot_.empty()) return nullptr;
     const auto it = slot_.find(w.data);
     return it == slot_.end() ? nullptr : &it->second;
   }

@@ -202,6 +202,8 @@ bool slot_rows_supported(Isa isa, const WeightView& w) {
 #endif
 }
 
+int slot_min_tokens(Isa isa) { return isa == Isa::Avx512 ? 3 : isa == Isa::Avx2 ? 6 : 0; }
+
 void pack_slot_rows(Isa isa, const WeightView& w, uint8_t* out) {
   if (!slot_rows_supported(isa, w))
     throw EngineError("pack_slot_rows: needs a SIMD ISA and Q4_0 / Q4_1 / Q8_0 rows of an even number of blocks");

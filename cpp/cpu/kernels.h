@@ -60,7 +60,10 @@ void matvec_lane_rows(Isa isa, const WeightView& packed, const void* acts, float
 // decode steps (8+ rows) and prompts run: each row as its fp16 scales, its fp16 mins (Q4_1), then its quant bytes with
 // the 16-bit words of each pair of blocks interleaved (the same number of bytes as the GGUF row). The tiles give the
 // bits matvec and matmul give on the GGUF rows (the group tiles' integer block sums and float operations).
-constexpr int kSlotMinTokens = 8;  // fewer tokens: matvec / matmul on the GGUF rows are faster
+// The fewest tokens for which the slot tiles beat matmul on the GGUF rows (group tiles) on this ISA; 0 without them.
+// Hot 1536 x 576 Q4_1, 1 thread: AVX-512 3 tokens 33 vs 25 GMAC/s, 4: 43 vs 35 (2: 22 vs 28); AVX2 6: 33 vs 29 (4: 24
+// vs 31).
+int slot_min_tokens(Isa isa);
 bool slot_rows_supported(Isa isa, const WeightView& w);  // AVX-512, AVX2; Q4_0, Q4_1, Q8_0; even blocks a row
 // out: w.rows * w.row_stride() bytes.
 void pack_slot_rows(Isa isa, const WeightView& w, uint8_t* out);
