@@ -1487,12 +1487,12 @@ TEST(CudaBackend, PromptGraphReplayAtNewStartPositions) {
   std::vector<std::vector<float>> want(toks.size());
   for (size_t p = 0; p < toks.size(); ++p) want[p] = ref_fwd.forward(toks[p], static_cast<int>(p));
   // A one-off length first: 40 tokens at 0 on the cuBLAS path, every row against the float reference. Then decode
-  // rewrites the whole cache: the cuBLAS path's K/V rows carry ~1e-5 relative error at layer 0 (tensor-core
-  // accumulation over K = 3 x 576; decode's are ~1e-6), which this random model amplifies to 1e-3..6e-3 at a few
-  // positions by layer 3, and the replays below compare with decode, not with that path (before, 1 run in ~15
-  // failed that way: NOTES, "CUDA, session 11"). The cuBLAS rows' own bound is 2e-3, not 1e-3: over 61 random
-  // models on the H100 their worst row was 1.05e-3 once, 9.1e-4 once, <= 4.1e-4 otherwise (a real fault, such as
-  // a wrong position, costs 1e-1 and more). The cuBLAS path's precision is open work (NOTES).
+  // rewrites the whole cache: the cuBLAS path's K/V rows carry ~1e-5 relative error at layer 0 (decode's: ~1e-6),
+  // which grows to 1e-3..6e-3 at a few positions by layer 3 of this random model, and the replays below compare
+  // with decode, not with that path (before, 1 run in ~15 failed that way: NOTES, "CUDA, session 11").
+  // The cuBLAS rows' own check keeps the 1e-3 of every prompt test, and it FAILS on ~2% of random models (H100,
+  // 121 runs: worst row 4.8e-3 and 1.05e-3 once each, <= 9.1e-4 otherwise, where decode is within 5e-7): the
+  // cuBLAS prompt path's precision is an open fault (NOTES), not this test's tolerance.
   {
     std::vector<float> all40(static_cast<size_t>(40) * V, NAN);
     be->forward_prompt(toks.data(), 40, 0, nullptr, all40.data());
@@ -1501,7 +1501,7 @@ TEST(CudaBackend, PromptGraphReplayAtNewStartPositions) {
       const std::vector<float> row(all40.begin() + static_cast<size_t>(t) * V, all40.begin() + static_cast<size_t>(t + 1) * V);
       worst = std::max(worst, rel_l2(row, want[t]));
       SCOPED_TRACE("40 tokens at 0 (cuBLAS path), row " + std::to_string(t));
-      expect_logits_close(row, want[t], 2e-3, "prompt vs reference");
+      expect_logits_close(row, want[t], 1e-3, "prompt vs reference (cuBLAS path)");
     }
     std::printf("[ 40 at 0 (cuBLAS path): worst row vs reference %.2e ]\n", worst);
   }
