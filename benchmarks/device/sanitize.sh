@@ -180,7 +180,7 @@ run_job() {
           [ "$rem" -lt "$to" ] && { to=$rem; cut=1; }
         fi
         s=$(date +%s)
-        PYTHONUNBUFFERED=1 METALATTN_UNDER_SANITIZER=1 timeout -k 10 "$to" "$CS" --tool "$tool" $flags --error-exitcode 86 --print-limit 20 \
+        PYTHONUNBUFFERED=1 METALATTN_UNDER_SANITIZER=$tool timeout -k 10 "$to" "$CS" --tool "$tool" $flags --error-exitcode 86 --print-limit 20 \
           python3 -m pytest -q -p no:cacheprovider -k "$k" tests/python/test_reliability.py > "$LOGS/$id.log" 2>&1
         rc=$?
       fi ;;

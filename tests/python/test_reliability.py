@@ -67,6 +67,10 @@ def _fast_thread_switches():
     sys.setswitchinterval(old)
 
 
+# benchmarks/device/sanitize.sh runs these tests under compute-sanitizer with METALATTN_UNDER_SANITIZER=<tool>.
+_SANITIZER = os.environ.get("METALATTN_UNDER_SANITIZER", "")
+
+
 def _run_threads(target, n):
     errors = []
 
@@ -79,8 +83,9 @@ def _run_threads(target, n):
     threads = [threading.Thread(target=wrap, args=(i,)) for i in range(n)]
     for t in threads:
         t.start()
+    # Under compute-sanitizer (see _SANITIZER) the same work runs 20-100x slower; a hang is still caught, later.
     for t in threads:
-        t.join(60)
+        t.join(900 if _SANITIZER else 60)
     assert not any(t.is_alive() for t in threads), "a thread hung"
     assert not errors, errors
 
@@ -430,12 +435,13 @@ def test_load_generate_close_cycles_leave_resources_flat(small, device):
     assert after["file_maps"] == 0 and before["file_maps"] == 0
     assert after["fds"] == before["fds"], (before, after)
     assert abs(after["maps"] - before["maps"]) <= 4, (before, after)
-    # Under compute-sanitizer (benchmarks/device/sanitize.sh sets METALATTN_UNDER_SANITIZER=1) the tool's own host
-    # records of every device allocation grow the process's RSS (~0.75 MB a cycle on the H100), so there the host
-    # bound cannot tell the engine's memory from the tool's; descriptors, mappings and device memory still count.
-    if os.environ.get("METALATTN_UNDER_SANITIZER") != "1":
+    # Under compute-sanitizer the tool's own host records of every device allocation grow the process's RSS (~0.75 MB
+    # a cycle on the H100), so there the host bound cannot tell the engine's memory from the tool's; racecheck also
+    # takes device memory of its own (+100 MB over 100 cycles, 2026-11-24), so under it the device bound goes too.
+    # Descriptors and mappings count under every tool, device memory under memcheck and synccheck.
+    if not _SANITIZER:
         assert after["rss"] - before["rss"] < 16 << 20, (before, after)
-    if device == "cuda":
+    if device == "cuda" and _SANITIZER != "racecheck":
         assert _core.cuda_device_memory_used() - dev_before <= 4 << 20
 
 
