@@ -7,7 +7,7 @@
 # then, if the 10-minute call cut it short, once more with JOBLIST=<the san_rerun.txt it wrote> (on a warm machine
 # the builds are reused). BIN and PY_WHEEL (built elsewhere from the same tree) save the builds (~3.5 min) per call.
 # Knobs (environment):
-#   TOOLS          sanitizer tools, default "memcheck racecheck synccheck"
+#   TOOLS          sanitizer tools, default "memcheck racecheck synccheck" (initcheck works too)
 #   GTEST_FILTER   which GoogleTests, default '*' (every test of test_cuda_kernels)
 #   SHARD          "i/n": only every n-th test from the i-th (0-based)
 #   JOBS           sanitizer processes at once (default 1). The jobs (tool x test) start slowest-first (ORDER_FIRST);
