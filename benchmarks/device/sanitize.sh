@@ -22,8 +22,10 @@
 #   DEADLINE       seconds after the script starts (builds included) by which every sanitizer run ends (default 0:
 #                  none). A run cut by it is CUT, one never started NOT RUN; both leave the exit status non-zero.
 #   MEMCHECK_FLAGS extra memcheck flags (e.g. "--leak-check full")
-#   RACECHECK_FLAGS racecheck flags (default "--racecheck-report hazard"); e.g. add "--kernel-name-exclude kns=nvjet"
-#                  to leave cuBLAS's nvjet GEMM kernels out (they are not this project's code)
+#   RACECHECK_FLAGS racecheck flags (default "--racecheck-report hazard"). Not "--kernel-name-exclude kns=nvjet": with
+#                  cuBLAS's nvjet kernels excluded, compute-sanitizer 2025.3.1 fails ("Internal Sanitizer Error: failed
+#                  to handle a hardware exception", then an illegal address) in every test that calls cuBLAS (H100,
+#                  2026-11-24, 4 of 4)
 #   PY_WHEEL       a prebuilt metalattn wheel (cp312) to install instead of building the package here
 #   PYTEST         1 (default): also run tests/python/test_reliability.py -k cuda under each tool (two jobs a tool:
 #                  the cycles test alone, as SOLO, the rest in the pool); 0: skip them and the pip build
