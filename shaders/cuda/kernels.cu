@@ -914,7 +914,11 @@ __global__ void __launch_bounds__(512) norm_matvec_kernel(DevMatrix W, const flo
   // which every row test treats as absent.
   const int units = W.rows / 2, units_per_block = rows_per_block / 2, unit0 = blockIdx.x * units_per_block;
   const int glu_unit = unit0 + (local < units_per_block ? local : local - units_per_block);
-  const int row = a.mode != NormOut::SiluGlu ? blockIdx.x * rows_per_block + local
+  // Qkv: the rows in pair order (detail::qkv_pair_row), so that the two rows RoPE turns together are adjacent here.
+  const int row = a.mode == NormOut::Qkv
+                      ? detail::qkv_pair_row(blockIdx.x * rows_per_block + local, a.qkv.neox, a.qkv.q_dim,
+                                             a.qkv.kv_dim, a.qkv.head_dim)
+                  : a.mode != NormOut::SiluGlu ? blockIdx.x * rows_per_block + local
                   : glu_unit >= units          ? W.rows
                                                : glu_unit + (local < units_per_block ? 0 : units);
 
@@ -933,6 +937,7 @@ __global__ void __launch_bounds__(512) norm_matvec_kernel(DevMatrix W, const flo
     const QkvTargets& t = a.qkv;
     cs = detail::rope_factors(r0, t.io->pos, t.rope_table, t.q_dim, t.kv_dim, t.head_dim);
   }
+  const float bias = a.mode == NormOut::Qkv && a.qkv.bias != nullptr && sub == 0 && row < W.rows ? a.qkv.bias[row] : 0.f;
 
   float scale = 1.f;
   if (a.embed.payload != nullptr) {
@@ -979,12 +984,14 @@ __global__ void __launch_bounds__(512) norm_matvec_kernel(DevMatrix W, const flo
       }
     }
   } else {
-    if (sub == 0) y_s[local] = acc;
+    if (sub == 0) y_s[local] = acc + bias;
     __syncthreads();
     if (stores_pair) {
       const QkvTargets& t = a.qkv;
-      detail::store_qkv_pair_rotated(r0, y_s[2 * pair], y_s[2 * pair + 1], t.io->pos, cs, t.q_dim, t.kv_dim,
-                                     t.head_dim, t.q_out, t.k_cache, t.v_cache);
+      const bool gathered = t.neox && r0 < t.q_dim + t.kv_dim;  // a NeoX pair: rows i and i + head_dim/2
+      detail::store_qkv_pair_rotated(detail::qkv_pair_row(r0, t.neox, t.q_dim, t.kv_dim, t.head_dim), y_s[2 * pair],
+                                     y_s[2 * pair + 1], t.io->pos, cs, t.q_dim, t.kv_dim, t.head_dim, t.q_out,
+                                     t.k_cache, t.v_cache, gathered ? t.head_dim / 2 : 1);
     }
   }
 }

@@ -370,11 +370,22 @@ __device__ __forceinline__ float2 rope_factors(int r0, int pos, const float2* ro
   return rope_table[static_cast<int64_t>(pos) * (head_dim / 2) + (r % head_dim) / 2];
 }
 
-// Writes the pair of QKV output rows r0, r0 + 1 at position pos, turned by cs = rope_factors(r0, pos, ...).
+// The QKV rows in pair order: rows 2i and 2i + 1 of a head in this order are the two that RoPE turns together by
+// factor i, so the fused QKV kernel computes the pair in adjacent rows of a block. Interleaved pairs are the
+// matrix rows themselves; NeoX pairs (i, i + head_dim/2) are gathered: pair-order row r of a q/k head is matrix
+// row head + r/2 + (r odd ? head_dim/2 : 0). V rows keep their order.
+__device__ __forceinline__ int qkv_pair_row(int r, bool neox, int q_dim, int kv_dim, int head_dim) {
+  if (!neox || r >= q_dim + kv_dim) return r;
+  const int j = r % head_dim;  // q_dim is a whole number of heads, so k heads start at multiples of head_dim too
+  return r - j + (j >> 1) + (j & 1) * (head_dim / 2);
+}
+
+// Writes the pair of QKV output rows r0, r0 + step at position pos, turned by cs = rope_factors(...) of the pair
+// (step 1: adjacent rows, the interleaved layout and V; head_dim / 2: a NeoX pair, r0 its first row).
 // Rows [0, q_dim) go to q_row, [q_dim, q_dim + kv_dim) to the K cache, the rest (plain) to the V cache.
 __device__ __forceinline__ void store_qkv_pair_rotated(int r0, float a, float b, int pos, float2 cs, int q_dim,
                                                        int kv_dim, int head_dim, float* q_row, float* k_cache,
-                                                       float* v_cache) {
+                                                       float* v_cache, int step = 1) {
   const int64_t cache_row = static_cast<int64_t>(pos) * kv_dim;
   if (r0 >= q_dim + kv_dim) {
     float* dst = v_cache + cache_row + (r0 - q_dim - kv_dim);
@@ -385,7 +396,7 @@ __device__ __forceinline__ void store_qkv_pair_rotated(int r0, float a, float b,
   const bool is_q = r0 < q_dim;
   float* dst = is_q ? q_row + r0 : k_cache + cache_row + (r0 - q_dim);
   dst[0] = a * cs.x - b * cs.y;
-  dst[1] = a * cs.y + b * cs.x;
+  dst[step] = a * cs.y + b * cs.x;
 }
 
 __device__ __forceinline__ void store_qkv_pair(int r0, float a, float b, int pos, const float2* rope_table,
@@ -553,6 +564,8 @@ struct QkvTargets {
   const float2* rope_table = nullptr;  // [n_ctx][head_dim/2] (cos, sin)
   const DecodeIO* io = nullptr;
   int q_dim = 0, kv_dim = 0, head_dim = 0;
+  const float* bias = nullptr;  // [q_dim + 2 kv_dim] (bq | bk | bv) added before RoPE, or null (Qwen 2 has them)
+  bool neox = false;            // RoPE turns (i, i + head_dim/2) instead of (2i, 2i+1) (detail::qkv_pair_row)
   float* q_out = nullptr;
   float* k_cache = nullptr;  // this layer: [n_ctx][kv_dim]
   float* v_cache = nullptr;

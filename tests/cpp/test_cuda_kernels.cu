@@ -389,9 +389,17 @@ TEST(CudaFused, NormQkvRopeAndCacheAppend) {
       table[static_cast<size_t>(p) * hd / 2 + i] = make_float2(static_cast<float>(std::cos(th)), static_cast<float>(std::sin(th)));
     }
   DevBuf<float2> dtab(table);
-  for (GgmlType t : {GgmlType::Q4_0, GgmlType::Q4_1, GgmlType::Q8_0}) {
+  // NeoX RoPE pairs (i, i + hd/2) with Q/K/V biases (Qwen 2's layer), or the plain interleaved layer; rows of each
+  // type the fused kernel reads, plus Qwen 2's real ones (Q5_0 q/k, Q8_0 v).
+  struct Variant {
+    bool neox, bias;
+  };
+  for (const Variant var : {Variant{false, false}, Variant{true, true}})
+  for (GgmlType t : {GgmlType::Q4_0, GgmlType::Q4_1, GgmlType::Q8_0, GgmlType::Q5_0}) {
+    if (t == GgmlType::Q5_0 && !var.neox) continue;
     for (int pos : {0, 1, 77, n_ctx - 1}) {
-      SCOPED_TRACE(std::string(type_name(t)) + " pos " + std::to_string(pos));
+      SCOPED_TRACE(std::string(var.neox ? "neox+bias " : "interleaved ") + type_name(t) + " pos " +
+                   std::to_string(pos));
       auto wq = random_matrix(t, q_dim, d, 0.04f), wk = random_matrix(t, kv_dim, d, 0.04f),
            wv = random_matrix(t, kv_dim, d, 0.04f);
       GpuMatrix g = to_gpu({&wq->view, &wk->view, &wv->view});
@@ -410,12 +418,32 @@ TEST(CudaFused, NormQkvRopeAndCacheAppend) {
       tg.q_out = dq.p;
       tg.k_cache = dk.p;
       tg.v_cache = dv.p;
+      const std::vector<float> bias = random_vec(q_dim + 2 * kv_dim, -0.5f, 0.5f);
+      DevBuf<float> dbias(bias);
+      tg.bias = var.bias ? dbias.p : nullptr;
+      tg.neox = var.neox;
       launch_norm_matvec_qkv(g.m, dx.p, dnw.p, kEps, tg, nullptr);
 
       const std::vector<float> h = ref_rmsnorm(x, nw, kEps);
       std::vector<float> q = ref_matvec(wq->view, h), k = ref_matvec(wk->view, h), v = ref_matvec(wv->view, h);
-      ref::rope(q.data(), n_heads, hd, pos, base);
-      ref::rope(k.data(), n_kv, hd, pos, base);
+      if (var.bias) {
+        for (int i = 0; i < q_dim; ++i) q[i] += bias[i];
+        for (int i = 0; i < kv_dim; ++i) k[i] += bias[q_dim + i], v[i] += bias[q_dim + kv_dim + i];
+      }
+      if (var.neox) {  // pair i of each head: (i, i + hd/2), turned by the table's row
+        for (auto [vec, heads] : {std::pair<float*, int>{q.data(), n_heads}, std::pair<float*, int>{k.data(), n_kv}})
+          for (int hh = 0; hh < heads; ++hh)
+            for (int i = 0; i < hd / 2; ++i) {
+              float* a0 = vec + hh * hd + i;
+              const float2 cs = table[static_cast<size_t>(pos) * hd / 2 + i];
+              const float x0 = a0[0], x1 = a0[hd / 2];
+              a0[0] = x0 * cs.x - x1 * cs.y;
+              a0[hd / 2] = x0 * cs.y + x1 * cs.x;
+            }
+      } else {
+        ref::rope(q.data(), n_heads, hd, pos, base);
+        ref::rope(k.data(), n_kv, hd, pos, base);
+      }
       EXPECT_LE(max_abs_diff(dq.download(), q), kTol) << "q";
       const std::vector<float> kc = dk.download(), vc = dv.download();
       std::vector<float> krow(kc.begin() + pos * kv_dim, kc.begin() + (pos + 1) * kv_dim);
@@ -3113,12 +3141,15 @@ TEST(CudaArch, WholeModelsMatchCpuBackend) {
     SCOPED_TRACE(c.name);
     auto m = make_arch_model(c);
     EXPECT_EQ(m->spec.plain_llama(), c.plain_expected);
+    // Qwen 2's layer (biases, NeoX pairs) decodes on the fused kernels; its prompts take the general path.
+    const bool fused_decode = c.plain_expected || std::string(c.name) == "qwen2";
+    EXPECT_EQ(m->spec.llama_layer_up_to_qkv(), fused_decode);
     auto gpu = make_cuda_backend(m->spec, m->w, false);
     auto dbg = make_cuda_backend(m->spec, m->w, true);
     auto cpu = make_scalar_cpu_backend(*m);
     const ModelSpec& s = m->spec;
     const int V = s.vocab, n = 100;
-    if (!c.plain_expected) {
+    if (!fused_decode) {
       // Post-norm + residual adds fold into the next layer's kernels (PreAdd), the last layer's is one more launch.
       EXPECT_EQ(gpu->kernels_per_token(), 2 + 5 * s.n_layers + (s.post_norms ? 1 : 0));
     } else {

@@ -54,9 +54,12 @@ struct ModelSpec {
   float attention_scale() const { return attn_scale > 0.f ? attn_scale : 1.f / __builtin_sqrtf(float(head_dim)); }
   LayerSpec layer(int l) const { return layers.empty() ? LayerSpec{rope_base, 1.f, 0} : layers.at(l); }
   // True for the plain Llama layer with one RoPE for every layer (what the fused CUDA kernels were written for).
-  bool plain_llama() const {
-    if (rope_style != RopeStyle::Interleaved || activation != Activation::Silu || embed_scale != 1.f || attn_bias ||
-        qk_norm || post_norms || attention_scale() != 1.f / __builtin_sqrtf(float(head_dim)))
+  bool plain_llama() const { return rope_style == RopeStyle::Interleaved && !attn_bias && llama_layer_up_to_qkv(); }
+  // The Llama layer, allowing Q/K/V biases and either RoPE pairing (Qwen 2): what the fused CUDA decode kernels run
+  // (their QKV epilogue adds the bias and turns the pairs); the CUDA prompt path takes these on the general path.
+  bool llama_layer_up_to_qkv() const {
+    if (activation != Activation::Silu || embed_scale != 1.f || qk_norm || post_norms ||
+        attention_scale() != 1.f / __builtin_sqrtf(float(head_dim)))
       return false;
     for (int l = 0; l < n_layers; ++l) {
       const LayerSpec ls = layer(l);
