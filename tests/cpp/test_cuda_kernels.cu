@@ -380,79 +380,88 @@ TEST(CudaMatvec, FloatRowsNotMultipleOf32AndMixedTypeStacks) {
 
 TEST(CudaFused, NormQkvRopeAndCacheAppend) {
   REQUIRE_GPU();
-  const int d = 576, n_heads = 9, n_kv = 3, hd = 64, q_dim = n_heads * hd, kv_dim = n_kv * hd, n_ctx = 1024;
-  const float base = 100000.f;
-  std::vector<float2> table(static_cast<size_t>(n_ctx) * hd / 2);
-  for (int i = 0; i < hd / 2; ++i)
-    for (int p = 0; p < n_ctx; ++p) {
-      const double th = p * std::pow(static_cast<double>(base), -2.0 * i / hd);
-      table[static_cast<size_t>(p) * hd / 2 + i] = make_float2(static_cast<float>(std::cos(th)), static_cast<float>(std::sin(th)));
-    }
-  DevBuf<float2> dtab(table);
-  // NeoX RoPE pairs (i, i + hd/2) with Q/K/V biases (Qwen 2's layer), or the plain interleaved layer; rows of each
-  // type the fused kernel reads, plus Qwen 2's real ones (Q5_0 q/k, Q8_0 v).
-  struct Variant {
-    bool neox, bias;
+  // SmolLM2-135M's heads, and head_dim 128 with 6 query heads per KV head (Qwen2.5-1.5B's layer).
+  struct Shape {
+    int d, n_heads, n_kv, hd;
   };
-  for (const Variant var : {Variant{false, false}, Variant{true, true}})
-  for (GgmlType t : {GgmlType::Q4_0, GgmlType::Q4_1, GgmlType::Q8_0, GgmlType::Q5_0}) {
-    if (t == GgmlType::Q5_0 && !var.neox) continue;
-    for (int pos : {0, 1, 77, n_ctx - 1}) {
-      SCOPED_TRACE(std::string(var.neox ? "neox+bias " : "interleaved ") + type_name(t) + " pos " +
-                   std::to_string(pos));
-      auto wq = random_matrix(t, q_dim, d, 0.04f), wk = random_matrix(t, kv_dim, d, 0.04f),
-           wv = random_matrix(t, kv_dim, d, 0.04f);
-      GpuMatrix g = to_gpu({&wq->view, &wk->view, &wv->view});
-      const std::vector<float> x = random_vec(d, -3.f, 3.f), nw = random_vec(d, 0.5f, 1.5f);
-      DevBuf<float> dx(x), dnw(nw), dq(q_dim), dk(static_cast<size_t>(n_ctx) * kv_dim), dv(static_cast<size_t>(n_ctx) * kv_dim);
-      DevBuf<DecodeIO> io(std::vector<DecodeIO>{{5, pos}});
-      dq.poison();
-      dk.poison();
-      dv.poison();
-      QkvTargets tg;
-      tg.rope_table = dtab.p;
-      tg.io = io.p;
-      tg.q_dim = q_dim;
-      tg.kv_dim = kv_dim;
-      tg.head_dim = hd;
-      tg.q_out = dq.p;
-      tg.k_cache = dk.p;
-      tg.v_cache = dv.p;
-      const std::vector<float> bias = random_vec(q_dim + 2 * kv_dim, -0.5f, 0.5f);
-      DevBuf<float> dbias(bias);
-      tg.bias = var.bias ? dbias.p : nullptr;
-      tg.neox = var.neox;
-      launch_norm_matvec_qkv(g.m, dx.p, dnw.p, kEps, tg, nullptr);
+  for (const Shape sh : {Shape{576, 9, 3, 64}, Shape{1536, 12, 2, 128}}) {
+    const int d = sh.d, n_heads = sh.n_heads, n_kv = sh.n_kv, hd = sh.hd, q_dim = n_heads * hd, kv_dim = n_kv * hd;
+    const int n_ctx = 1024;
+    const float base = 100000.f;
+    std::vector<float2> table(static_cast<size_t>(n_ctx) * hd / 2);
+    for (int i = 0; i < hd / 2; ++i)
+      for (int p = 0; p < n_ctx; ++p) {
+        const double th = p * std::pow(static_cast<double>(base), -2.0 * i / hd);
+        table[static_cast<size_t>(p) * hd / 2 + i] =
+            make_float2(static_cast<float>(std::cos(th)), static_cast<float>(std::sin(th)));
+      }
+    DevBuf<float2> dtab(table);
+    // NeoX RoPE pairs (i, i + hd/2) with Q/K/V biases (Qwen 2's layer), or the plain interleaved layer; rows of each
+    // type the fused kernel reads, plus Qwen 2's real ones (Q5_0 q/k, Q8_0 v).
+    struct Variant {
+      bool neox, bias;
+    };
+    for (const Variant var : {Variant{false, false}, Variant{true, true}})
+    for (GgmlType t : {GgmlType::Q4_0, GgmlType::Q4_1, GgmlType::Q8_0, GgmlType::Q5_0}) {
+      if (t == GgmlType::Q5_0 && !var.neox) continue;
+      for (int pos : {0, 1, 77, n_ctx - 1}) {
+        SCOPED_TRACE("head_dim " + std::to_string(hd) + (var.neox ? " neox+bias " : " interleaved ") + type_name(t) +
+                     " pos " + std::to_string(pos));
+        auto wq = random_matrix(t, q_dim, d, 0.04f), wk = random_matrix(t, kv_dim, d, 0.04f),
+             wv = random_matrix(t, kv_dim, d, 0.04f);
+        GpuMatrix g = to_gpu({&wq->view, &wk->view, &wv->view});
+        const std::vector<float> x = random_vec(d, -3.f, 3.f), nw = random_vec(d, 0.5f, 1.5f);
+        DevBuf<float> dx(x), dnw(nw), dq(q_dim), dk(static_cast<size_t>(n_ctx) * kv_dim),
+            dv(static_cast<size_t>(n_ctx) * kv_dim);
+        DevBuf<DecodeIO> io(std::vector<DecodeIO>{{5, pos}});
+        dq.poison();
+        dk.poison();
+        dv.poison();
+        QkvTargets tg;
+        tg.rope_table = dtab.p;
+        tg.io = io.p;
+        tg.q_dim = q_dim;
+        tg.kv_dim = kv_dim;
+        tg.head_dim = hd;
+        tg.q_out = dq.p;
+        tg.k_cache = dk.p;
+        tg.v_cache = dv.p;
+        const std::vector<float> bias = random_vec(q_dim + 2 * kv_dim, -0.5f, 0.5f);
+        DevBuf<float> dbias(bias);
+        tg.bias = var.bias ? dbias.p : nullptr;
+        tg.neox = var.neox;
+        launch_norm_matvec_qkv(g.m, dx.p, dnw.p, kEps, tg, nullptr);
 
-      const std::vector<float> h = ref_rmsnorm(x, nw, kEps);
-      std::vector<float> q = ref_matvec(wq->view, h), k = ref_matvec(wk->view, h), v = ref_matvec(wv->view, h);
-      if (var.bias) {
-        for (int i = 0; i < q_dim; ++i) q[i] += bias[i];
-        for (int i = 0; i < kv_dim; ++i) k[i] += bias[q_dim + i], v[i] += bias[q_dim + kv_dim + i];
+        const std::vector<float> h = ref_rmsnorm(x, nw, kEps);
+        std::vector<float> q = ref_matvec(wq->view, h), k = ref_matvec(wk->view, h), v = ref_matvec(wv->view, h);
+        if (var.bias) {
+          for (int i = 0; i < q_dim; ++i) q[i] += bias[i];
+          for (int i = 0; i < kv_dim; ++i) k[i] += bias[q_dim + i], v[i] += bias[q_dim + kv_dim + i];
+        }
+        if (var.neox) {  // pair i of each head: (i, i + hd/2), turned by the table's row
+          for (auto [vec, heads] : {std::pair<float*, int>{q.data(), n_heads}, std::pair<float*, int>{k.data(), n_kv}})
+            for (int hh = 0; hh < heads; ++hh)
+              for (int i = 0; i < hd / 2; ++i) {
+                float* a0 = vec + hh * hd + i;
+                const float2 cs = table[static_cast<size_t>(pos) * hd / 2 + i];
+                const float x0 = a0[0], x1 = a0[hd / 2];
+                a0[0] = x0 * cs.x - x1 * cs.y;
+                a0[hd / 2] = x0 * cs.y + x1 * cs.x;
+              }
+        } else {
+          ref::rope(q.data(), n_heads, hd, pos, base);
+          ref::rope(k.data(), n_kv, hd, pos, base);
+        }
+        EXPECT_LE(max_abs_diff(dq.download(), q), kTol) << "q";
+        const std::vector<float> kc = dk.download(), vc = dv.download();
+        std::vector<float> krow(kc.begin() + pos * kv_dim, kc.begin() + (pos + 1) * kv_dim);
+        std::vector<float> vrow(vc.begin() + pos * kv_dim, vc.begin() + (pos + 1) * kv_dim);
+        EXPECT_LE(max_abs_diff(krow, k), kTol) << "k cache row";
+        EXPECT_LE(max_abs_diff(vrow, v), kTol) << "v cache row";
+        size_t touched = 0;
+        for (size_t i = 0; i < kc.size(); ++i) touched += !is_poison(kc[i]) + !is_poison(vc[i]);
+        EXPECT_EQ(touched, 2u * kv_dim) << "only row pos of each cache is written";
       }
-      if (var.neox) {  // pair i of each head: (i, i + hd/2), turned by the table's row
-        for (auto [vec, heads] : {std::pair<float*, int>{q.data(), n_heads}, std::pair<float*, int>{k.data(), n_kv}})
-          for (int hh = 0; hh < heads; ++hh)
-            for (int i = 0; i < hd / 2; ++i) {
-              float* a0 = vec + hh * hd + i;
-              const float2 cs = table[static_cast<size_t>(pos) * hd / 2 + i];
-              const float x0 = a0[0], x1 = a0[hd / 2];
-              a0[0] = x0 * cs.x - x1 * cs.y;
-              a0[hd / 2] = x0 * cs.y + x1 * cs.x;
-            }
-      } else {
-        ref::rope(q.data(), n_heads, hd, pos, base);
-        ref::rope(k.data(), n_kv, hd, pos, base);
-      }
-      EXPECT_LE(max_abs_diff(dq.download(), q), kTol) << "q";
-      const std::vector<float> kc = dk.download(), vc = dv.download();
-      std::vector<float> krow(kc.begin() + pos * kv_dim, kc.begin() + (pos + 1) * kv_dim);
-      std::vector<float> vrow(vc.begin() + pos * kv_dim, vc.begin() + (pos + 1) * kv_dim);
-      EXPECT_LE(max_abs_diff(krow, k), kTol) << "k cache row";
-      EXPECT_LE(max_abs_diff(vrow, v), kTol) << "v cache row";
-      size_t touched = 0;
-      for (size_t i = 0; i < kc.size(); ++i) touched += !is_poison(kc[i]) + !is_poison(vc[i]);
-      EXPECT_EQ(touched, 2u * kv_dim) << "only row pos of each cache is written";
     }
   }
 }
