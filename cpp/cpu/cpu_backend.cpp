@@ -62,9 +62,9 @@ __attribute__((always_inline)) inline float fast_exp(float x) {
 }
 
 // The loops below (plain loops the compiler vectorises, or GCC vector types) are compiled once per ISA, and the
-// backend calls the one of its own ISA, as it does the matvec kernels: METALATTN_CPU_ISA=avx2 then runs AVX2 code
-// everywhere, also on an AVX-512 CPU (GCC's target_clones picked by the CPU's features, which they used before,
-// ran the AVX-512 attention under a forced AVX2 path). Each body is always inlined into its three wrappers.
+// backend calls the one of its own ISA, as it does the matvec kernels, so METALATTN_CPU_ISA=avx2 runs AVX2 code
+// everywhere, also on an AVX-512 CPU (GCC's target_clones would pick by the CPU's features instead). Each body is
+// always inlined into its three wrappers.
 #define METALATTN_BODY __attribute__((always_inline)) inline
 #define METALATTN_AVX512 __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx2,fma,f16c")))
 #define METALATTN_AVX2 __attribute__((target("avx2,fma,f16c")))
@@ -85,13 +85,16 @@ METALATTN_BODY void geglu_body(float* gate, const float* up, int64_t n) {
   }
 }
 
-METALATTN_AVX512 void glu_avx512(bool gelu, float* g, const float* u, int64_t n) {
+METALATTN_BODY void glu_body(bool gelu, float* g, const float* u, int64_t n) {
   gelu ? geglu_body(g, u, n) : swiglu_body(g, u, n);
 }
-METALATTN_AVX2 void glu_avx2(bool gelu, float* g, const float* u, int64_t n) { gelu ? geglu_body(g, u, n) : swiglu_body(g, u, n); }
-void glu_scalar(bool gelu, float* g, const float* u, int64_t n) { gelu ? geglu_body(g, u, n) : swiglu_body(g, u, n); }
+METALATTN_AVX512 void glu_avx512(bool gelu, float* g, const float* u, int64_t n) { glu_body(gelu, g, u, n); }
+METALATTN_AVX2 void glu_avx2(bool gelu, float* g, const float* u, int64_t n) { glu_body(gelu, g, u, n); }
+void glu_scalar(bool gelu, float* g, const float* u, int64_t n) { glu_body(gelu, g, u, n); }
 void glu(Isa isa, bool gelu, float* g, const float* u, int64_t n) {
-  isa == Isa::Avx512 ? glu_avx512(gelu, g, u, n) : isa == Isa::Avx2 ? glu_avx2(gelu, g, u, n) : glu_scalar(gelu, g, u, n);
+  if (isa == Isa::Avx512) return glu_avx512(gelu, g, u, n);
+  if (isa == Isa::Avx2) return glu_avx2(gelu, g, u, n);
+  glu_scalar(gelu, g, u, n);
 }
 
 // x[i] = exp(x[i] - shift); returns the sum.
