@@ -768,9 +768,9 @@ struct BlkSel<kWide8> {
   using type = BlkWide8;
 };
 
-template <typename B, int TPR>
+template <typename B, int TPR, int UN = B::kUnroll>
 struct RowDotB {
-  static constexpr int U = B::kUnroll;
+  static constexpr int U = UN;
   B first[U];
 
   __device__ __forceinline__ void prefetch(const DevMatrix& W, int row, int sub) {
@@ -897,6 +897,13 @@ struct NormMatvecArgs {
   float* x_out = nullptr;    // ... and block 0 writes that row here (the residual stream)
 };
 
+// Blocks per lane loaded before the wait: at least 4 for quarter-warp rows (TPR 8), so that all blocks of a row of
+// up to 32 (SmolLM2, Qwen2.5-0.5B, Gemma 3 widths) are in flight before the wait (small block types only).
+template <typename B>
+constexpr int unroll_for(int tpr) {
+  return tpr == 8 && sizeof(B) <= 32 && B::kUnroll < 4 ? 4 : B::kUnroll;
+}
+
 // PRE: the PreAdd variant (a.pre set), a separate instantiation so that the kernels of every other layer compile as
 // if it did not exist (a runtime test cost Qwen2.5-0.5B-shaped decode 2.5% on the H100).
 template <typename B, int TPR, bool PRE>
@@ -924,7 +931,7 @@ __global__ void __launch_bounds__(512) norm_matvec_kernel(DevMatrix W, const flo
 
   KernelTrace trace(a.mode == NormOut::Qkv ? kTraceQkv : kTraceNormMatvec);
   detail::launch_dependents();
-  RowDotB<B, TPR> rd;
+  RowDotB<B, TPR, unroll_for<B>(TPR)> rd;
   rd.prefetch(W, row, sub);
   NormPrefetch nw;
   nw.load(norm_w, W.cols);
@@ -1553,11 +1560,11 @@ typename Family::Fn kernel_for(GgmlType t) {
   throw EngineError(std::string("matvec: unsupported weight type ") + gpu_type_name(t));
 }
 
-template <bool PRE>
+template <bool PRE, int TPR>
 struct NormKernels {
   using Fn = void (*)(DevMatrix, const float*, const float*, float, NormMatvecArgs);
   template <GgmlType T>
-  static Fn get() { return norm_matvec_kernel<typename BlkSel<T>::type, kMatvecTpr, PRE>; }
+  static Fn get() { return norm_matvec_kernel<typename BlkSel<T>::type, TPR, PRE>; }
 };
 template <int TPR>
 struct ResidualKernels {
@@ -1582,13 +1589,46 @@ void allow_smem(K kernel, size_t smem) {
   detail::allow_dynamic_smem(kernel, smem);
 }
 
+template <int TPR>
+typename NormKernels<false, TPR>::Fn norm_kernel(const DevMatrix& W, bool pre) {
+  return pre ? kernel_for<NormKernels<true, TPR>>(W.type) : kernel_for<NormKernels<false, TPR>>(W.type);
+}
+
+// Rows that one wave of resident blocks of kernel k covers.
+template <typename K>
+int64_t rows_per_wave(K k, const Geometry& g) {
+  int device = 0, n_sms = 0, per_sm = 0;
+  CUDA_CHECK(cudaGetDevice(&device));
+  CUDA_CHECK(cudaDeviceGetAttribute(&n_sms, cudaDevAttrMultiProcessorCount, device));
+  allow_smem(k, g.smem);
+  CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, k, g.threads, g.smem));
+  return static_cast<int64_t>(std::max(per_sm, 1)) * n_sms * (g.threads / g.tpr);
+}
+
 void run_norm_matvec(const DevMatrix& W, const float* x, const float* norm_w, float eps, const NormMatvecArgs& a,
                      cudaStream_t s) {
-  // SiluGlu in 512 threads (16 rows per block): the gate/up matrix's 3072 rows as 192 blocks instead of 384, each
-  // staging and normalizing x once for twice the rows. Measured in the decode chain (H100): 402 -> 390 us per
-  // token; QKV at 512 threads was slower (391 -> 398) and O even, so they keep 256 (NOTES, "Fifth session").
-  const Geometry g = matvec_geometry(W, kMatvecTpr, a.mode == NormOut::SiluGlu ? 512 : 256);
-  const auto k = a.pre.y != nullptr ? kernel_for<NormKernels<true>>(W.type) : kernel_for<NormKernels<false>>(W.type);
+  // A whole warp per row keeps the part after the wait shortest (each lane one or two weight blocks), as long as
+  // the rows fit about one wave of resident blocks: a later wave pays the launch, the wait, the staging and the
+  // reduction again with HBM idle. Larger matrices take half a warp per row, or a quarter, in 256-thread blocks.
+  // H100, us per token (NOTES, "CUDA, session 13"): Qwen2.5-0.5B's gate/up (9,728 rows, 2.3 waves at 32 lanes)
+  // 612 -> 528 at 16 lanes (1.15 waves; 8 lanes, 0.6 waves but four blocks a lane, 578); SmolLM2-1.7B's gate/up
+  // (16,384 rows) 1,003 -> 873 at 8 lanes (0.97 waves; 16 lanes, 1.9 waves, 907) and its QKV (6,144 rows, 1.45
+  // waves) -> 16 lanes +3%; the one-wave gate/up of Gemma 3 270M and SmolLM2-135M lose 4-20% at fewer lanes.
+  // SiluGlu at 32 lanes in 512 threads (16 rows per block): the gate/up matrix's 3072 rows as 192 blocks instead of
+  // 384, each staging and normalizing x once for twice the rows. Measured in the decode chain (H100): 402 -> 390 us
+  // per token; QKV at 512 threads was slower (391 -> 398) and O even, so they keep 256 (NOTES, "Fifth session").
+  const bool pre = a.pre.y != nullptr;
+  constexpr double kWaveSlack = 1.25;  // a last wave of a quarter of the SMs' blocks costs less than fewer lanes
+  Geometry g = matvec_geometry(W, kMatvecTpr, a.mode == NormOut::SiluGlu ? 512 : 256);
+  auto k = norm_kernel<kMatvecTpr>(W, pre);
+  if (W.rows > kWaveSlack * static_cast<double>(rows_per_wave(k, g))) {
+    g = matvec_geometry(W, 16, 256);
+    k = norm_kernel<16>(W, pre);
+    if (W.rows > kWaveSlack * static_cast<double>(rows_per_wave(k, g))) {
+      g = matvec_geometry(W, 8, 256);
+      k = norm_kernel<8>(W, pre);
+    }
+  }
   allow_smem(k, g.smem);
   launch(k, dim3(g.grid), dim3(g.threads), g.smem, s, W, x, norm_w, eps, a);
 }
