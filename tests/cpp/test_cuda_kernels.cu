@@ -2683,7 +2683,7 @@ TEST(CudaArch, AttentionDecodeWindowScaleSplitAtRealShapes) {
     const int max_splits = arch_attn_max_splits(n_ctx);
     DevBuf<float> part_o(static_cast<size_t>(sh.n_heads) * max_splits * hd), part_ml(static_cast<size_t>(sh.n_heads) * max_splits * 2);
     DevBuf<unsigned int> counters(std::vector<unsigned int>(sh.n_heads, 0u));
-    for (int pos : {0, 1, 63, 64, 65, 130, 511, 512, 513, 1000, 4097, 8191}) {
+    for (int pos : {0, 1, 31, 32, 33, 63, 64, 65, 130, 511, 512, 513, 1000, 4097, 8191}) {
       const std::vector<float> q = random_vec(q_dim, -1.5f, 1.5f);
       DevBuf<float> q_d(q);
       DevBuf<int32_t> pos_d(std::vector<int32_t>{pos});
