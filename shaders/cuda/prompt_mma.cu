@@ -311,17 +311,27 @@ __device__ __forceinline__ float slot_sum(uint4 s) {
 // Slots per token row in shared memory (K/4 plus 4 slots = 64 bytes of padding).
 __host__ __device__ inline int slot_stride(int K) { return K / 4 + 4; }
 
+// K is staged in chunks of kMmaChunkCols columns where the whole of X does not fit in kMmaSmemCap (SmolLM2-1.7B:
+// K 2048 and 8192 at 32 tokens). A chunk holds at least the blocks every warp loads before the wait.
+constexpr int kMmaChunkCols = kMmaWarps * kMmaPrefetch * 32;
+constexpr int kMmaSmemCap = 227 * 1024;  // the H100's opt-in shared memory per block
+
 // Shared memory of one block: X (8 * n_tiles token rows of 16-byte slots: fp32 quads for an rmsnorm'ed input, [hi|lo]
-// slots otherwise), the norm weights, each warp's partial sums of squares per token and 1/rms per token (normed
-// input). The cross-warp reduction reuses X's space.
+// slots otherwise) and the norm weights, both of one chunk of K, each warp's partial sums of squares per token and
+// 1/rms per token (normed input). The cross-warp reduction reuses X's space.
 struct MmaSmem {
-  int x_bytes, norm_off, ss_off, rms_off, total;
+  int chunk_cols, x_bytes, norm_off, ss_off, rms_off, total;
   __host__ __device__ MmaSmem(int K, int n_tiles, int row_tiles) {
+    layout(K, n_tiles, row_tiles);
+    if (total > kMmaSmemCap && K > kMmaChunkCols) layout(kMmaChunkCols, n_tiles, row_tiles);
+  }
+  __host__ __device__ void layout(int cols, int n_tiles, int row_tiles) {
     const int rows = 8 * n_tiles;
-    x_bytes = rows * slot_stride(K) * 16;
+    chunk_cols = cols;
+    x_bytes = rows * slot_stride(cols) * 16;
     const int red_bytes = kMmaWarps * row_tiles * kMmaTileRows * (rows + 1) * 4;
     norm_off = x_bytes > red_bytes ? x_bytes : red_bytes;
-    ss_off = norm_off + K * 4;
+    ss_off = norm_off + cols * 4;
     rms_off = ss_off + kMmaWarps * rows * 4;
     total = rms_off + rows * 4;
   }
@@ -334,19 +344,26 @@ struct MmaSmem {
 // there is no per-element index arithmetic. The arguments are copied into registers first: cp.async's memory clobber
 // would otherwise make the compiler reload them from the parameter space in every iteration (measured: +30%
 // instructions in the down projection).
+// One chunk: the columns [col0, col0 + cols) of K (chunk_cols wide in shared memory; the last chunk may be narrower),
+// and with norm_s set (a later chunk of a normed input) the chunk's norm weights too.
 template <bool kNormed>
-__device__ void stage_x(const PromptMmaArgs& a, int K, int n_rows, uint4* x_s) {
+__device__ void stage_x(const PromptMmaArgs& a, int K, int chunk_cols, int col0, int cols, int n_rows, uint4* x_s,
+                        float* norm_s = nullptr) {
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-  const int slots = K / 4, stride = slot_stride(K), n = a.n;
+  const int slots = cols / 4, stride = slot_stride(chunk_cols), n = a.n;
   const float* const x = a.x;
   const __half* const x_slots = a.x_slots;
   for (int t = warp; t < n_rows; t += kMmaWarps)
     for (int s = lane; s < slots; s += 32) {
       uint4* dst = &x_s[t * stride + s];
       if (t >= n) *dst = make_uint4(0u, 0u, 0u, 0u);
-      else if constexpr (kNormed) detail::cp_async16(dst, x + static_cast<int64_t>(t) * K + 4 * s);
-      else detail::cp_async16(dst, x_slots + static_cast<int64_t>(t) * 2 * K + 8 * s);
+      else if constexpr (kNormed) detail::cp_async16(dst, x + static_cast<int64_t>(t) * K + col0 + 4 * s);
+      else detail::cp_async16(dst, x_slots + static_cast<int64_t>(t) * 2 * K + 2 * col0 + 8 * s);
     }
+  if (kNormed && norm_s != nullptr) {
+    const float* const norm_w = a.norm_w;
+    for (int i = threadIdx.x; i < slots; i += kMmaThreads) detail::cp_async16(norm_s + 4 * i, norm_w + col0 + 4 * i);
+  }
   detail::cp_async_wait_all();
   __syncthreads();  // also publishes the norm weights, copied by other threads
 }
@@ -402,24 +419,26 @@ __global__ void __launch_bounds__(kMmaThreads) prompt_mma_kernel(const PromptMma
 #pragma unroll
     for (int rt = 0; rt < RT; ++rt)
       if (j < my_blocks) pre[j][rt].load(a.W, rows[rt], warp + j * kMmaWarps, c);
+  const int Kc = lay.chunk_cols, chunk_blocks = Kc / 32;  // K itself unless X must be staged in chunks
   if constexpr (kNormed) {
     const float* const norm_w = a.norm_w;  // in a register: see stage_x
-    for (int i = threadIdx.x; i < K / 4; i += kMmaThreads) detail::cp_async16(norm_s + 4 * i, norm_w + 4 * i);
+    for (int i = threadIdx.x; i < Kc / 4; i += kMmaThreads) detail::cp_async16(norm_s + 4 * i, norm_w + 4 * i);
   }
   detail::grid_dependency_wait();
 
-  stage_x<kNormed>(a, K, n_rows, x_s);
+  stage_x<kNormed>(a, K, Kc, 0, min(K, Kc), n_rows, x_s);
 
   float acc[RT][kMmaMaxTiles][4];
 #pragma unroll
   for (int rt = 0; rt < RT; ++rt)
 #pragma unroll
     for (int nt = 0; nt < kMmaMaxTiles; ++nt) acc[rt][nt][0] = acc[rt][nt][1] = acc[rt][nt][2] = acc[rt][nt][3] = 0.f;
-  const int stride = slot_stride(K);
+  const int stride = slot_stride(Kc);
   // Normed input: this lane's sum of squares of token nt * 8 + g over the slots it loads.
   float ss[kMmaMaxTiles] = {};
   // One 32-column block of K for the RT row tiles: each B fragment (token tile, step) is loaded once for all tiles.
-  auto do_block = [&](const WB(&wb)[RT], int blk) {
+  // blk0: the first block of the chunk in shared memory.
+  auto do_block = [&](const WB(&wb)[RT], int blk, int blk0) {
     float part[RT][kMmaMaxTiles][4];
 #pragma unroll
     for (int rt = 0; rt < RT; ++rt)
@@ -471,7 +490,7 @@ __global__ void __launch_bounds__(kMmaThreads) prompt_mma_kernel(const PromptMma
       uint32_t ar[RT][4];
 #pragma unroll
       for (int rt = 0; rt < RT; ++rt) wb[rt].a_regs(step, ar[rt]);
-      const int slot = blk * 8 + 4 * step + c;
+      const int slot = (blk - blk0) * 8 + 4 * step + c;
       float4 nw;
       if constexpr (kNormed) nw = reinterpret_cast<const float4*>(norm_s)[slot];
 #pragma unroll
@@ -507,14 +526,22 @@ __global__ void __launch_bounds__(kMmaThreads) prompt_mma_kernel(const PromptMma
     }
     if constexpr (!WB::kStepScales) apply(0);
   };
+  // The prefetched blocks all lie in the first chunk (chunk_blocks >= kMmaWarps * kPre).
 #pragma unroll
   for (int j = 0; j < kPre; ++j)
-    if (j < my_blocks) do_block(pre[j], warp + j * kMmaWarps);
-  for (int j = kPre; j < my_blocks; ++j) {  // K beyond kPre blocks per warp: loaded here
-    WB wb[RT];
+    if (j < my_blocks) do_block(pre[j], warp + j * kMmaWarps, 0);
+  int j = kPre;  // K beyond kPre blocks per warp: loaded here, chunk by chunk
+  for (int blk0 = 0; blk0 < nb; blk0 += chunk_blocks) {
+    if (blk0 > 0) {
+      __syncthreads();  // every warp is done with the previous chunk
+      stage_x<kNormed>(a, K, Kc, 32 * blk0, min(K - 32 * blk0, Kc), n_rows, x_s, kNormed ? norm_s : nullptr);
+    }
+    for (; j < my_blocks && warp + j * kMmaWarps < blk0 + chunk_blocks; ++j) {
+      WB wb[RT];
 #pragma unroll
-    for (int rt = 0; rt < RT; ++rt) wb[rt].load(a.W, rows[rt], warp + j * kMmaWarps, c);
-    do_block(wb, warp + j * kMmaWarps);
+      for (int rt = 0; rt < RT; ++rt) wb[rt].load(a.W, rows[rt], warp + j * kMmaWarps, c);
+      do_block(wb, warp + j * kMmaWarps, blk0);
+    }
   }
 
   if constexpr (kNormed) {  // this warp's sum of squares per token, for 1/rms below
@@ -778,7 +805,8 @@ bool prompt_mma_supported(GgmlType type, int cols, int d_ff_or_zero) {
       if (type != kWide8) return false;
   }
   if (cols % 32 != 0 || d_ff_or_zero % 8 != 0) return false;
-  return MmaSmem(cols, kMmaMaxTiles, 2).total <= device_smem_optin();
+  const MmaSmem lay(cols, kMmaMaxTiles, 2);
+  return lay.total <= device_smem_optin() && lay.total <= kMmaSmemCap;
 }
 
 void launch_prompt_mma(const PromptMmaArgs& a, cudaStream_t s) {

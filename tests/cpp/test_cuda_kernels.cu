@@ -2247,7 +2247,16 @@ TEST(CudaQuant, PromptMmaProjectionsAtRealShapes) {
       {{GgmlType::Q6_K}, 576, 1536, PromptMmaOut::AddResidual, false},
       {{GgmlType::Q5_1}, 640, 640, PromptMmaOut::Store, true},
       {{GgmlType::Q5_K, GgmlType::Q5_K}, 2048, 512, PromptMmaOut::SiluHalf, true},
-      {{GgmlType::Q4_K}, 1536, 1536, PromptMmaOut::Store, true},  // (K 2048 exceeds the kernel's shared memory)
+      {{GgmlType::Q4_K}, 1536, 1536, PromptMmaOut::Store, true},
+      // K staged in chunks of 1536 columns (X of 32 tokens does not fit in shared memory): SmolLM2-1.7B's QKV, gate/up
+      // and down widths, Qwen2.5's down width, and a last chunk of 4 blocks (fewer than the block's 8 warps).
+      {{GgmlType::Q4_0}, 384, 2048, PromptMmaOut::Store, true},
+      {{GgmlType::Q4_0, GgmlType::Q4_0}, 1024, 2048, PromptMmaOut::SiluHalf, true},
+      {{GgmlType::Q4_0}, 256, 8192, PromptMmaOut::AddResidual, false},
+      {{GgmlType::Q4_K}, 256, 2048, PromptMmaOut::Store, true},
+      {{GgmlType::Q6_K}, 128, 4864, PromptMmaOut::AddResidual, false},
+      {{GgmlType::Q4_1}, 160, 3200, PromptMmaOut::AddResidual, false},
+      {{GgmlType::Q4_1}, 160, 3200, PromptMmaOut::Store, true},
       {{GgmlType::Q6_K}, 256, 1536, PromptMmaOut::Store, false},
       {{GgmlType::Q4_K, GgmlType::Q6_K}, 1024, 512, PromptMmaOut::Store, true},      // kWide8 (Llama 3.2 QKV mix)
       {{GgmlType::Q4_K, GgmlType::Q6_K}, 2048, 512, PromptMmaOut::SiluHalf, true},   // kWide8 gate/up
