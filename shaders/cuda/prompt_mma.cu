@@ -9,7 +9,8 @@
 // Geometry: a block owns one 16-row tile of W (one MMA m16 tile; two for the wide gate/up projection) for all
 // tokens; its 8 warps split the 32-column weight blocks of K (warp w takes blocks w, w+8, ...) and sum their
 // partial tiles through shared memory at the end. Every block stages the whole activation matrix X (m tokens x K)
-// in shared memory once: that staging, not the MMAs, is most of a block's time, so many warps share it.
+// in shared memory once (in chunks of kMmaChunkCols columns where 32 tokens of it do not fit, as at SmolLM2-1.7B's
+// widths): that staging, not the MMAs, is most of a block's time, so many warps share it.
 //
 // Numerics: the weights enter the MMA exactly (integer quants as fp16, the per-block scale d applied in fp32 after
 // the block's MMAs, the Q4_1 minimum m times the block's activation sum); an activation travels as fp16 hi + lo
