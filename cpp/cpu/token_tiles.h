@@ -200,17 +200,22 @@ void tok_tile(const TokRows& rows, int nb, const TokActs* const* acts, float* y,
   // one class after the other, so each class's float sequence is the group tiles' own while its accumulators stay in
   // registers (AVX-512 prompts: gate/up -13% at 64 tokens); on AVX2 (16 registers) the blocks go in order and each
   // updates its class in memory, as before (class order measured no faster there). Both give the same bits.
+  // On AVX2 the class accumulators live on the stack; they are not zeroed first: a class's first block (b < 8)
+  // adds its first product to a zero register instead (the same fma, so the same bits), and only classes with no
+  // block at all (nb < 8) are zeroed. Zeroing all 8 x R x TV of them before each tile cost ~9% of the tile's
+  // samples (the stores met a store buffer full of the previous tile's y stores).
   constexpr bool kByClass = MA_GROUP_TILES_VNNI;
   __m256 cls[8][R][TV];
   if constexpr (!kByClass)
-    for (int c = 0; c < 8; ++c)
+    for (int c = nb; c < 8; ++c)
       for (int i = 0; i < R; ++i)
         for (int v = 0; v < TV; ++v) cls[c][i][v] = _mm256_setzero_ps();
   for (int c = 0; c < (kByClass ? 8 : 1); ++c) {
   __m256 by_class[R][TV];
   for (int i = 0; i < R; ++i)
     for (int v = 0; v < TV; ++v) by_class[i][v] = _mm256_setzero_ps();
-  for (int b = kByClass ? c : 0; b < nb; b += kByClass ? 8 : 1) {
+  auto block = [&](int b, auto first_const) __attribute__((always_inline)) {
+    constexpr bool kFirst = !kByClass && decltype(first_const)::value;  // b < 8: the class starts at zero
     __m256 (&acc)[R][TV] = kByClass ? by_class : cls[b & 7];
     const int16_t* wb = rows.w + static_cast<size_t>(b) * R * 32;
     const TokActs* ab[TV];
@@ -255,23 +260,26 @@ void tok_tile(const TokRows& rows, int nb, const TokActs* const* acts, float* y,
     using K0 = std::integral_constant<int, 0>;
     using K8 = std::integral_constant<int, 8>;
     using K16 = std::integral_constant<int, 16>;
-    auto apply = [&](const __m256i (&sum)[R][TV], const float* scale) __attribute__((always_inline)) {
+    auto apply = [&](const __m256i (&sum)[R][TV], const float* scale, auto zero_const)
+                     __attribute__((always_inline)) {
       for (int i = 0; i < R; ++i) {
         const __m256 ds = _mm256_broadcast_ss(scale + b * R + i);
         for (int v = 0; v < TV; ++v)
           acc[i][v] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sum[i][v]), _mm256_mul_ps(ds, _mm256_load_ps(ab[v]->d)),
-                                      acc[i][v]);
+                                      decltype(zero_const)::value ? _mm256_setzero_ps() : acc[i][v]);
       }
     };
+    using First = std::integral_constant<bool, kFirst>;
+    using Later = std::false_type;
     __m256i sum[R][TV];
     if constexpr (WT == GgmlType::Q6_K) {
       dot(K0{}, K8{}, sum);
-      apply(sum, rows.dw);
+      apply(sum, rows.dw, First{});
       dot(K8{}, K16{}, sum);
-      apply(sum, rows.dx);
+      apply(sum, rows.dx, Later{});
     } else {
       dot(K0{}, K16{}, sum);
-      apply(sum, rows.dw);
+      apply(sum, rows.dw, First{});
       if constexpr (has_min(WT)) {
         for (int i = 0; i < R; ++i) {
           const __m256 m = _mm256_broadcast_ss(rows.dx + b * R + i);
@@ -279,21 +287,48 @@ void tok_tile(const TokRows& rows, int nb, const TokActs* const* acts, float* y,
         }
       }
     }
+  };
+  if constexpr (kByClass) {
+    for (int b = c; b < nb; b += 8) block(b, std::false_type{});
+  } else {
+    const int b8 = std::min(nb, 8);
+    for (int b = 0; b < b8; ++b) block(b, std::true_type{});
+    for (int b = 8; b < nb; ++b) block(b, std::false_type{});
   }
   for (int i = 0; i < R; ++i)
     for (int v = 0; v < TV; ++v)
       if constexpr (kByClass) cls[c][i][v] = by_class[i][v];
   }
   // The group tiles' reduce(): lanes (0,4) (2,6) (1,5) (3,7) hold classes (0,1) (4,5) (2,3) (6,7).
-  for (int i = 0; i < R; ++i) {
-    for (int v = 0; v < TV; ++v) {
+  for (int v = 0; v < TV; ++v) {
+    __m256 r[R];
+    for (int i = 0; i < R; ++i) {
       const __m256 q0 = _mm256_add_ps(cls[0][i][v], cls[1][i][v]), q1 = _mm256_add_ps(cls[2][i][v], cls[3][i][v]);
       const __m256 q2 = _mm256_add_ps(cls[4][i][v], cls[5][i][v]), q3 = _mm256_add_ps(cls[6][i][v], cls[7][i][v]);
-      const __m256 r = _mm256_add_ps(_mm256_add_ps(q0, q2), _mm256_add_ps(q1, q3));
+      r[i] = _mm256_add_ps(_mm256_add_ps(q0, q2), _mm256_add_ps(q1, q3));
+    }
+    const int n = std::min(kTokLanes, n_valid - kTokLanes * v);
+    float* yv = y + static_cast<int64_t>(kTokLanes) * v * ldy;
+    if constexpr (R == 4) {
+      if (n == kTokLanes) {  // 4 rows x 8 tokens -> each token's 4 consecutive outputs in one store
+        const __m256 t0 = _mm256_unpacklo_ps(r[0], r[1]), t1 = _mm256_unpackhi_ps(r[0], r[1]);
+        const __m256 t2 = _mm256_unpacklo_ps(r[2], r[3]), t3 = _mm256_unpackhi_ps(r[2], r[3]);
+        const __m256 u[4] = {
+            _mm256_castpd_ps(_mm256_unpacklo_pd(_mm256_castps_pd(t0), _mm256_castps_pd(t2))),
+            _mm256_castpd_ps(_mm256_unpackhi_pd(_mm256_castps_pd(t0), _mm256_castps_pd(t2))),
+            _mm256_castpd_ps(_mm256_unpacklo_pd(_mm256_castps_pd(t1), _mm256_castps_pd(t3))),
+            _mm256_castpd_ps(_mm256_unpackhi_pd(_mm256_castps_pd(t1), _mm256_castps_pd(t3)))};
+        for (int t = 0; t < 4; ++t) {  // u[t]: token t in the low half, token t + 4 in the high half
+          _mm_storeu_ps(yv + t * ldy, _mm256_castps256_ps128(u[t]));
+          _mm_storeu_ps(yv + (t + 4) * ldy, _mm256_extractf128_ps(u[t], 1));
+        }
+        continue;
+      }
+    }
+    for (int i = 0; i < R; ++i) {
       alignas(32) float out[8];
-      _mm256_store_ps(out, r);
-      const int n = std::min(kTokLanes, n_valid - kTokLanes * v);
-      for (int t = 0; t < n; ++t) y[(kTokLanes * v + t) * ldy + i] = out[t];
+      _mm256_store_ps(out, r[i]);
+      for (int t = 0; t < n; ++t) yv[t * ldy + i] = out[t];
     }
   }
 }
