@@ -320,6 +320,21 @@ struct Shape {
 // two-warp row groups than the GPU holds blocks at once, the last one ragged.
 const Shape kShapes[] = {{960, 576}, {576, 576}, {3072, 576}, {576, 1536}, {49152, 576}, {99, 2080}, {8191, 2080}};
 
+// The fused QKV kernel's targets: q into q, k and v rows of position io->pos into the caches k, v ([n_ctx][kv_dim]).
+QkvTargets qkv_targets(const DevBuf<float2>& rope_table, const DevBuf<DecodeIO>& io, int q_dim, int kv_dim,
+                       int head_dim, DevBuf<float>& q, DevBuf<float>& k, DevBuf<float>& v) {
+  QkvTargets t;
+  t.rope_table = rope_table.p;
+  t.io = io.p;
+  t.q_dim = q_dim;
+  t.kv_dim = kv_dim;
+  t.head_dim = head_dim;
+  t.q_out = q.p;
+  t.k_cache = k.p;
+  t.v_cache = v.p;
+  return t;
+}
+
 }  // namespace
 
 // ------------------------------------------------------------------ matvec family
@@ -417,15 +432,7 @@ TEST(CudaFused, NormQkvRopeAndCacheAppend) {
         dq.poison();
         dk.poison();
         dv.poison();
-        QkvTargets tg;
-        tg.rope_table = dtab.p;
-        tg.io = io.p;
-        tg.q_dim = q_dim;
-        tg.kv_dim = kv_dim;
-        tg.head_dim = hd;
-        tg.q_out = dq.p;
-        tg.k_cache = dk.p;
-        tg.v_cache = dv.p;
+        QkvTargets tg = qkv_targets(dtab, io, q_dim, kv_dim, hd, dq, dk, dv);
         const std::vector<float> bias = random_vec(q_dim + 2 * kv_dim, -0.5f, 0.5f);
         DevBuf<float> dbias(bias);
         tg.bias = var.bias ? dbias.p : nullptr;
@@ -595,15 +602,7 @@ TEST(CudaFused, EmbeddingFoldedIntoFirstQkv) {
     DevBuf<float> x2(d), dq2(q_dim), dk2(dk.n), dv2(dv.n);
     for (auto* b : {&x, &dq, &dk, &dv, &x2, &dq2, &dk2, &dv2}) b->poison();
     DevBuf<DecodeIO> io(std::vector<DecodeIO>{{token, pos}});
-    QkvTargets tg;
-    tg.rope_table = dtab.p;
-    tg.io = io.p;
-    tg.q_dim = q_dim;
-    tg.kv_dim = kv_dim;
-    tg.head_dim = hd;
-    tg.q_out = dq.p;
-    tg.k_cache = dk.p;
-    tg.v_cache = dv.p;
+    QkvTargets tg = qkv_targets(dtab, io, q_dim, kv_dim, hd, dq, dk, dv);
     launch_embed_norm_matvec_qkv(ge.m, x.p, g.m, dnw.p, kEps, tg, nullptr);
     QkvTargets tg2 = tg;
     tg2.q_out = dq2.p;
@@ -2129,15 +2128,7 @@ TEST(CudaQuant, FusedQkvFfnAndLmHeadAtRealShapes) {
       DevBuf<DecodeIO> io(std::vector<DecodeIO>{{token, pos}});
       for (auto* b : {&dq, &dk, &dv}) b->poison();
       if (embed) dx.poison();
-      QkvTargets tg;
-      tg.rope_table = dtab.p;
-      tg.io = io.p;
-      tg.q_dim = q_dim;
-      tg.kv_dim = kv_dim;
-      tg.head_dim = hd;
-      tg.q_out = dq.p;
-      tg.k_cache = dk.p;
-      tg.v_cache = dv.p;
+      QkvTargets tg = qkv_targets(dtab, io, q_dim, kv_dim, hd, dq, dk, dv);
       if (embed) launch_embed_norm_matvec_qkv(ge.m, dx.p, g.m, dnw.p, kEps, tg, nullptr);
       else launch_norm_matvec_qkv(g.m, dx.p, dnw.p, kEps, tg, nullptr);
       if (embed) EXPECT_EQ(dx.download(), x) << "embedding row written to x";
