@@ -421,6 +421,21 @@ __device__ __forceinline__ void prefetch_l2(const void* p) {
   asm volatile("prefetch.global.L2 [%0];" ::"l"(p));
 }
 
+// Weight bytes as exact floats without the conversion unit. An int8/uint8 -> float conversion (I2F) issues at 16
+// results per clock per SM on sm_90, an eighth of FFMA's rate, and with one per weight it bounded the dot products
+// of the byte-valued types after the activations arrived. Here the byte goes into the mantissa of 2^23 (one PRMT:
+// 0x4B0000bb read as a float is 2^23 + bb) and the offset comes off in one FADD: exact for every byte, on full-rate
+// pipes. `off` is 2^23 plus the value a stored byte of 0 stands for (signed bytes are first xor'ed with 0x80).
+template <int kByte>
+__device__ __forceinline__ float byte_f(uint32_t u, float off) {
+  return __int_as_float(static_cast<int>(__byte_perm(u, 0x4B000000u, 0x7540u | kByte))) - off;
+}
+constexpr float kMagicU = 8388608.f;          // 2^23: unsigned bytes
+constexpr float kMagicS = 8388608.f + 128.f;  // signed bytes, xor'ed with 0x80 first
+__device__ __forceinline__ float4 bytes_f4(uint32_t u, float off) {
+  return make_float4(byte_f<0>(u, off), byte_f<1>(u, off), byte_f<2>(u, off), byte_f<3>(u, off));
+}
+
 template <GgmlType T>
 struct Blk;
 
@@ -440,15 +455,15 @@ struct Blk<GgmlType::Q4_0> {
 #pragma unroll
     for (int i = 0; i < 4; ++i) {
       const float4 lo = ld4(xb + 4 * i), hi = ld4(xb + 16 + 4 * i);
-      const uint32_t v = w[i];
-      s[i] = lo.x * static_cast<float>(static_cast<int>(v & 15) - 8);
-      s[i] += lo.y * static_cast<float>(static_cast<int>((v >> 8) & 15) - 8);
-      s[i] += lo.z * static_cast<float>(static_cast<int>((v >> 16) & 15) - 8);
-      s[i] += lo.w * static_cast<float>(static_cast<int>((v >> 24) & 15) - 8);
-      s[i] += hi.x * static_cast<float>(static_cast<int>((v >> 4) & 15) - 8);
-      s[i] += hi.y * static_cast<float>(static_cast<int>((v >> 12) & 15) - 8);
-      s[i] += hi.z * static_cast<float>(static_cast<int>((v >> 20) & 15) - 8);
-      s[i] += hi.w * static_cast<float>(static_cast<int>((v >> 28) & 15) - 8);
+      const float4 a = bytes_f4(w[i] & 0x0f0f0f0fu, kMagicU + 8.f), b = bytes_f4((w[i] >> 4) & 0x0f0f0f0fu, kMagicU + 8.f);
+      s[i] = lo.x * a.x;
+      s[i] += lo.y * a.y;
+      s[i] += lo.z * a.z;
+      s[i] += lo.w * a.w;
+      s[i] += hi.x * b.x;
+      s[i] += hi.y * b.y;
+      s[i] += hi.z * b.z;
+      s[i] += hi.w * b.w;
     }
     return h2f(d) * ((s[0] + s[1]) + (s[2] + s[3]));
   }
@@ -469,11 +484,9 @@ struct Blk<GgmlType::Q4_1> {
 #pragma unroll
     for (int i = 0; i < 4; ++i) {
       const float4 lo = ld4(xb + 4 * i), hi = ld4(xb + 16 + 4 * i);
-      const uint32_t v = w[i];
-      s[i] = lo.x * static_cast<float>(v & 15) + lo.y * static_cast<float>((v >> 8) & 15) +
-             lo.z * static_cast<float>((v >> 16) & 15) + lo.w * static_cast<float>((v >> 24) & 15);
-      s[i] += hi.x * static_cast<float>((v >> 4) & 15) + hi.y * static_cast<float>((v >> 12) & 15) +
-              hi.z * static_cast<float>((v >> 20) & 15) + hi.w * static_cast<float>((v >> 28) & 15);
+      const float4 a = bytes_f4(w[i] & 0x0f0f0f0fu, kMagicU), b = bytes_f4((w[i] >> 4) & 0x0f0f0f0fu, kMagicU);
+      s[i] = lo.x * a.x + lo.y * a.y + lo.z * a.z + lo.w * a.w;
+      s[i] += hi.x * b.x + hi.y * b.y + hi.z * b.z + hi.w * b.w;
       sx[i] = (lo.x + lo.y) + (lo.z + lo.w) + (hi.x + hi.y) + (hi.z + hi.w);
     }
     return h2f(static_cast<uint16_t>(dm & 0xffffu)) * ((s[0] + s[1]) + (s[2] + s[3])) +
@@ -498,11 +511,8 @@ struct Blk<GgmlType::Q8_0> {
 #pragma unroll
     for (int i = 0; i < 8; ++i) {
       const float4 x = ld4(xb + 4 * i);
-      const uint32_t v = w[i];
-      s[i & 3] += x.x * static_cast<float>(static_cast<int8_t>(v & 0xff)) +
-                  x.y * static_cast<float>(static_cast<int8_t>((v >> 8) & 0xff)) +
-                  x.z * static_cast<float>(static_cast<int8_t>((v >> 16) & 0xff)) +
-                  x.w * static_cast<float>(static_cast<int8_t>(v >> 24));
+      const float4 q4 = bytes_f4(w[i] ^ 0x80808080u, kMagicS);
+      s[i & 3] += x.x * q4.x + x.y * q4.y + x.z * q4.z + x.w * q4.w;
     }
     return h2f(d) * ((s[0] + s[1]) + (s[2] + s[3]));
   }
@@ -511,17 +521,19 @@ struct Blk<GgmlType::Q8_0> {
 // ---- the new types (DevMatrix in kernels.cuh has their layouts). Helpers: the four bytes of v, signed or unsigned,
 // times x, added to acc as one FMA chain.
 __device__ __forceinline__ float fma_s8x4(uint32_t v, float4 x, float acc) {
-  acc += x.x * static_cast<float>(static_cast<int8_t>(v & 0xff));
-  acc += x.y * static_cast<float>(static_cast<int8_t>((v >> 8) & 0xff));
-  acc += x.z * static_cast<float>(static_cast<int8_t>((v >> 16) & 0xff));
-  acc += x.w * static_cast<float>(static_cast<int8_t>(v >> 24));
+  const float4 q = bytes_f4(v ^ 0x80808080u, kMagicS);
+  acc += x.x * q.x;
+  acc += x.y * q.y;
+  acc += x.z * q.z;
+  acc += x.w * q.w;
   return acc;
 }
 __device__ __forceinline__ float fma_u8x4(uint32_t v, float4 x, float acc) {
-  acc += x.x * static_cast<float>(v & 0xff);
-  acc += x.y * static_cast<float>((v >> 8) & 0xff);
-  acc += x.z * static_cast<float>((v >> 16) & 0xff);
-  acc += x.w * static_cast<float>(v >> 24);
+  const float4 q = bytes_f4(v, kMagicU);
+  acc += x.x * q.x;
+  acc += x.y * q.y;
+  acc += x.z * q.z;
+  acc += x.w * q.w;
   return acc;
 }
 __device__ __forceinline__ float sum4(float4 x) { return (x.x + x.y) + (x.z + x.w); }
