@@ -9,7 +9,9 @@
 // chain. `bench_cuda <n_ctx> q4_k_m` runs the whole benchmark on the same shapes with the tensor types of the real
 // SmolLM2-135M Q4_K_M file (q, k, o, gate, up Q5_0; v Q8_0 / Q5_0 and down Q6_K / Q4_K alternating by layer;
 // token_embd Q8_0); `bench_cuda <n_ctx> types` times one matvec per weight type at Llama 3.2 1B's shapes (graph
-// replay, effective GB/s of the GPU layout's bytes).
+// replay, effective GB/s of the GPU layout's bytes); `bench_cuda <n_ctx> decode` stops after the decode tg128 line.
+// METALATTN_BENCH_SHAPE=qwen takes Qwen2.5-0.5B's shape instead (24 layers, d 896, ffn 4864, 14/2 heads, vocab
+// 151,936) with its Q4_K_M file's types (no biases: the same decode kernels).
 #include <algorithm>
 #include <chrono>
 #include <cmath>
@@ -145,11 +147,13 @@ double graph_time_us(cudaStream_t s, F body, int reps = 200) {
 // Per kernel kind: median time from the previous kernel's exit to this kernel's release from its programmatic
 // wait (the chain hand-over), and from release to exit (the work after the wait), over several decode steps.
 void print_decode_trace(Backend& be, const std::vector<int32_t>& prompt, int n_layers) {
-  const char* names[kTraceKinds] = {"norm+gate/up", "norm+qkv", "matvec+residual", "attention", "lm_head+argmax"};
+  const char* names[kTraceKinds] = {"norm+gate/up", "norm+qkv", "matvec+residual", "attention", "lm_head+argmax",
+                                    "down+residual"};
   for (int pos : {32, 160, 1000}) {
     ArgmaxResult r = be.forward_prompt(prompt.data(), pos, 0, nullptr, nullptr);
     for (int i = 0; i < 3; ++i) r = be.forward_token_greedy(static_cast<int32_t>(r.token), pos + i);  // warm-up
-    std::vector<std::vector<double>> handover(kTraceKinds), work(kTraceKinds), enter_early(kTraceKinds);
+    std::vector<std::vector<double>> handover(kTraceKinds), work(kTraceKinds), enter_early(kTraceKinds),
+        span(kTraceKinds);
     std::vector<double> step;
     std::vector<std::vector<std::vector<double>>> marks(kTraceKinds, std::vector<std::vector<double>>(kTraceMarks));
     for (int rep = 0; rep < 20; ++rep) {
@@ -179,18 +183,23 @@ void print_decode_trace(Backend& be, const std::vector<int32_t>& prompt, int n_l
         handover[t[k].kind].push_back((static_cast<double>(t[k].released) - t[k - 1].exit) * 1e-3);
         work[t[k].kind].push_back((t[k].exit - t[k].released) * 1e-3);
         enter_early[t[k].kind].push_back((static_cast<double>(t[k - 1].exit) - t[k].enter) * 1e-3);
+        // The kernel's whole share of the chain: its release to the next kernel's release (its slowest block and
+        // the hand-over included).
+        if (k + 1 < t.size()) span[t[k].kind].push_back((static_cast<double>(t[k + 1].released) - t[k].released) * 1e-3);
         for (int i = 0; i < kTraceMarks; ++i)
           if (t[k].mark[i] != 0) marks[t[k].kind][i].push_back((static_cast<double>(t[k].mark[i]) - t[k].released) * 1e-3);
       }
     }
     std::printf("decode step at pos %d: %.1f us from the first kernel's entry to the last one's exit (median of %zu)\n",
                 pos, median(step), step.size());
-    std::printf("  %-16s %6s %14s %12s %16s\n", "kernel", "count", "hand-over us", "work us", "entered early us");
+    std::printf("  %-16s %6s %14s %12s %16s %22s\n", "kernel", "count", "hand-over us", "work us", "entered early us",
+                "release to next us");
     for (int k = 0; k < kTraceKinds; ++k)
       if (!work[k].empty())
       {
-        std::printf("  %-16s %6zu %14.2f %12.2f %16.2f", names[k], work[k].size() / step.size(), median(handover[k]),
-                    median(work[k]), median(enter_early[k]));
+        std::printf("  %-16s %6zu %14.2f %12.2f %16.2f %22.2f", names[k], work[k].size() / step.size(),
+                    median(handover[k]), median(work[k]), median(enter_early[k]),
+                    span[k].empty() ? 0.0 : median(span[k]));
         for (int i = 0; i < kTraceMarks; ++i)
           if (!marks[k][i].empty()) std::printf("  mark%d +%.2f", i, median(marks[k][i]));
         std::printf("\n");
@@ -306,17 +315,30 @@ int main(int argc, char** argv) {
     s.n_ctx = argc > 1 ? std::atoi(argv[1]) : 2048;
     s.rope_base = 100000.f;
     s.rms_eps = 1e-5f;
+    // METALATTN_BENCH_SHAPE=qwen: Qwen2.5-0.5B's shape (llama layers, no biases) with its Q4_K_M file's types.
+    const char* shape = std::getenv("METALATTN_BENCH_SHAPE");
+    const bool qwen = shape != nullptr && std::strcmp(shape, "qwen") == 0;
+    if (qwen) {
+      s.n_layers = 24;
+      s.d_model = 896;
+      s.d_ff = 4864;
+      s.n_heads = 14;
+      s.n_kv_heads = 2;
+      s.vocab = 151936;
+      s.rope_base = 1e6f;
+      s.rms_eps = 1e-6f;
+    }
     Storage st;
     ModelWeights w;
-    const float sd = 1.f / std::sqrt(576.f), sf = 1.f / std::sqrt(1536.f);
+    const float sd = 1.f / std::sqrt(static_cast<float>(s.d_model)), sf = 1.f / std::sqrt(static_cast<float>(s.d_ff));
     const std::string mode = argc > 2 ? argv[2] : "";
     if (mode == "types") return bench_types();
     // The Q4_K_M mix of the real SmolLM2-135M file (its 576-wide rows take Q5_0 / Q8_0 where Q4_K_M asks for
     // Q4_K / Q6_K; the 1536-wide down projection is a K-quant), or Q4_0 layers.
-    const bool q4_k_m = mode == "q4_k_m";
+    const bool q4_k_m = mode == "q4_k_m" || qwen;
     const GgmlType lt = q4_k_m ? GgmlType::Q5_0 : GgmlType::Q4_0;
-    w.tok_embd = random_q(st, GgmlType::Q8_0, s.vocab, s.d_model, 1.f);
-    w.output = w.tok_embd;
+    w.tok_embd = random_q(st, qwen ? GgmlType::Q5_0 : GgmlType::Q8_0, s.vocab, s.d_model, 1.f);
+    w.output = qwen ? random_q(st, GgmlType::Q8_0, s.vocab, s.d_model, sd) : w.tok_embd;
     w.output_norm = random_norm(st, s.d_model);
     for (int l = 0; l < s.n_layers; ++l) {
       LayerWeights L;
@@ -333,7 +355,8 @@ int main(int argc, char** argv) {
       L.w_down = random_q(st, dt, s.d_model, s.d_ff, 0.5f * sf);
       w.layers.push_back(L);
     }
-    if (q4_k_m) std::printf("weights: SmolLM2-135M Q4_K_M mix (Q5_0, Q8_0 / Q5_0 v, Q6_K / Q4_K down)\n");
+    if (qwen) std::printf("weights: Qwen2.5-0.5B shape, Q4_K_M mix (Q5_0, Q8_0 / Q5_0 v, Q6_K / Q4_K down, Q8_0 output)\n");
+    else if (q4_k_m) std::printf("weights: SmolLM2-135M Q4_K_M mix (Q5_0, Q8_0 / Q5_0 v, Q6_K / Q4_K down)\n");
     cudaDeviceProp prop{};
     CUDA_CHECK(cudaGetDeviceProperties(&prop, 0));
     const char* pdl = std::getenv("METALATTN_CUDA_PDL");
@@ -372,6 +395,7 @@ int main(int argc, char** argv) {
       if (run > 0) run_rates.push_back(128.0 / seconds_since(t0));
     }
     std::printf("decode tg128 (after pp32): %.0f tok/s, median %.1f us/token\n", median(run_rates), median(per_token));
+    if (mode == "decode") return 0;
     // Time to first token as `metalattn bench` counts it: a 32-token prompt at position 0 right after a decode
     // run, against the same prompt right after another prompt, and after an idle pause (alternating, so clocks
     // and caches see the same history).

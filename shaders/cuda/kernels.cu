@@ -820,6 +820,7 @@ struct RowDotB {
 };
 
 constexpr int kStageBatch = 8;  // activation loads each thread issues before using any
+constexpr int kStageVec = 4;    // the same in 16-byte loads (matvec_residual_kernel)
 
 __device__ __forceinline__ int smem_index(int i) { return (i >> 5) * kSmemBlockStride + (i & 31); }
 
@@ -911,17 +912,18 @@ struct NormMatvecArgs {
 
 // Blocks per lane loaded before the wait: at least 4 for quarter-warp rows (TPR 8), so that all blocks of a row of
 // up to 32 (SmolLM2, Qwen2.5-0.5B, Gemma 3 widths) are in flight before the wait (small block types only).
+// The one-wave kernel (norm_matvec_kernel_5) holds at most 2, so that 16-lane rows of up to 32 blocks fit 48 registers.
 template <typename B>
-constexpr int unroll_for(int tpr) {
-  return tpr == 8 && sizeof(B) <= 32 && B::kUnroll < 4 ? 4 : B::kUnroll;
+constexpr int unroll_for(int tpr, int minb = 1) {
+  return minb > 1 ? (B::kUnroll < 2 ? B::kUnroll : 2) : tpr == 8 && sizeof(B) <= 32 && B::kUnroll < 4 ? 4 : B::kUnroll;
 }
 
-// PRE: the PreAdd variant (a.pre set), a separate instantiation so that the kernels of every other layer compile as
-// if it did not exist (a runtime test cost Qwen2.5-0.5B-shaped decode 2.5% on the H100).
-template <typename B, int TPR, bool PRE>
-__global__ void __launch_bounds__(512) norm_matvec_kernel(DevMatrix W, const float* __restrict__ x,
-                                                          const float* __restrict__ norm_w, float eps,
-                                                          NormMatvecArgs a) {
+// The body of the fused norm + matvec kernels below. PRE: the PreAdd variant (a.pre set), a separate instantiation so
+// that the kernels of every other layer compile as if it did not exist (a runtime test cost Qwen2.5-0.5B-shaped
+// decode 2.5% on the H100). MINB: see norm_matvec_kernel_5.
+template <typename B, int TPR, bool PRE, int MINB>
+__device__ __forceinline__ void norm_matvec_body(const DevMatrix& W, const float* __restrict__ x,
+                                                 const float* __restrict__ norm_w, float eps, const NormMatvecArgs& a) {
   extern __shared__ float4 smem_dyn[];
   float* x_s = reinterpret_cast<float*>(smem_dyn);
   __shared__ float red[32];
@@ -943,7 +945,7 @@ __global__ void __launch_bounds__(512) norm_matvec_kernel(DevMatrix W, const flo
 
   KernelTrace trace(a.mode == NormOut::Qkv ? kTraceQkv : kTraceNormMatvec);
   detail::launch_dependents();
-  RowDotB<B, TPR, unroll_for<B>(TPR)> rd;
+  RowDotB<B, TPR, unroll_for<B>(TPR, MINB)> rd;
   rd.prefetch(W, row, sub);
   NormPrefetch nw;
   nw.load(norm_w, W.cols);
@@ -1013,6 +1015,24 @@ __global__ void __launch_bounds__(512) norm_matvec_kernel(DevMatrix W, const flo
                                      t.k_cache, t.v_cache, gathered ? t.head_dim / 2 : 1);
     }
   }
+}
+
+template <typename B, int TPR, bool PRE>
+__global__ void __launch_bounds__(512) norm_matvec_kernel(DevMatrix W, const float* __restrict__ x,
+                                                          const float* __restrict__ norm_w, float eps,
+                                                          NormMatvecArgs a) {
+  norm_matvec_body<B, TPR, PRE, 1>(W, x, norm_w, eps, a);
+}
+
+// 16-lane rows in 256-thread blocks, five resident per SM (48 registers, 2 blocks a lane before the wait), for matrices
+// that one wave of norm_matvec_kernel does not cover (run_norm_matvec). Its own kernel, not a launch-bounds template
+// argument of the one above: `__launch_bounds__(512, 1)` there let ptxas take 85-111 registers instead of 64 and cost
+// SmolLM2-135M 7% (NOTES, "CUDA, session 14").
+template <typename B>
+__global__ void __launch_bounds__(256, 5) norm_matvec_kernel_5(DevMatrix W, const float* __restrict__ x,
+                                                               const float* __restrict__ norm_w, float eps,
+                                                               NormMatvecArgs a) {
+  norm_matvec_body<B, 16, false, 5>(W, x, norm_w, eps, a);
 }
 
 // ------------------------------------------------------------------ final norm + lm_head + argmax
@@ -1093,7 +1113,7 @@ __global__ void __launch_bounds__(256) norm_matvec_argmax_kernel(DevMatrix W, co
 
 // TPR 64 (two warps per row, 512 threads) serves wide matrices such as the down projection (48 blocks per row):
 // each lane then sums at most one weight block after the wait instead of two.
-template <typename B, int TPR>
+template <typename B, int TPR, int U = B::kUnroll>
 __global__ void __launch_bounds__(512) matvec_residual_kernel(DevMatrix W, const float* __restrict__ x,
                                                               float* residual) {
   extern __shared__ float4 smem_dyn[];
@@ -1103,27 +1123,37 @@ __global__ void __launch_bounds__(512) matvec_residual_kernel(DevMatrix W, const
   const int local = threadIdx.x / TPR, sub = threadIdx.x % TPR;
   const int row = blockIdx.x * rows_per_block + local;
 
-  KernelTrace trace(kTraceResidual);
+  KernelTrace trace(W.nb > 32 ? kTraceDown : kTraceResidual);
   detail::launch_dependents();
-  RowDotB<B, TPR> rd;
+  RowDotB<B, TPR, U> rd;
   rd.prefetch(W, row, sub);
   grid_dependency_wait();
   trace.released();
   // The residual row is loaded now, in the same L2 round trip as the activations, not after the dot product.
   const float res = sub == 0 && row < W.rows ? __ldcg(residual + row) : 0.f;
 
+  // x in 16-byte loads, kStageVec per thread per round trip to L2: one round trip up to 8,192 columns at 512
+  // threads (the down projection's 4,864 took two with scalar loads; NOTES, "CUDA, session 14").
   const int n = W.nb * 32;
-  for (int i0 = threadIdx.x; i0 < n; i0 += kStageBatch * blockDim.x) {
-    float v[kStageBatch];
+  const bool vec = (reinterpret_cast<uintptr_t>(x) & 15) == 0 && W.cols % 4 == 0;
+  for (int j0 = threadIdx.x; j0 < n / 4; j0 += kStageVec * blockDim.x) {
+    float4 v[kStageVec];
 #pragma unroll
-    for (int u = 0; u < kStageBatch; ++u) {
-      const int i = i0 + u * blockDim.x;
-      v[u] = i < W.cols ? __ldcg(x + i) : 0.f;
+    for (int u = 0; u < kStageVec; ++u) {
+      const int j = j0 + u * blockDim.x, i = 4 * j;
+      if (vec) {
+        v[u] = i < W.cols ? __ldcg(reinterpret_cast<const float4*>(x) + j) : make_float4(0.f, 0.f, 0.f, 0.f);
+      } else {
+        v[u].x = i < W.cols ? __ldcg(x + i) : 0.f;
+        v[u].y = i + 1 < W.cols ? __ldcg(x + i + 1) : 0.f;
+        v[u].z = i + 2 < W.cols ? __ldcg(x + i + 2) : 0.f;
+        v[u].w = i + 3 < W.cols ? __ldcg(x + i + 3) : 0.f;
+      }
     }
 #pragma unroll
-    for (int u = 0; u < kStageBatch; ++u) {
-      const int i = i0 + u * blockDim.x;
-      if (i < n) x_s[smem_index(i)] = v[u];
+    for (int u = 0; u < kStageVec; ++u) {
+      const int j = j0 + u * blockDim.x;
+      if (j < n / 4) *reinterpret_cast<float4*>(x_s + smem_index(4 * j)) = v[u];
     }
   }
   __syncthreads();
@@ -1578,11 +1608,20 @@ struct NormKernels {
   template <GgmlType T>
   static Fn get() { return norm_matvec_kernel<typename BlkSel<T>::type, TPR, PRE>; }
 };
-template <int TPR>
+struct NormKernels5 {
+  using Fn = void (*)(DevMatrix, const float*, const float*, float, NormMatvecArgs);
+  template <GgmlType T>
+  static Fn get() { return norm_matvec_kernel_5<typename BlkSel<T>::type>; }
+};
+// U: weight blocks per lane loaded before the wait, at least the type's own kUnroll.
+template <int TPR, int U = 0>
 struct ResidualKernels {
   using Fn = void (*)(DevMatrix, const float*, float*);
   template <GgmlType T>
-  static Fn get() { return matvec_residual_kernel<typename BlkSel<T>::type, TPR>; }
+  static Fn get() {
+    using B = typename BlkSel<T>::type;
+    return matvec_residual_kernel<B, TPR, (U > B::kUnroll ? U : B::kUnroll)>;
+  }
 };
 template <int TPR>
 struct ArgmaxKernels {
@@ -1636,7 +1675,17 @@ void run_norm_matvec(const DevMatrix& W, const float* x, const float* norm_w, fl
   if (W.rows > kWaveSlack * static_cast<double>(rows_per_wave(k, g))) {
     g = matvec_geometry(W, 16, 256);
     k = norm_kernel<16>(W, pre);
-    if (W.rows > kWaveSlack * static_cast<double>(rows_per_wave(k, g))) {
+    const int64_t wave16 = rows_per_wave(k, g);
+    // Past one wave of the 64-register kernel (4 blocks a SM), the 48-register instantiation (5 a SM, 2 blocks a
+    // lane before the wait) may still hold every row in one wave: Qwen2.5-0.5B's gate/up, 9,728 rows in 608 blocks
+    // against 528 resident. H100, Qwen2.5-0.5B shape: 510 -> 482 us per token, the gate/up's share of the chain
+    // 6.9 -> 5.4 us a layer (NOTES, "CUDA, session 14").
+    // (Quantized types only: the float blocks spill 150-300 bytes in 48 registers.)
+    const bool small_blocks = W.type != GgmlType::F32 && W.type != GgmlType::F16 && W.type != GgmlType::BF16;
+    const auto k5 = pre || !small_blocks ? k : kernel_for<NormKernels5>(W.type);
+    if (k5 != k && W.rows > wave16 && W.rows <= rows_per_wave(k5, g)) {
+      k = k5;
+    } else if (W.rows > kWaveSlack * static_cast<double>(wave16)) {
       g = matvec_geometry(W, 8, 256);
       k = norm_kernel<8>(W, pre);
     }
@@ -1759,11 +1808,15 @@ void launch_norm_matvec_argmax(const DevMatrix& W, const float* x, const float* 
 }
 
 void launch_matvec_residual(const DevMatrix& W, const float* x, float* residual, cudaStream_t s) {
-  // More weight blocks per row than a warp has lanes: two warps per row (see the kernel).
-  const bool wide = W.nb > kMatvecTpr;
+  // More weight blocks per row than a warp has lanes: two warps per row (see the kernel). Rows of more than two
+  // blocks a lane (Qwen2.5-0.5B's down projection: 152 blocks over 64 lanes) load three a lane before the wait;
+  // with two, the third came from HBM after the activations (H100, Qwen2.5-0.5B shape: 513 -> 503 us per token;
+  // NOTES, "CUDA, session 14").
+  const bool wide = W.nb > kMatvecTpr, deep = W.nb > 2 * 2 * kMatvecTpr;
   const Geometry g = wide ? matvec_geometry(W, 2 * kMatvecTpr, 512) : matvec_geometry(W);
-  const auto k = wide ? kernel_for<ResidualKernels<2 * kMatvecTpr>>(W.type)
-                      : kernel_for<ResidualKernels<kMatvecTpr>>(W.type);
+  const auto k = deep   ? kernel_for<ResidualKernels<2 * kMatvecTpr, 3>>(W.type)
+                 : wide ? kernel_for<ResidualKernels<2 * kMatvecTpr>>(W.type)
+                        : kernel_for<ResidualKernels<kMatvecTpr>>(W.type);
   allow_smem(k, g.smem);
   launch(k, dim3(g.grid), dim3(g.threads), g.smem, s, W, x, residual);
 }

@@ -235,7 +235,8 @@ enum TraceKind : int {
   kTraceResidual = 2,
   kTraceAttention = 3,
   kTraceLmHead = 4,
-  kTraceKinds = 5
+  kTraceDown = 5,  // matvec+residual over rows wider than a warp's blocks (the down projection)
+  kTraceKinds = 6
 };
 constexpr int kTraceCapacity = 1024;
 // Clears the trace; returns false when the build has no trace.

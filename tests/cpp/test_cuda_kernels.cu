@@ -2155,7 +2155,9 @@ TEST(CudaQuant, FusedQkvFfnAndLmHeadAtRealShapes) {
   const FfnCase ffn_cases[] = {
       {GgmlType::Q5_0, GgmlType::Q5_0, GgmlType::Q4_K, 576, 1536},   // SmolLM2-135M Q4_K_M
       {GgmlType::Q5_0, GgmlType::Q5_0, GgmlType::Q6_K, 576, 1536},
-      {GgmlType::Q5_0, GgmlType::Q5_0, GgmlType::Q8_0, 896, 4864},   // Qwen2.5-0.5B
+      {GgmlType::Q5_0, GgmlType::Q5_0, GgmlType::Q8_0, 896, 4864},   // Qwen2.5-0.5B (gate/up: one wave at 5 blocks a SM)
+      {GgmlType::Q5_0, GgmlType::Q5_0, GgmlType::Q6_K, 896, 4864},   // ... its down projections: 3 blocks a lane
+      {GgmlType::Q5_0, GgmlType::Q5_0, GgmlType::Q4_K, 896, 4864},
       {GgmlType::Q4_K, GgmlType::Q4_K, GgmlType::Q6_K, 2048, 8192},  // Llama 3.2 1B
       {GgmlType::Q4_K, GgmlType::Q4_K, GgmlType::Q4_K, 1536, 8960},  // Qwen2.5-1.5B
       {GgmlType::Q5_K, GgmlType::Q6_K, GgmlType::Q5_K, 2048, 1536},  // mixed gate/up: kWide8
