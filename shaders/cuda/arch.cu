@@ -158,8 +158,8 @@ __device__ __forceinline__ void store_attn(const ArchAttnArgs& a, int64_t t, int
 
 // NC = head_dim / 32 (a lane owns dims c * 32 + lane), TQ queries per block, U positions in flight per warp.
 // Warps take positions in turn (U at a time); for each, the warp's lanes sum q.k over their dims (one warp_sum per
-// query), and every query that sees the position folds it into its own online softmax (running max m, sum l and
-// the unnormalized output acc). The block's warps then meet in shared memory.
+// query), and each query folds the group's positions it sees into its own online softmax (running max m, sum l and
+// the unnormalized output acc), one update per group. The block's warps then meet in shared memory.
 // Before the programmatic wait each warp loads the cache rows of its first U positions that lie before *pos0 (written
 // by earlier steps or chunks; *pos0 itself is written before the graph or launch sequence starts): after the wait
 // only q and the rows of the current tokens come from memory.
@@ -273,28 +273,44 @@ __global__ void __launch_bounds__(kAttnThreadsArch) arch_attention_kernel(ArchAt
         vr[u][c] = p < end ? __ldcg(vb + static_cast<int64_t>(p) * kv_dim + c * 32) : 0.f;
       }
     }
+    // Per query: the group's U scores first (independent dot products and warp sums), then one online-softmax update
+    // for the group, whose U + 1 exps are independent; folding position by position made each score wait for the
+    // previous position's two exps (NOTES, "CUDA, session 14").
 #pragma unroll
-    for (int u = 0; u < U; ++u) {
-      const int p = p0 + u;
-      if (p >= end) break;  // warp-uniform
+    for (int t = 0; t < TQ; ++t) {
+      if (t >= nq) break;
+      const int pt = p_first + t;
+      const int lo_t = a.window > 0 ? max(0, pt - a.window + 1) : 0;
+      float s[U];
+      float m_grp = -INFINITY;
 #pragma unroll
-      for (int t = 0; t < TQ; ++t) {
-        if (t >= nq) break;
+      for (int u = 0; u < U; ++u) {
+        const int p = p0 + u;
         float dot = 0.f;
 #pragma unroll
         for (int c = 0; c < NC; ++c) dot += q[t][c] * kr[u][c];
-        const float s = detail::warp_sum(dot) * a.scale;
-        const int pt = p_first + t;
-        const int lo_t = a.window > 0 ? max(0, pt - a.window + 1) : 0;
-        if (p < lo_t || p > pt) continue;  // masked for this query (warp-uniform)
-        const float m_new = fmaxf(m[t], s);
-        const float corr = expf(m[t] - m_new);  // 0 while m was -inf
-        const float e = expf(s - m_new);
-        l[t] = l[t] * corr + e;
-#pragma unroll
-        for (int c = 0; c < NC; ++c) acc[t][c] = acc[t][c] * corr + e * vr[u][c];
-        m[t] = m_new;
+        s[u] = detail::warp_sum(dot) * a.scale;
+        if (p >= end || p < lo_t || p > pt) s[u] = -INFINITY;  // past the chunk, or masked for this query
+        m_grp = fmaxf(m_grp, s[u]);
       }
+      if (m_grp == -INFINITY) continue;  // nothing this query sees in the group (warp-uniform)
+      const float m_new = fmaxf(m[t], m_grp);
+      const float corr = expf(m[t] - m_new);  // 0 while m was -inf
+      float e[U], e_sum = 0.f;
+#pragma unroll
+      for (int u = 0; u < U; ++u) {
+        e[u] = expf(s[u] - m_new);  // 0 where s is -inf
+        e_sum += e[u];
+      }
+      l[t] = l[t] * corr + e_sum;
+#pragma unroll
+      for (int c = 0; c < NC; ++c) {
+        float pv = 0.f;
+#pragma unroll
+        for (int u = 0; u < U; ++u) pv += e[u] * vr[u][c];
+        acc[t][c] = acc[t][c] * corr + pv;
+      }
+      m[t] = m_new;
     }
   }
 
