@@ -304,30 +304,26 @@ int main(int argc, char** argv) {
       std::printf("no CUDA device\n");
       return 0;
     }
-    ModelSpec s;
-    s.n_layers = 30;
-    s.d_model = 576;
-    s.d_ff = 1536;
-    s.n_heads = 9;
-    s.n_kv_heads = 3;
-    s.head_dim = 64;
-    s.vocab = 49152;
-    s.n_ctx = argc > 1 ? std::atoi(argv[1]) : 2048;
-    s.rope_base = 100000.f;
-    s.rms_eps = 1e-5f;
-    // METALATTN_BENCH_SHAPE=qwen: Qwen2.5-0.5B's shape (llama layers, no biases) with its Q4_K_M file's types.
+    // METALATTN_BENCH_SHAPE=qwen: Qwen2.5-0.5B's shape (llama layers, no biases) with its Q4_K_M file's types;
+    // otherwise SmolLM2-135M's.
     const char* shape = std::getenv("METALATTN_BENCH_SHAPE");
     const bool qwen = shape != nullptr && std::strcmp(shape, "qwen") == 0;
-    if (qwen) {
-      s.n_layers = 24;
-      s.d_model = 896;
-      s.d_ff = 4864;
-      s.n_heads = 14;
-      s.n_kv_heads = 2;
-      s.vocab = 151936;
-      s.rope_base = 1e6f;
-      s.rms_eps = 1e-6f;
-    }
+    struct Shape {
+      int layers, d, ff, heads, kv_heads, vocab;
+      float rope_base, eps;
+    };
+    const Shape sh = qwen ? Shape{24, 896, 4864, 14, 2, 151936, 1e6f, 1e-6f} : Shape{30, 576, 1536, 9, 3, 49152, 1e5f, 1e-5f};
+    ModelSpec s;
+    s.n_layers = sh.layers;
+    s.d_model = sh.d;
+    s.d_ff = sh.ff;
+    s.n_heads = sh.heads;
+    s.n_kv_heads = sh.kv_heads;
+    s.head_dim = 64;
+    s.vocab = sh.vocab;
+    s.n_ctx = argc > 1 ? std::atoi(argv[1]) : 2048;
+    s.rope_base = sh.rope_base;
+    s.rms_eps = sh.eps;
     Storage st;
     ModelWeights w;
     const float sd = 1.f / std::sqrt(static_cast<float>(s.d_model)), sf = 1.f / std::sqrt(static_cast<float>(s.d_ff));
