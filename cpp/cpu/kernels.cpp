@@ -1,5 +1,6 @@
 #include "kernels.h"
 
+#include <algorithm>
 #include <cmath>
 #include <cstdlib>
 #include <cstring>
@@ -61,6 +62,9 @@ void quantize_acts(const float* x, int64_t n, block_q16_act* out) {
     out[b].s = d * static_cast<float>(sum);
   }
 }
+
+#include "vec_ops.h"
+METALATTN_VEC_OPS_ENTRY_POINTS(v16f)  // 16 floats split into SSE registers by the baseline build
 
 }  // namespace scalar
 
@@ -150,6 +154,39 @@ void matmul(Isa isa, const WeightView& w, const float* X, const block_q16_act* X
 #endif
     default:
       for (int t = 0; t < n_tok; ++t) ref::matvec(w, X + t * w.cols, Y + t * ldy, r0, r1);
+  }
+}
+
+void glu(Isa isa, bool gelu, float* gate, const float* up, int64_t n) {
+  check_isa(isa, "glu");
+  switch (isa) {
+#ifdef METALATTN_X86
+    case Isa::Avx512: return avx512::glu(gelu, gate, up, n);
+    case Isa::Avx2: return avx2::glu(gelu, gate, up, n);
+#endif
+    default: return scalar::glu(gelu, gate, up, n);
+  }
+}
+
+ArgmaxResult argmax_logits(Isa isa, const float* x, int n) {
+  check_isa(isa, "argmax");
+  switch (isa) {
+#ifdef METALATTN_X86
+    case Isa::Avx512: return avx512::argmax(x, n);
+    case Isa::Avx2: return avx2::argmax(x, n);
+#endif
+    default: return scalar::argmax(x, n);
+  }
+}
+
+AttendFns attend_fns(Isa isa, int group) {
+  check_isa(isa, "attention");
+  switch (isa) {
+#ifdef METALATTN_X86
+    case Isa::Avx512: return avx512::attend_fns(group);
+    case Isa::Avx2: return avx2::attend_fns(group);
+#endif
+    default: return scalar::attend_fns(group);
   }
 }
 

@@ -7,6 +7,7 @@
 #pragma once
 #include <cstdint>
 
+#include "metalattn/backend.h"
 #include "metalattn/model.h"
 
 namespace metalattn::cpu {
@@ -71,5 +72,23 @@ void pack_slot_rows(Isa isa, const WeightView& w, uint8_t* out);
 // cols of w), Xq: n_tok rows of w.cols/32 blocks.
 void matmul_slot_rows(Isa isa, const WeightView& packed, const block_q16_act* Xq, int n_tok, float* Y, int64_t ldy,
                       int64_t r0, int64_t r1);
+
+// The backend's other vector loops (vec_ops.h), compiled per ISA like the kernels above.
+// gate[i] = act(gate[i]) * up[i]: SiLU, or with gelu the tanh form of GELU.
+void glu(Isa isa, bool gelu, float* gate, const float* up, int64_t n);
+// ref::argmax, vectorised (every logit NaN throws NonFiniteLogits, as ref does).
+ArgmaxResult argmax_logits(Isa isa, const float* x, int n);
+// Attention of the query heads that share one KV head over the backend's cache layout (vec_ops.h, attend_group):
+// `one` for a single query token, `tile` for kQueryTile consecutive prompt tokens.
+constexpr int kQueryTile = 4;
+using AttendFn = void (*)(const float* q, int q_stride, const float* k_t, int k_cap, const float* v, int v_stride,
+                          int n_pos0, int head_dim, int window, float scale, float* scores, int scores_stride,
+                          float* out, int out_stride);
+struct AttendFns {
+  AttendFn one = nullptr;
+  AttendFn tile = nullptr;
+};
+// group: query heads per KV head, 1 to 8 (EngineError otherwise).
+AttendFns attend_fns(Isa isa, int group);
 
 }  // namespace metalattn::cpu

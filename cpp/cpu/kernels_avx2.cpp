@@ -4,11 +4,13 @@
 #include <immintrin.h>
 
 #include <algorithm>
+#include <cmath>
 #include <cstring>
 #include <type_traits>
 #include <vector>
 
 #include "kernels_isa.h"
+#include "reference.h"
 #include "tiled_matmul.h"
 
 namespace metalattn::cpu::avx2 {
@@ -266,5 +268,9 @@ void matvec_lane_rows(const WeightView& packed, const void* acts_v, float* y, in
     default: return lane_rows<7>(packed, acts, y, r0, r1);
   }
 }
+
+// The backend's other vector loops (vec_ops.h), in this file's ISA: 8-float vectors, one AVX2 register.
+#include "vec_ops.h"
+METALATTN_VEC_OPS_ENTRY_POINTS(v8f)
 
 }  // namespace metalattn::cpu::avx2

@@ -16,11 +16,13 @@
 #include <immintrin.h>
 
 #include <algorithm>
+#include <cmath>
 #include <cstring>
 #include <type_traits>
 #include <vector>
 
 #include "kernels_isa.h"
+#include "reference.h"
 #include "tiled_matmul.h"
 
 // GCC 12's AVX-512 headers seed some intrinsics (casts, cvtepi32_ps, permutexvar) with a self-initialised
@@ -338,5 +340,9 @@ void matmul(const WeightView& w, const float* X, const block_q16_act* Xq, int n_
   if (groups::tok_matmul_any(w, Xq, n_tok, Y, ldy, r0, r1)) return;
   TiledMatmul<groups::GroupIsa>::matmul(w, X, Xq, n_tok, Y, ldy, r0, r1);
 }
+
+// The backend's other vector loops (vec_ops.h), in this file's ISA: 16-float vectors, one AVX-512 register.
+#include "vec_ops.h"
+METALATTN_VEC_OPS_ENTRY_POINTS(v16f)
 
 }  // namespace metalattn::cpu::avx512

@@ -9,12 +9,18 @@ namespace metalattn::cpu {
 
 namespace scalar {
 void quantize_acts(const float* x, int64_t n, block_q16_act* out);
+void glu(bool gelu, float* g, const float* u, int64_t n);
+ArgmaxResult argmax(const float* x, int n);
+AttendFns attend_fns(int group);
 }
 
 #ifdef METALATTN_X86
 // matvec is matmul with n_tok = 1: one code path, so the two agree bit for bit.
 namespace avx2 {
 void quantize_acts(const float* x, int64_t n, block_q16_act* out);
+void glu(bool gelu, float* g, const float* u, int64_t n);
+ArgmaxResult argmax(const float* x, int n);
+AttendFns attend_fns(int group);
 void matmul(const WeightView& w, const float* X, const block_q16_act* Xq, int n_tok, float* Y, int64_t ldy,
             int64_t r0, int64_t r1);
 void pack_lane_rows(const WeightView& w, uint8_t* out);
@@ -27,6 +33,9 @@ void matmul_slot_rows(const WeightView& packed, const block_q16_act* Xq, int n_t
 }  // namespace avx2
 namespace avx512 {
 void quantize_acts(const float* x, int64_t n, block_q16_act* out);
+void glu(bool gelu, float* g, const float* u, int64_t n);
+ArgmaxResult argmax(const float* x, int n);
+AttendFns attend_fns(int group);
 void matmul(const WeightView& w, const float* X, const block_q16_act* Xq, int n_tok, float* Y, int64_t ldy,
             int64_t r0, int64_t r1);
 void pack_slot_rows(const WeightView& w, uint8_t* out);

@@ -1,0 +1,229 @@
+// The CPU backend's vector loops outside the matvec kernels: exp, the gated activations, the argmax of the logits
+// and the attention of a GQA group. Plain loops the compiler vectorises, or GCC vector types, written once and
+// compiled once per ISA: this file is included inside namespace avx2 (kernels_avx2.cpp), avx512
+// (kernels_avx512.cpp) and scalar (kernels.cpp), each compiled with its own -m flags, and kernels.cpp dispatches
+// by the backend's ISA as it does the matvec kernels, so METALATTN_CPU_ISA=avx2 runs AVX2 code everywhere, also on
+// an AVX-512 CPU. Every body is always inlined into its ISA's entry point.
+// No include guard, and no includes: the including file includes <algorithm>, <cmath>, <cstring>, kernels.h and
+// reference.h first.
+
+// exp(x), branch-free so loops over it vectorise: 2^t = 2^round(t) * 2^f with |f| <= 1/2 and a degree-6 Taylor
+// polynomial for 2^f (relative error ~1e-7). Inputs are clamped to [-87, 88], where float exp is normal: t = x log2(e)
+// is clamped to [fl(-87 log2 e), fl(88 log2 e)], which gives the same t as clamping x first (rounding is monotonic)
+// and NaN passes through as before. Clamping x first (std::min / std::max) let GCC thread the clamp's branches into
+// the multiply, which then "could trap" under -ftrapping-math: the AVX2 build of every loop over fast_exp (softmax,
+// GLU) stayed scalar, where the AVX-512 one vectorised with masks.
+__attribute__((always_inline)) inline float fast_exp(float x) {
+  constexpr float kLog2e = 1.44269504f, kLo = -87.f * kLog2e, kHi = 88.f * kLog2e;
+  float t = x * kLog2e;
+  t = t < kLo ? kLo : t;
+  t = kHi < t ? kHi : t;
+  const float r = std::nearbyint(t);
+  const float f = (t - r) * 0.693147181f;
+  const float p =
+      1.f + f * (1.f + f * (0.5f + f * (1.f / 6 + f * (1.f / 24 + f * (1.f / 120 + f * (1.f / 720))))));
+  const int32_t bits = (static_cast<int32_t>(r) + 127) << 23;
+  return p * __builtin_bit_cast(float, bits);
+}
+
+#define METALATTN_BODY __attribute__((always_inline)) inline
+
+// gate[i] = act(gate[i]) * up[i], the input of the down projection: SiLU (Llama, Qwen) or the tanh form of GELU
+// (Gemma), tanh(u) written as 1 - 2 / (exp(2u) + 1) so the loop vectorises.
+METALATTN_BODY void swiglu_body(float* gate, const float* up, int64_t n) {
+  for (int64_t i = 0; i < n; ++i) gate[i] = gate[i] / (1.f + fast_exp(-gate[i])) * up[i];
+}
+
+METALATTN_BODY void geglu_body(float* gate, const float* up, int64_t n) {
+  constexpr float kSqrt2OverPi = 0.7978845608028654f, kCubic = 0.044715f;
+  for (int64_t i = 0; i < n; ++i) {
+    const float g = gate[i];
+    const float u = kSqrt2OverPi * g * (1.f + kCubic * g * g);
+    const float t = 1.f - 2.f / (fast_exp(2.f * u) + 1.f);
+    gate[i] = 0.5f * g * (1.f + t) * up[i];
+  }
+}
+
+METALATTN_BODY void glu_body(bool gelu, float* g, const float* u, int64_t n) {
+  gelu ? geglu_body(g, u, n) : swiglu_body(g, u, n);
+}
+METALATTN_BODY float exp_shifted_sum(float* x, int n, float shift) {
+  float lanes[16] = {0};
+  int i = 0;
+  for (; i + 16 <= n; i += 16)
+    for (int j = 0; j < 16; ++j) {
+      x[i + j] = fast_exp(x[i + j] - shift);
+      lanes[j] += x[i + j];
+    }
+  float s = 0.f;
+  for (; i < n; ++i) {
+    x[i] = fast_exp(x[i] - shift);
+    s += x[i];
+  }
+  for (int j = 0; j < 16; ++j) s += lanes[j];
+  return s;
+}
+
+// The largest of x[0 .. n) (n >= 1), in vectors of V then the rest: max is exact, so the order does not change it
+// (a scalar chain of maxss ran 4 cycles a position, 17% of the AVX2 prompt attention's samples).
+template <class V>
+METALATTN_BODY float row_max(const float* x, int n) {
+  constexpr int W = sizeof(V) / sizeof(float);
+  V m;
+  for (int j = 0; j < W; ++j) m[j] = -INFINITY;
+  int i = 0;
+  for (; i + W <= n; i += W) {
+    V v;
+    std::memcpy(&v, x + i, sizeof(v));
+    m = m < v ? v : m;
+  }
+  float r = -INFINITY;
+  for (; i < n; ++i) r = r < x[i] ? x[i] : r;
+  for (int j = 0; j < W; ++j) r = r < m[j] ? m[j] : r;
+  return r;
+}
+
+// ref::argmax (the first index of the largest non-NaN logit; every logit NaN throws NonFiniteLogits), vectorised:
+// the largest value first (x > m ? x : m skips NaN like ref's comparison), then the first index holding it. When
+// every non-NaN logit is -inf the first of them is found the same way; no index at all means every logit is NaN.
+METALATTN_BODY ArgmaxResult argmax_body(const float* x, int n) {
+  typedef float v16 __attribute__((vector_size(64)));
+  v16 m16;
+  for (int j = 0; j < 16; ++j) m16[j] = -INFINITY;
+  int i = 0;
+  for (; i + 16 <= n; i += 16) {
+    v16 v;
+    std::memcpy(&v, x + i, sizeof(v));
+    m16 = v > m16 ? v : m16;
+  }
+  float m = -INFINITY;
+  for (int j = 0; j < 16; ++j) m = m16[j] > m ? m16[j] : m;
+  for (; i < n; ++i) m = x[i] > m ? x[i] : m;
+  for (i = 0; i + 16 <= n; i += 16) {
+    v16 v;
+    std::memcpy(&v, x + i, sizeof(v));
+    bool any = false;
+    for (int j = 0; j < 16; ++j) any |= v[j] == m;
+    if (any) break;
+  }
+  for (; i < n; ++i)
+    if (x[i] == m) return {static_cast<uint32_t>(i), x[i]};
+  return ref::argmax(x, n);  // every logit NaN: ref throws the error
+}
+
+// Attention for the G query heads that share one KV head (a GQA group) and T consecutive query tokens (token t
+// sees positions [0, n_pos0 + t)), written with GCC vector types (16 floats: one AVX-512 register, two AVX2 ones)
+// so the G x T accumulators stay in registers and every K and V load serves all of them.
+// The K cache of a KV head is stored transposed in blocks of 16 positions (k_cap / 16 blocks of head_dim x 16
+// floats: 4 KiB for head_dim 64): scores of 16 positions accumulate in one vector per (token, head) over head_dim,
+// with no horizontal sums, and 16 positions' keys share one page (a plain transpose put every dim row on its own).
+// Scores are written for whole blocks, so each scores row holds k_cap floats. V stays row-major: each 16-float slice
+// of a position's row is loaded once and added into every (token, head) output. Positions a token must not see
+// (the later tokens of its own tile, whose K/V are already in the cache) get probability 0. k_cap: positions the
+// head's K holds, a multiple of 16.
+// q: token t, head h at q + t * q_stride + h * head_dim; out likewise with out_stride; scores: G*T rows of scratch
+// (stride scores_stride). head_dim must be a multiple of 16 (checked at construction). With a sliding window
+// (window > 0) token t sees only the last `window` positions up to its own; `scale` multiplies q.k.
+// The vector type V is one register: 16 floats for AVX-512 (and the scalar build, which splits it), 8 for AVX2. A
+// wider type than the ISA's registers made GCC keep the accumulators on the stack (the AVX2 build of the 16-float
+// version: 354 stack vector moves in the decode kernel, against 80 for AVX-512; 17% slower decode, 37% slower pp512).
+typedef float v16f __attribute__((vector_size(64)));
+typedef float v8f __attribute__((vector_size(32)));
+// The helpers below pass vectors by value; they are always inlined into the per-ISA wrappers, so GCC's note that
+// such a signature's ABI differs with and without AVX-512 does not apply.
+#pragma GCC diagnostic ignored "-Wpsabi"
+
+template <class V>
+__attribute__((always_inline)) inline V load_v(const float* p) {
+  V v;
+  std::memcpy(&v, p, sizeof(v));
+  return v;
+}
+template <class V>
+__attribute__((always_inline)) inline void store_v(float* p, V v) { std::memcpy(p, &v, sizeof(v)); }
+
+template <int G, int T, class V>
+METALATTN_BODY void attend_group(const float* q, int q_stride, const float* k_t, int k_cap, const float* v,
+                                 int v_stride, int n_pos0, int head_dim, int window, float scale, float* scores,
+                                 int scores_stride, float* out, int out_stride) {
+  constexpr int W = sizeof(V) / sizeof(float);  // 16, or 8: a 16-position block in two halves
+  const int n_all = n_pos0 + T - 1;  // positions the last token of the tile sees
+  // First position any token of the tile sees; scores start at the 16-aligned block holding it.
+  const int lo0 = window > 0 ? std::max(0, n_pos0 - window) : 0;
+  const int start = lo0 / 16 * 16;
+  // Whole 16-position blocks, also past n_all (those scores are never used): every score then comes from the same
+  // vector code whatever the tile, so a prompt matches token-by-token decode exactly.
+  int full = (n_all + 15) / 16 * 16;
+  if (full > k_cap) full -= 16;
+  for (int t0 = start; t0 < full; t0 += 16)
+    for (int w0 = 0; w0 < 16; w0 += W) {
+      V acc[T][G] = {};
+      const float* kb = k_t + static_cast<int64_t>(t0) * head_dim + w0;  // block t0 / 16: head_dim x 16 floats
+      for (int j = 0; j < head_dim; ++j) {
+        const V kr = load_v<V>(kb + 16 * j);
+        for (int t = 0; t < T; ++t)
+          for (int h = 0; h < G; ++h) acc[t][h] += q[t * q_stride + h * head_dim + j] * kr;
+      }
+      for (int t = 0; t < T; ++t)
+        for (int h = 0; h < G; ++h) store_v<V>(scores + (t * G + h) * scores_stride + t0 + w0, acc[t][h] * scale);
+    }
+  for (int p = std::max(full, start); p < n_all; ++p)
+    for (int t = 0; t < T; ++t)
+      for (int h = 0; h < G; ++h) {
+        float sum = 0.f;
+        for (int j = 0; j < head_dim; ++j)
+          sum += q[t * q_stride + h * head_dim + j] * k_t[static_cast<int64_t>(p / 16) * 16 * head_dim + 16 * j + p % 16];
+        scores[(t * G + h) * scores_stride + p] = sum * scale;
+      }
+  for (int t = 0; t < T; ++t)
+    for (int h = 0; h < G; ++h) {
+      float* sc = scores + (t * G + h) * scores_stride;
+      const int n = n_pos0 + t;
+      const int lo = window > 0 ? std::max(0, n - window) : 0;  // this token's first visible position
+      const float mx = row_max<V>(sc + lo, n - lo);
+      const float inv = 1.f / exp_shifted_sum(sc + lo, n - lo, mx);
+      for (int p = lo; p < n; ++p) sc[p] *= inv;
+      for (int p = start; p < lo; ++p) sc[p] = 0.f;
+      for (int p = n; p < n_all; ++p) sc[p] = 0.f;
+    }
+  for (int c = 0; c < head_dim; c += W) {
+    V acc[T][G] = {};
+    for (int p = start; p < n_all; ++p) {
+      const V vr = load_v<V>(v + static_cast<int64_t>(p) * v_stride + c);
+      for (int t = 0; t < T; ++t)
+        for (int h = 0; h < G; ++h) acc[t][h] += scores[(t * G + h) * scores_stride + p] * vr;
+    }
+    for (int t = 0; t < T; ++t)
+      for (int h = 0; h < G; ++h) store_v<V>(out + t * out_stride + h * head_dim + c, acc[t][h]);
+  }
+}
+
+
+// Address-taken instantiations of attend_group (compiled with the including file's ISA flags) and the pair the
+// backend calls for a GQA group of `group` query heads.
+template <int G, int T, class V>
+void attend(const float* q, int q_stride, const float* k_t, int k_cap, const float* v, int v_stride, int n_pos0,
+            int head_dim, int window, float scale, float* scores, int scores_stride, float* out, int out_stride) {
+  attend_group<G, T, V>(q, q_stride, k_t, k_cap, v, v_stride, n_pos0, head_dim, window, scale, scores, scores_stride,
+                        out, out_stride);
+}
+template <class V>
+AttendFns attend_fns_with(int group) {
+  switch (group) {
+    case 1: return {attend<1, 1, V>, attend<1, kQueryTile, V>};
+    case 2: return {attend<2, 1, V>, attend<2, kQueryTile, V>};
+    case 3: return {attend<3, 1, V>, attend<3, kQueryTile, V>};
+    case 4: return {attend<4, 1, V>, attend<4, kQueryTile, V>};
+    case 5: return {attend<5, 1, V>, attend<5, kQueryTile, V>};
+    case 6: return {attend<6, 1, V>, attend<6, kQueryTile, V>};
+    case 7: return {attend<7, 1, V>, attend<7, kQueryTile, V>};
+    case 8: return {attend<8, 1, V>, attend<8, kQueryTile, V>};
+  }
+  throw EngineError("cpu backend: 1 to 8 query heads per KV head are supported");
+}
+
+// The entry points each ISA's file defines from the bodies above (declared in kernels_isa.h).
+#define METALATTN_VEC_OPS_ENTRY_POINTS(VEC)                                                          \
+  void glu(bool gelu, float* g, const float* u, int64_t n) { glu_body(gelu, g, u, n); }             \
+  ArgmaxResult argmax(const float* x, int n) { return argmax_body(x, n); }                          \
+  AttendFns attend_fns(int group) { return attend_fns_with<VEC>(group); }
