@@ -185,7 +185,8 @@ void print_decode_trace(Backend& be, const std::vector<int32_t>& prompt, int n_l
         enter_early[t[k].kind].push_back((static_cast<double>(t[k - 1].exit) - t[k].enter) * 1e-3);
         // The kernel's whole share of the chain: its release to the next kernel's release (its slowest block and
         // the hand-over included).
-        if (k + 1 < t.size()) span[t[k].kind].push_back((static_cast<double>(t[k + 1].released) - t[k].released) * 1e-3);
+        if (k + 1 < t.size())
+          span[t[k].kind].push_back((static_cast<double>(t[k + 1].released) - t[k].released) * 1e-3);
         for (int i = 0; i < kTraceMarks; ++i)
           if (t[k].mark[i] != 0) marks[t[k].kind][i].push_back((static_cast<double>(t[k].mark[i]) - t[k].released) * 1e-3);
       }
@@ -312,7 +313,8 @@ int main(int argc, char** argv) {
       int layers, d, ff, heads, kv_heads, vocab;
       float rope_base, eps;
     };
-    const Shape sh = qwen ? Shape{24, 896, 4864, 14, 2, 151936, 1e6f, 1e-6f} : Shape{30, 576, 1536, 9, 3, 49152, 1e5f, 1e-5f};
+    const Shape sh = qwen ? Shape{24, 896, 4864, 14, 2, 151936, 1e6f, 1e-6f}
+                          : Shape{30, 576, 1536, 9, 3, 49152, 1e5f, 1e-5f};
     ModelSpec s;
     s.n_layers = sh.layers;
     s.d_model = sh.d;

@@ -455,7 +455,8 @@ struct Blk<GgmlType::Q4_0> {
 #pragma unroll
     for (int i = 0; i < 4; ++i) {
       const float4 lo = ld4(xb + 4 * i), hi = ld4(xb + 16 + 4 * i);
-      const float4 a = bytes_f4(w[i] & 0x0f0f0f0fu, kMagicU + 8.f), b = bytes_f4((w[i] >> 4) & 0x0f0f0f0fu, kMagicU + 8.f);
+      const float4 a = bytes_f4(w[i] & 0x0f0f0f0fu, kMagicU + 8.f);  // q - 8
+      const float4 b = bytes_f4((w[i] >> 4) & 0x0f0f0f0fu, kMagicU + 8.f);
       s[i] = lo.x * a.x;
       s[i] += lo.y * a.y;
       s[i] += lo.z * a.z;
