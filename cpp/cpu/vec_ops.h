@@ -198,7 +198,6 @@ METALATTN_BODY void attend_group(const float* q, int q_stride, const float* k_t,
   }
 }
 
-
 // Address-taken instantiations of attend_group (compiled with the including file's ISA flags) and the pair the
 // backend calls for a GQA group of `group` query heads.
 template <int G, int T, class V>

@@ -1113,7 +1113,8 @@ __global__ void __launch_bounds__(256) norm_matvec_argmax_kernel(DevMatrix W, co
 // ------------------------------------------------------------------ matvec + residual
 
 // TPR 64 (two warps per row, 512 threads) serves wide matrices such as the down projection (48 blocks per row):
-// each lane then sums at most one weight block after the wait instead of two.
+// each lane then sums at most one weight block after the wait instead of two. U: the weight blocks each lane loads
+// before the wait (launch_matvec_residual gives rows of more than two blocks a lane three).
 template <typename B, int TPR, int U = B::kUnroll>
 __global__ void __launch_bounds__(512) matvec_residual_kernel(DevMatrix W, const float* __restrict__ x,
                                                               float* residual) {
@@ -1682,8 +1683,8 @@ void run_norm_matvec(const DevMatrix& W, const float* x, const float* norm_w, fl
     // against 528 resident. H100, Qwen2.5-0.5B shape: 510 -> 482 us per token, the gate/up's share of the chain
     // 6.9 -> 5.4 us a layer (NOTES, "CUDA, session 14").
     // (Quantized types only: the float blocks spill 150-300 bytes in 48 registers.)
-    const bool small_blocks = W.type != GgmlType::F32 && W.type != GgmlType::F16 && W.type != GgmlType::BF16;
-    const auto k5 = pre || !small_blocks ? k : kernel_for<NormKernels5>(W.type);
+    const bool quantized = W.type != GgmlType::F32 && W.type != GgmlType::F16 && W.type != GgmlType::BF16;
+    const auto k5 = pre || !quantized ? k : kernel_for<NormKernels5>(W.type);
     if (k5 != k && W.rows > wave16 && W.rows <= rows_per_wave(k5, g)) {
       k = k5;
     } else if (W.rows > kWaveSlack * static_cast<double>(wave16)) {
