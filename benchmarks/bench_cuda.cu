@@ -3,7 +3,6 @@
 // prompt, and the time of each decode kernel (each captured 200 times in a graph and replayed, without PDL).
 //   bench_cuda [n_ctx=2048]
 // Environment: METALATTN_CUDA_PDL=0 turns off Programmatic Dependent Launch in the decode graph,
-// METALATTN_CUDA_PREFILL_SPLIT=0 runs the prefill GEMMs on fp16 weights and activations, one K-slice.
 // `bench_cuda <n_ctx> kernels` runs only the per-kernel section (for profilers); `bench_cuda <n_ctx> trace` (a
 // -DMETALATTN_TRACE build, see benchmarks/device/trace.sh) shows where a decode step's time goes inside the kernel
 // chain. `bench_cuda <n_ctx> q4_k_m` runs the whole benchmark on the same shapes with the tensor types of the real
@@ -358,9 +357,8 @@ int main(int argc, char** argv) {
     cudaDeviceProp prop{};
     CUDA_CHECK(cudaGetDeviceProperties(&prop, 0));
     const char* pdl = std::getenv("METALATTN_CUDA_PDL");
-    const char* split = std::getenv("METALATTN_CUDA_PREFILL_SPLIT");
-    std::printf("device %s, %d SMs | n_ctx %d | PDL %s | prefill split %s\n", prop.name, prop.multiProcessorCount,
-                s.n_ctx, pdl ? pdl : "1 (default)", split ? split : "1");
+    std::printf("device %s, %d SMs | n_ctx %d | PDL %s\n", prop.name, prop.multiProcessorCount, s.n_ctx,
+                pdl ? pdl : "1 (default)");
 
     auto t_create = Clock::now();
     auto be = make_cuda_backend(s, w, false);

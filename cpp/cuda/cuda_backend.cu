@@ -1,11 +1,10 @@
-// CUDA backend, host side: weight upload (GPU matvec layout + fp16 copies for the prefill GEMMs), device-private
+// CUDA backend, host side: weight upload (the GPU matvec layout, which every kernel reads), device-private
 // KV cache and scratch, the decode step captured once as a CUDA graph, and the layer-major batched prefill.
 //
 // Per decode token: at most one 8-byte host-to-device copy (token, position), one graph launch, one stream sync,
 // and the 8-byte ArgmaxResult read from mapped pinned memory that the last kernel wrote. The last kernel also writes
 // the chosen token and pos + 1 into the device-side DecodeIO, so a greedy loop that feeds the result back needs no
 // host-to-device copy at all: the host keeps a shadow of what the device slot holds and copies only on a mismatch.
-#include <cublas_v2.h>
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
 
@@ -86,7 +85,6 @@ bool env_flag(const char* name, bool fallback) {
 // throws half-way (e.g. cudaMalloc out of memory).
 struct Resources {
   cudaStream_t stream = nullptr;
-  cublasHandle_t cublas = nullptr;
   // Decode graphs, one per DecodeVariant (short, long), each captured at first use.
   cudaGraph_t graph[2] = {nullptr, nullptr};
   cudaGraphExec_t graph_exec[2] = {nullptr, nullptr};
@@ -116,7 +114,6 @@ struct Resources {
       if (e != nullptr) cudaGraphExecDestroy(e);
     for (cudaGraph_t g : graph)
       if (g != nullptr) cudaGraphDestroy(g);
-    if (cublas != nullptr) cublasDestroy(cublas);
     for (cudaStream_t x : side_streams) cudaStreamSynchronize(x);
     for (cudaEvent_t e : events) cudaEventDestroy(e);
     for (cudaStream_t x : side_streams) cudaStreamDestroy(x);
@@ -159,8 +156,6 @@ struct DevLayer {
   DevMatrix qkv, o, gate_up, down;  // decode layout
   const float* attn_norm = nullptr;
   const float* ffn_norm = nullptr;
-  // Prefill GEMM weights: rows of [W_hi | W_hi | W_lo] fp16 (plain fp16 rows with the split off).
-  __half *qkv16 = nullptr, *o16 = nullptr, *gate_up16 = nullptr, *down16 = nullptr;
   // General path only (arch.cuh): the architecture's extra tensors (null where it has none), RoPE table and window.
   const float* qkv_bias = nullptr;  // [q_dim + 2 kv_dim]: bq | bk | bv
   const float *q_norm = nullptr, *k_norm = nullptr;
@@ -223,7 +218,6 @@ class CudaBackend final : public Backend {
   }
   DevMatrix upload(const std::vector<const WeightView*>& parts);
   const float* upload_floats(const float* host, size_t n);
-  __half* half_copy(const DevMatrix& m);
 
   void check_token(int32_t token) const;
   void set_io(int32_t token, int pos);
@@ -239,9 +233,10 @@ class CudaBackend final : public Backend {
   void enqueue_decode(bool capture_hidden, DecodeVariant variant);
   void run_decode(int pos);
   ArgmaxResult finish_decode(int pos);
-  void gemm(const __half* w, int rows, int cols, int n, const __half* a, float* c, float beta);
+  // y[t] = W . pa_[t] (accumulate: y[t] +=), t < n: one projection of a prompt chunk or batch group (prompt_gemm.cu).
+  void gemm(const DevMatrix& W, int n, float* y, bool accumulate);
   void ensure_all_logits_buffer();
-  // How a prompt chunk runs: cuBLAS GEMMs, or (at most kPromptMmaMaxTokens tokens) the tensor-core projections of
+  // How a prompt chunk runs: the long-prompt projections (prompt_gemm.cu), or (at most kPromptMmaMaxTokens tokens) those of
   // prompt_mma.cu with the few-token attention (while the chunk ends by kPromptFewAttnMaxKeys) or the prefill one.
   enum PrefillVariant { kPrefillGemm = 0, kPrefillFewAttention = 1, kPrefillFewLongAttention = 2 };
   PrefillVariant prefill_variant(int m, int pos) const {
@@ -256,7 +251,7 @@ class CudaBackend final : public Backend {
                         Enqueue&& enqueue);
   // forward_batch: n rows, io = [tokens | slots | positions] (3 n values) in device memory. The rows run in groups
   // of at most batch_group_: on the tensor-core path (kBatchChainRows rows each) the groups run side by side on
-  // their own streams, on the cuBLAS path (chunk_ rows, the prefill scratch) one after the other.
+  // their own streams, on the long-prompt path (chunk_ rows, the prefill scratch) one after the other.
   static constexpr int kBatchChainRows = 8;
   void setup_batch();
   void enqueue_batch(int n, const int32_t* io);
@@ -287,7 +282,7 @@ class CudaBackend final : public Backend {
   float* g_qkv_ = nullptr;     // decode: raw QKV projections [q_dim + 2 kv_dim]
   float* g_tmp_ = nullptr;     // decode: O / down projection before its post-norm [d_model]
   float* g_xalt_ = nullptr;    // decode with post-norms: the residual stream's second buffer [d_model] (PreAdd)
-  float* g_ptmp_ = nullptr;    // prefill: O / down GEMM output before its post-norm [chunk][d_model]
+  float* g_ptmp_ = nullptr;    // prefill: O / down projection before its post-norm [chunk][d_model]
   int g_max_splits_ = 1;
   float *g_part_o_ = nullptr, *g_part_ml_ = nullptr;
   unsigned int* g_counters_ = nullptr;
@@ -295,9 +290,8 @@ class CudaBackend final : public Backend {
   ModelSpec spec_;
   bool debug_;
   bool use_pdl_;
-  bool split_;  // prefill GEMM operands as fp16 hi/lo K-slices (see kernels.cuh)
   // Prompt chunks of at most kPromptMmaMaxTokens tokens take the tensor-core projections of prompt_mma.cu instead of
-  // cuBLAS (METALATTN_CUDA_PROMPT_MMA=0 turns that off; needs every layer matrix in a type it reads).
+  // the long-prompt projections (METALATTN_CUDA_PROMPT_MMA=0 turns that off; needs every layer matrix in a type it reads).
   bool prompt_mma_ = false;
   Resources res_;
   MemoryInfo mem_;
@@ -331,7 +325,7 @@ class CudaBackend final : public Backend {
   int max_chunks_ = 0;
   uint64_t prefill_clock_ = 0;
   float *px_ = nullptr, *pq_ = nullptr, *pc_ = nullptr;
-  __half* pa_ = nullptr;  // GEMM activation rows, half_slices(split_) * width halves per token
+  __half* pa_ = nullptr;  // projection operand rows (store_operand), 2 * width halves per token
   float* plogits_ = nullptr;
   int logits_chunk_ = 0;
 
@@ -386,19 +380,10 @@ const float* CudaBackend::upload_floats(const float* host, size_t n) {
   return d;
 }
 
-__half* CudaBackend::half_copy(const DevMatrix& m) {
-  __half* h = device_alloc<__half>(static_cast<size_t>(half_slices(split_)) * m.rows * m.cols, mem_.weights);
-  launch_weights_to_half(m, split_, h, res_.stream);
-  return h;
-}
-
 CudaBackend::CudaBackend(const ModelSpec& spec, const ModelWeights& w, bool debug)
     : spec_(spec),
       debug_(debug),
-      use_pdl_(env_flag("METALATTN_CUDA_PDL", true)),  // measured +5% decode on H100; =0 turns it off
-      // On by default: plain fp16 operands put a synthetic SmolLM2-shaped 2048-token prompt at 1.3e-3 rel L2 from
-      // decode (bound 1e-3). =0 runs plain fp16 GEMMs (1 K-slice instead of 3, a third of the weight copies).
-      split_(env_flag("METALATTN_CUDA_PREFILL_SPLIT", true)) {
+      use_pdl_(env_flag("METALATTN_CUDA_PDL", true)) {  // measured +5% decode on H100; =0 turns it off
   validate_model(spec, w);
   // The plain Llama layer (RoPE factors included: they only change the RoPE table) runs the fused kernels of
   // kernels.cuh; every other architecture the general path of arch.cuh, except that the Llama layer with Q/K/V
@@ -432,8 +417,6 @@ CudaBackend::CudaBackend(const ModelSpec& spec, const ModelWeights& w, bool debu
   if (cuda_device_count() <= 0) throw EngineError("no CUDA device is available");
   CUDA_CHECK(cudaSetDevice(0));
   CUDA_CHECK(cudaStreamCreateWithFlags(&res_.stream, cudaStreamNonBlocking));
-  CUBLAS_CHECK(cublasCreate(&res_.cublas));
-  CUBLAS_CHECK(cublasSetStream(res_.cublas, res_.stream));
 
   const int L = spec.n_layers, d = spec.d_model, kv_dim = spec.kv_dim(), q_dim = spec.q_dim();
   // The KV cache first: it is the allocation that grows with n_ctx, so an impossible n_ctx fails before any work.
@@ -456,10 +439,6 @@ CudaBackend::CudaBackend(const ModelSpec& spec, const ModelWeights& w, bool debu
     dl.down = upload({&src.w_down});
     dl.attn_norm = upload_floats(src.attn_norm, d);
     dl.ffn_norm = upload_floats(src.ffn_norm, d);
-    dl.qkv16 = half_copy(dl.qkv);
-    dl.o16 = half_copy(dl.o);
-    dl.gate_up16 = half_copy(dl.gate_up);
-    dl.down16 = half_copy(dl.down);
   }
 
   // RoPE table, computed exactly as the reference does (double angle, float cos/sin; Llama 3 factors included).
@@ -510,16 +489,10 @@ CudaBackend::CudaBackend(const ModelSpec& spec, const ModelWeights& w, bool debu
   max_chunks_ = (spec.n_ctx + chunk_ - 1) / chunk_;
   tokens_dev_ = device_alloc<int32_t>(static_cast<size_t>(chunk_) + 1, mem_.scratch);
   tokens_host_ = pinned_alloc<int32_t>(static_cast<size_t>(max_chunks_) * (chunk_ + 1), cudaHostAllocDefault);
-  {
-    // cuBLAS inside a captured graph must not allocate: give it a fixed workspace (32 MiB suits Hopper).
-    const size_t ws_bytes = size_t{32} << 20;
-    void* ws = device_alloc<uint8_t>(ws_bytes, mem_.scratch);
-    CUBLAS_CHECK(cublasSetWorkspace(res_.cublas, ws, ws_bytes));
-  }
   px_ = device_alloc<float>(static_cast<size_t>(chunk_) * d, mem_.scratch);
   pq_ = device_alloc<float>(static_cast<size_t>(chunk_) * q_dim, mem_.scratch);
   pc_ = device_alloc<float>(static_cast<size_t>(chunk_) * widest_out, mem_.scratch);
-  pa_ = device_alloc<__half>(static_cast<size_t>(half_slices(split_)) * chunk_ * widest_in, mem_.scratch);
+  pa_ = device_alloc<__half>(2 * static_cast<size_t>(chunk_) * widest_in, mem_.scratch);
   if (general_) setup_general(w);
 
   CUDA_CHECK(cudaStreamSynchronize(res_.stream));
@@ -667,13 +640,14 @@ void CudaBackend::forward_token_debug(int32_t token, int pos, float* hidden, flo
   CUDA_CHECK(cudaMemcpy(logits, logits_, spec_.vocab * sizeof(float), cudaMemcpyDefault));
 }
 
-// C[n x rows] (row-major, fp32) = A[n x cols] . W[rows x cols]^T + beta C, one cuBLAS call: A and W are operand
-// rows of half_slices(split_) K-slices each, so the inner dimension is that many times cols.
-void CudaBackend::gemm(const __half* w, int rows, int cols, int n, const __half* a, float* c, float beta) {
-  const float one = 1.f;
-  const int k = half_slices(split_) * cols;
-  CUBLAS_CHECK(cublasGemmEx(res_.cublas, CUBLAS_OP_T, CUBLAS_OP_N, rows, n, k, &one, w, CUDA_R_16F, k, a, CUDA_R_16F,
-                            k, &beta, c, CUDA_R_32F, rows, CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT));
+void CudaBackend::gemm(const DevMatrix& W, int n, float* y, bool accumulate) {
+  PromptGemmArgs g;
+  g.W = W;
+  g.n = n;
+  g.x_slots = pa_;
+  g.y = y;
+  g.accumulate = accumulate;
+  launch_prompt_gemm(g, res_.stream);
   after_launch();
 }
 
@@ -684,17 +658,17 @@ void CudaBackend::ensure_all_logits_buffer() {
 }
 
 // One chunk of a prompt, layer-major: io points at [start position, m tokens] in device memory, so the same
-// sequence (captured once as a graph) serves every start position. Per layer 8 launches (9 when head_dim != 64),
-// with or without the hi/lo split: norm->fp16, QKV GEMM, RoPE+KV append+attention->fp16, O GEMM (+residual via beta 1),
-// norm->fp16, gate/up GEMM, SiLU*up->fp16, down GEMM (+residual); then the last token's norm+lm_head+argmax from
-// the exact quantized weights. Our kernels launch with PDL (unless METALATTN_CUDA_PDL=0). Chunks of at most
-// kPromptMmaMaxTokens tokens run 5 launches per layer instead, none of them cuBLAS (prompt_mma.cu).
+// sequence (captured once as a graph) serves every start position. Per layer 8 launches (9 when head_dim != 64):
+// norm->operand, QKV projection, RoPE+KV append+attention->operand, O projection (+residual), norm->operand, gate/up
+// projection, SiLU*up->operand, down projection (+residual), the projections on tensor cores (prompt_gemm.cu); then
+// the last token's norm+lm_head+argmax. Our kernels launch with PDL (unless METALATTN_CUDA_PDL=0). Chunks of at most
+// kPromptMmaMaxTokens tokens run 5 launches per layer instead, whose projections split K (prompt_mma.cu).
 void CudaBackend::enqueue_prefill_chunk(int m, const int32_t* io, PrefillVariant variant) {
   if (general_) return enqueue_prefill_chunk_general(m, io);
   const ProgrammaticLaunchScope pdl_scope(use_pdl_);
   const ModelSpec& s = spec_;
   cudaStream_t st = res_.stream;
-  const int d = s.d_model, q_dim = s.q_dim(), kv_dim = s.kv_dim(), qkv_rows = q_dim + 2 * kv_dim;
+  const int d = s.d_model;
   launch_embed_rows(embd_, io + 1, m, px_, st);
   after_launch();
   const bool few_tokens = variant != kPrefillGemm;
@@ -722,31 +696,31 @@ void CudaBackend::enqueue_prefill_chunk(int m, const int32_t* io, PrefillVariant
         fa.out_slots = pa_;
         launch_attention_prompt_few(fa, st);
       } else {
-        launch_rope_attention_prefill_slots(pc_, m, io, rope_, s.n_heads, s.n_kv_heads, s.head_dim, kc, vc, pa_, st);
+        launch_rope_attention_prefill(pc_, m, io, rope_, s.n_heads, s.n_kv_heads, s.head_dim, kc, vc, pq_, pa_, st);
       }
       after_launch();
       enqueue_mma_o_ffn(L, m, pa_, px_, st);
       continue;
     }
-    launch_rmsnorm_to_half(px_, m, d, L.attn_norm, s.rms_eps, split_, pa_, st);
+    launch_rmsnorm_to_half(px_, m, d, L.attn_norm, s.rms_eps, pa_, st);
     after_launch();
-    gemm(L.qkv16, qkv_rows, d, m, pa_, pc_, 0.f);
-    launch_rope_attention_prefill(pc_, m, io, rope_, s.n_heads, s.n_kv_heads, s.head_dim, kc, vc, pq_, split_, pa_, st);
+    gemm(L.qkv, m, pc_, false);
+    launch_rope_attention_prefill(pc_, m, io, rope_, s.n_heads, s.n_kv_heads, s.head_dim, kc, vc, pq_, pa_, st);
     after_launch();
-    gemm(L.o16, d, q_dim, m, pa_, px_, 1.f);  // beta = 1: the GEMM adds into the residual stream
-    launch_rmsnorm_to_half(px_, m, d, L.ffn_norm, s.rms_eps, split_, pa_, st);
+    gemm(L.o, m, px_, true);  // added into the residual stream
+    launch_rmsnorm_to_half(px_, m, d, L.ffn_norm, s.rms_eps, pa_, st);
     after_launch();
-    gemm(L.gate_up16, 2 * s.d_ff, d, m, pa_, pc_, 0.f);
-    launch_silu_to_half(pc_, m, s.d_ff, split_, pa_, st);
+    gemm(L.gate_up, m, pc_, false);
+    launch_silu_to_half(pc_, m, s.d_ff, pa_, st);
     after_launch();
-    gemm(L.down16, d, s.d_ff, m, pa_, px_, 1.f);
+    gemm(L.down, m, px_, true);
   }
   launch_norm_matvec_argmax(lm_head_, px_ + static_cast<size_t>(m - 1) * d, out_norm_, s.rms_eps, logits_, argmax_,
                             result_dev_, nullptr, st);
   after_launch();
 }
 
-// A chunk length's first use runs eagerly (modules load, cuBLAS picks its kernels, no capture cost for a one-off
+// A chunk length's first use runs eagerly (modules load, no capture cost for a one-off
 // length); from the second use on it is one graph launch. The graph bakes in the prompt's slot.
 void CudaBackend::run_prefill_chunk(int m, const int32_t* io, PrefillVariant variant) {
   run_cached_graph(res_.prefill_graphs, m, variant, prompt_slot_, [&] { enqueue_prefill_chunk(m, io, variant); });
@@ -1022,10 +996,10 @@ void CudaBackend::enqueue_decode_general(bool capture_hidden) {
   after_launch();
 }
 
-// A prompt chunk on the general path: the cuBLAS GEMM projections of the plain path (fp16 hi/lo operands) with the
-// kernels of arch.cuh between them, per layer: norm->fp16, QKV GEMM, QKV finish, attention->fp16, O GEMM (+residual
-// via beta 1, or into g_ptmp_ and add_normed), norm->fp16, gate/up GEMM, GLU->fp16, down GEMM (likewise); then the
-// last token's norm + lm_head + argmax.
+// A prompt chunk on the general path: the tensor-core projections of the plain path (prompt_gemm.cu) with the
+// kernels of arch.cuh between them, per layer: norm->operand, QKV projection, QKV finish, attention->operand, O
+// projection (+residual, or into g_ptmp_ and add_normed), norm->operand, gate/up projection, GLU->operand, down
+// projection (likewise); then the last token's norm + lm_head + argmax.
 void CudaBackend::enqueue_prefill_chunk_general(int m, const int32_t* io) {
   const ProgrammaticLaunchScope pdl_scope(use_pdl_);
   enqueue_layers_general(m, io + 1, io, BatchRows{});
@@ -1037,7 +1011,7 @@ void CudaBackend::enqueue_prefill_chunk_general(int m, const int32_t* io) {
 void CudaBackend::enqueue_layers_general(int m, const int32_t* tokens, const int32_t* pos0, const BatchRows& rows) {
   const ModelSpec& s = spec_;
   cudaStream_t st = res_.stream;
-  const int d = s.d_model, q_dim = s.q_dim(), kv_dim = s.kv_dim(), qkv_rows = q_dim + 2 * kv_dim;
+  const int d = s.d_model;
   const int64_t off = rows.pos != nullptr ? 0 : prompt_slot_ * slot_stride_;  // batch rows find their slots
   launch_embed_scaled(embd_, nullptr, tokens, m, s.embed_scale, px_, st);
   after_launch();
@@ -1045,12 +1019,11 @@ void CudaBackend::enqueue_layers_general(int m, const int32_t* tokens, const int
     const DevLayer& L = layers_[l];
     float* kc = layer_k(l) + off;
     float* vc = layer_v(l) + off;
-    launch_rmsnorm_to_half(px_, m, d, L.attn_norm, s.rms_eps, split_, pa_, st);
+    launch_rmsnorm_to_half(px_, m, d, L.attn_norm, s.rms_eps, pa_, st);
     after_launch();
-    gemm(L.qkv16, qkv_rows, d, m, pa_, pc_, 0.f);
+    gemm(L.qkv, m, pc_, false);
     ArchAttnArgs att = attention_args(L, pq_, m, pos0, kc, vc);
     att.out_half = pa_;
-    att.split_operand = split_;
     if (rows.pos == nullptr) {
       launch_qkv_finish(finish_args(L, pc_, m, pos0, pq_, kc, vc), st);
       after_launch();
@@ -1064,23 +1037,23 @@ void CudaBackend::enqueue_layers_general(int m, const int32_t* tokens, const int
     launch_arch_attention(att, st);
     after_launch();
     if (s.post_norms) {
-      gemm(L.o16, d, q_dim, m, pa_, g_ptmp_, 0.f);
+      gemm(L.o, m, g_ptmp_, false);
       launch_add_normed(g_ptmp_, L.post_attn_norm, s.rms_eps, m, d, px_, st);
       after_launch();
     } else {
-      gemm(L.o16, d, q_dim, m, pa_, px_, 1.f);  // beta = 1: the GEMM adds into the residual stream
+      gemm(L.o, m, px_, true);  // added into the residual stream
     }
-    launch_rmsnorm_to_half(px_, m, d, L.ffn_norm, s.rms_eps, split_, pa_, st);
+    launch_rmsnorm_to_half(px_, m, d, L.ffn_norm, s.rms_eps, pa_, st);
     after_launch();
-    gemm(L.gate_up16, 2 * s.d_ff, d, m, pa_, pc_, 0.f);
-    launch_glu(pc_, m, s.d_ff, s.activation, nullptr, split_, pa_, st);
+    gemm(L.gate_up, m, pc_, false);
+    launch_glu(pc_, m, s.d_ff, s.activation, nullptr, pa_, st);
     after_launch();
     if (s.post_norms) {
-      gemm(L.down16, d, s.d_ff, m, pa_, g_ptmp_, 0.f);
+      gemm(L.down, m, g_ptmp_, false);
       launch_add_normed(g_ptmp_, L.post_ffn_norm, s.rms_eps, m, d, px_, st);
       after_launch();
     } else {
-      gemm(L.down16, d, s.d_ff, m, pa_, px_, 1.f);
+      gemm(L.down, m, px_, true);
     }
   }
 }
@@ -1121,7 +1094,7 @@ void CudaBackend::setup_batch() {
 void CudaBackend::enqueue_batch(int n, const int32_t* io) {
   const ProgrammaticLaunchScope pdl_scope(use_pdl_);
   cudaStream_t st = res_.stream;
-  if (!prompt_mma_) {  // the cuBLAS path: groups of chunk_ rows in turn, through the prefill scratch
+  if (!prompt_mma_) {  // the long-prompt path: groups of chunk_ rows in turn, through the prefill scratch
     for (int g0 = 0; g0 < n; g0 += batch_group_) {
       const int m = std::min(batch_group_, n - g0);
       enqueue_layers_general(m, io + g0, nullptr, BatchRows{io + 2 * n + g0, io + n + g0, slot_stride_});
@@ -1169,7 +1142,6 @@ void CudaBackend::enqueue_batch_group_mma(int m, int g0, int n, const int32_t* i
     att.finish = finish_args(L, qkv_out, m, nullptr, nullptr, layer_k(l), layer_v(l));
     att.finish.rows = rows;
     att.out_half = a;
-    att.slot_operand = true;
     launch_arch_attention(att, st);
     after_launch();
     enqueue_mma_o_ffn(L, m, a, x, st);

@@ -1,7 +1,6 @@
-// Every CUDA / cuBLAS call goes through these: a failure becomes metalattn::EngineError carrying the
+// Every CUDA call goes through these: a failure becomes metalattn::EngineError carrying the
 // CUDA error string and the call site, never an abort.
 #pragma once
-#include <cublas_v2.h>
 #include <cuda_runtime.h>
 
 #include <string>
@@ -16,24 +15,12 @@ namespace metalattn::cuda {
                     what + " at " + file + ":" + std::to_string(line));
 }
 
-[[noreturn]] inline void throw_cublas_error(cublasStatus_t st, const char* what, const char* file, int line) {
-  throw EngineError(std::string("cuBLAS error: ") + cublasGetStatusString(st) + " in " + what + " at " + file + ":" +
-                    std::to_string(line));
-}
-
 }  // namespace metalattn::cuda
 
 #define CUDA_CHECK(call)                                                                       \
   do {                                                                                         \
     const cudaError_t ma_err_ = (call);                                                        \
     if (ma_err_ != cudaSuccess) ::metalattn::cuda::throw_cuda_error(ma_err_, #call, __FILE__, __LINE__); \
-  } while (0)
-
-#define CUBLAS_CHECK(call)                                                                     \
-  do {                                                                                         \
-    const cublasStatus_t ma_st_ = (call);                                                      \
-    if (ma_st_ != CUBLAS_STATUS_SUCCESS)                                                       \
-      ::metalattn::cuda::throw_cublas_error(ma_st_, #call, __FILE__, __LINE__);                \
   } while (0)
 
 // After a kernel launch: launch-configuration errors surface at once.

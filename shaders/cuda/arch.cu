@@ -150,10 +150,8 @@ constexpr int kAttnThreadsArch = kAttnWarpsArch * 32;
 __device__ __forceinline__ void store_attn(const ArchAttnArgs& a, int64_t t, int j, int q_dim, float v) {
   if (a.out != nullptr)
     a.out[t * q_dim + j] = v;
-  else if (a.slot_operand)
-    detail::store_slot_operand(v, t, j, q_dim, a.out_half);
   else
-    detail::store_operand(v, t, j, q_dim, a.split_operand, a.out_half);
+    detail::store_operand(v, t, j, q_dim, a.out_half);
 }
 
 // NC = head_dim / 32 (a lane owns dims c * 32 + lane), TQ queries per block, U positions in flight per warp.
@@ -449,7 +447,7 @@ __global__ void __launch_bounds__(kAddThreads) add_normed_kernel(const float* y,
 }
 
 __global__ void __launch_bounds__(256) glu_kernel(const float* gate_up, int n, int d_ff, int gelu, float* out,
-                                                  bool split_operand, __half* out_half) {
+                                                  __half* out_half) {
   launch_dependents();
   grid_dependency_wait();
   const int64_t total = static_cast<int64_t>(n) * d_ff;
@@ -468,7 +466,7 @@ __global__ void __launch_bounds__(256) glu_kernel(const float* gate_up, int n, i
     if (out != nullptr)
       out[i] = v;
     else
-      detail::store_operand(v, t, j, d_ff, split_operand, out_half);
+      detail::store_operand(v, t, j, d_ff, out_half);
   }
 }
 
@@ -537,7 +535,6 @@ void launch_arch_attention(const ArchAttnArgs& a, cudaStream_t s) {
         f.head_dim != a.head_dim || (f.q_norm == nullptr) != (f.k_norm == nullptr))
       throw EngineError("attention: bad fused QKV finish");
   }
-  if (a.slot_operand && a.out_half == nullptr) throw EngineError("attention: the slot layout is an fp16 output");
   const bool decode = a.n == 1 || batch;  // one query per block
   AttnFn k = nullptr;
   switch (a.head_dim / 32) {
@@ -565,11 +562,11 @@ void launch_add_normed(const float* y, const float* w, float eps, int n, int d, 
   launch(add_normed_kernel, dim3(n), dim3(kAddThreads), 0, s, y, w, eps, d, x);
 }
 
-void launch_glu(const float* gate_up, int n, int d_ff, Activation act, float* out, bool split_operand,
-                __half* out_half, cudaStream_t s) {
+void launch_glu(const float* gate_up, int n, int d_ff, Activation act, float* out, __half* out_half,
+                cudaStream_t s) {
   if ((out == nullptr) == (out_half == nullptr)) throw EngineError("glu: exactly one output");
   launch(glu_kernel, dim3(grid_for(static_cast<int64_t>(n) * d_ff, 256)), dim3(256), 0, s, gate_up, n, d_ff,
-         act == Activation::GeluTanh ? 1 : 0, out, split_operand, out_half);
+         act == Activation::GeluTanh ? 1 : 0, out, out_half);
 }
 
 }  // namespace metalattn::cuda

@@ -1,7 +1,7 @@
 // The CUDA kernels of the general decode/prefill path: every architecture ModelSpec describes (Qwen 2 biases,
 // Qwen 3 / Gemma 3 QK-norm, Gemma 3 post-norms, GELU, embedding scale, sliding windows with per-layer RoPE, NeoX
 // RoPE, Llama 3 RoPE factors, head_dim up to kArchMaxHeadDim and any attention scale). The projections reuse the
-// matvec launchers of kernels.cuh (and the cuBLAS GEMMs of the prefill), so every weight type they read works here;
+// matvec launchers of kernels.cuh (and the tensor-core projections of prompt_gemm.cu), so every weight type they read works here;
 // these kernels do what lies between the projections.
 //
 // Decode, per layer (cuda_backend.cu, enqueue_decode_general):
@@ -10,8 +10,8 @@
 //   -> norm+gate/up matvec + SiLU*up  (GELU: plain gate/up rows, then glu)
 //   -> down matvec + residual         (post-norms: down matvec, then add_normed)
 // plus one embedding kernel before the first layer and the final norm + lm_head + argmax after the last: 5 launches
-// per layer (SiLU, no post-norms) to 8 (GELU and post-norms). Prompts run the same kernels around cuBLAS GEMMs, with
-// qkv_finish as its own launch over the chunk's tokens.
+// per layer (SiLU, no post-norms) to 8 (GELU and post-norms). Prompts run the same kernels around the tensor-core
+// projections, with qkv_finish as its own launch over the chunk's tokens.
 // Every kernel here launches programmatically while programmatic_launch() is on, triggers its dependents at once and
 // calls grid_dependency_wait() in every block before it reads or writes anything a predecessor touches. Before that
 // wait they load only weights, the position *pos0 (DecodeIO::pos or the prefill chunk's start, both written before the
@@ -100,12 +100,9 @@ struct ArchAttnArgs {
   float* part_o = nullptr;          // [n_heads][max_splits][head_dim]
   float* part_ml = nullptr;         // [n_heads][max_splits][2]
   unsigned int* counters = nullptr; // [n_heads], zero between launches (the combining block re-arms it)
-  // Output, one of: fp32 rows [n][q_dim], or fp16 GEMM operand rows (store_operand, split_operand slices), or with
-  // slot_operand the slot layout of the tensor-core projections (store_slot_operand).
+  // Output, one of: fp32 rows [n][q_dim], or the operand rows the tensor-core projections read (store_operand).
   float* out = nullptr;
   __half* out_half = nullptr;
-  bool split_operand = false;
-  bool slot_operand = false;
   // Decode (n == 1) or batch rows with fused_finish: q and the position's k and v come raw, as the QKV projection
   // rows finish.qkv, and are finished here exactly as launch_qkv_finish does (finish's bias, QK-norm weights, eps,
   // RoPE table and style; finish.pos0 and finish.rows must equal pos0 and rows); the block of each KV head's first
@@ -124,8 +121,8 @@ void launch_rows_argmax(const float* logits, int n, int vocab, ArgmaxResult* out
 void launch_add_normed(const float* y, const float* w, float eps, int n, int d, float* x, cudaStream_t s);
 
 // The gated FFN's activation: gate_up rows of 2 d_ff floats [gate | up] -> act(gate) * up, act SiLU or the tanh
-// form of GELU; out rows of d_ff floats, or (out null) fp16 GEMM operand rows in out_half.
-void launch_glu(const float* gate_up, int n, int d_ff, Activation act, float* out, bool split_operand,
-                __half* out_half, cudaStream_t s);
+// form of GELU; out rows of d_ff floats, or (out null) operand rows (store_operand) in out_half.
+void launch_glu(const float* gate_up, int n, int d_ff, Activation act, float* out, __half* out_half,
+                cudaStream_t s);
 
 }  // namespace metalattn::cuda

@@ -1541,13 +1541,6 @@ __global__ void __launch_bounds__(256) argmax_kernel(const float* __restrict__ x
   detail::argmax_finish(c, sc, result, io_next);
 }
 
-__global__ void dequant_to_half_kernel(DevMatrix W, __half* out) {
-  const int64_t total = static_cast<int64_t>(W.rows) * W.cols;
-  for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < total;
-       i += static_cast<int64_t>(gridDim.x) * blockDim.x)
-    out[i] = __float2half_rn(detail::load_weight(W, i / W.cols, static_cast<int>(i % W.cols)));
-}
-
 // ------------------------------------------------------------------ launch helpers
 
 namespace {
@@ -1717,13 +1710,6 @@ void launch_embed(const DevMatrix& emb, const DecodeIO* io, float* x, cudaStream
 
 void launch_embed_rows(const DevMatrix& emb, const int32_t* tokens, int n, float* x, cudaStream_t s) {
   embed_kernel<<<n, 256, 0, s>>>(emb, nullptr, tokens, x);
-  CUDA_CHECK_LAUNCH();
-}
-
-void launch_dequant_to_half(const DevMatrix& W, __half* out, cudaStream_t s) {
-  const int64_t total = static_cast<int64_t>(W.rows) * W.cols;
-  const int blocks = static_cast<int>(std::min<int64_t>((total + 255) / 256, 65536));
-  dequant_to_half_kernel<<<blocks, 256, 0, s>>>(W, out);
   CUDA_CHECK_LAUNCH();
 }
 

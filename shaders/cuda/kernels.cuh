@@ -478,24 +478,10 @@ __device__ __forceinline__ void cp_async16(void* smem, const void* gmem) {
 }
 __device__ __forceinline__ void cp_async_wait_all() { asm volatile("cp.async.wait_all;" ::: "memory"); }
 
-// Element j of row t of an fp16 GEMM operand of `width` values (see "prefill launches" below): [hi | lo | hi] when
-// split, else [hi].
-__device__ __forceinline__ void store_operand(float v, int64_t t, int j, int width, bool split, __half* out) {
-  const __half h = __float2half_rn(v);
-  if (!split) {
-    out[t * width + j] = h;
-    return;
-  }
-  __half* row = out + t * 3 * width;
-  row[j] = h;
-  row[width + j] = __float2half_rn(v - __half2float(h));
-  row[2 * width + j] = h;
-}
-
-// Element j of row t of an activation in the "slot" operand layout the tensor-core prompt projections read
-// (prompt_mma.cu): per group of 4 values one 16-byte slot [hi x4 | lo x4] of fp16 (hi = fp16(v), lo = fp16(v - hi)),
+// Element j of row t of an operand row of `width` values, the input the tensor-core projections read (prompt_mma.cu,
+// prompt_gemm.cu): per group of 4 values one 16-byte "slot" [hi x4 | lo x4] of fp16 (hi = fp16(v), lo = fp16(v - hi)),
 // rows of 2 * width halves.
-__device__ __forceinline__ void store_slot_operand(float v, int64_t t, int j, int width, __half* out) {
+__device__ __forceinline__ void store_operand(float v, int64_t t, int j, int width, __half* out) {
   const __half h = __float2half_rn(v);
   __half* slot = out + t * 2 * width + (j / 4) * 8 + (j % 4);
   slot[0] = h;
@@ -608,32 +594,23 @@ constexpr int kArgmaxMaxBlocks = 2048;  // partials capacity launch_argmax and t
 int argmax_partials_needed(const DevMatrix& lm_head);
 
 // ------------------------------------------------------------------ prefill launches (prefill.cu)
-// The prefill GEMMs run on fp16 tensor cores with fp32 accumulation. With `split` on, a float v travels as
-// hi = fp16(v) and lo = fp16(v - hi), and one GEMM per projection concatenates three K-slices:
-//   weight row   [W_hi | W_hi | W_lo]   (launch_weights_to_half, 3 * cols halves)
-//   activation   [a_hi | a_lo | a_hi]   (the producers below, 3 * width halves per token)
-// so W.a ~= W_hi.a_hi + W_hi.a_lo + W_lo.a_hi (~22 bits of both operands; W_lo.a_lo is below fp32 rounding).
-// With `split` off, rows hold the fp16 value alone (one slice): faster, ~2^-12 relative rounding per operand.
-inline int half_slices(bool split) { return split ? 3 : 1; }
+// A prompt chunk runs layer by layer: the projections on tensor cores straight from the quantized weights
+// (prompt_gemm.cu; prompt_mma.cu up to 32 tokens), with the kernels below between them. Their inputs are operand rows
+// (store_operand: 2 * width halves per token, each value as fp16 hi + lo).
 // x[t] = row tokens[t] of emb, t < n.
 void launch_embed_rows(const DevMatrix& emb, const int32_t* tokens, int n, float* x, cudaStream_t s);
-// Dense fp16 copy of W (rows x cols), for cuBLAS.
-void launch_dequant_to_half(const DevMatrix& W, __half* out, cudaStream_t s);
-// W as GEMM weight rows: rows x (half_slices(split) * cols) halves, [W_hi | W_hi | W_lo] when split.
-void launch_weights_to_half(const DevMatrix& W, bool split, __half* out, cudaStream_t s);
-// out row t = fp16 GEMM operand of rmsnorm(x[t], w) (rows of d floats), half_slices(split) * d halves.
-void launch_rmsnorm_to_half(const float* x, int n, int d, const float* w, float eps, bool split, __half* out,
-                            cudaStream_t s);
+// out row t = the operand row of rmsnorm(x[t], w) (rows of d floats).
+void launch_rmsnorm_to_half(const float* x, int n, int d, const float* w, float eps, __half* out, cudaStream_t s);
 // qkv: n rows of (q_dim + 2 kv_dim) floats for positions pos0..pos0+n-1. Writes roped q rows to q_out and the
 // roped k / plain v rows to the caches.
 void launch_rope_append(const float* qkv, int n, int pos0, const float2* rope_table, int q_dim, int kv_dim,
                         int head_dim, float* q_out, float* k_cache, float* v_cache, cudaStream_t s);
-// Causal attention of n queries (positions pos0..) over cache positions [0, pos0 + t]; out row t = the fp16 GEMM
-// operand of the q_dim outputs (half_slices(split) * q_dim halves).
+// Causal attention of n queries (positions pos0..) over cache positions [0, pos0 + t]; out row t = the operand row
+// of the q_dim outputs.
 void launch_attention_prefill(const float* q, const float* k_cache, const float* v_cache, int n, int pos0,
-                              int n_heads, int n_kv_heads, int head_dim, bool split, __half* out, cudaStream_t s);
-// out row t = fp16 GEMM operand of silu(gate[t][i]) * up[t][i], i < d_ff; gate_up rows of 2*d_ff floats.
-void launch_silu_to_half(const float* gate_up, int n, int d_ff, bool split, __half* out, cudaStream_t s);
+                              int n_heads, int n_kv_heads, int head_dim, __half* out, cudaStream_t s);
+// out row t = the operand row of silu(gate[t][i]) * up[t][i], i < d_ff; gate_up rows of 2*d_ff floats.
+void launch_silu_to_half(const float* gate_up, int n, int d_ff, __half* out, cudaStream_t s);
 
 // ------------------------------------------------------------------ prefill launches reading the start position
 // from device memory (prefill.cu), so one captured prefill graph serves every start position. Same results as
@@ -642,20 +619,35 @@ void launch_rope_append_at(const float* qkv, int n, const int32_t* pos0, const f
                            int kv_dim, int head_dim, float* q_out, float* k_cache, float* v_cache, cudaStream_t s);
 // head_dim 64 runs on tensor cores (fp16 hi/lo operand pairs, fp32 accumulation), other head_dims on fp32 FMAs.
 void launch_attention_prefill_at(const float* q, const float* k_cache, const float* v_cache, int n,
-                                 const int32_t* pos0, int n_heads, int n_kv_heads, int head_dim, bool split,
-                                 __half* out, cudaStream_t s);
-// RoPE + KV append + causal attention of one chunk from the raw QKV GEMM rows (n rows of q_dim + 2 kv_dim floats):
-// the cache rows pos0..pos0+n-1 get the roped k / plain v rows, out gets the attention as fp16 GEMM operand rows.
+                                 const int32_t* pos0, int n_heads, int n_kv_heads, int head_dim, __half* out,
+                                 cudaStream_t s);
+// RoPE + KV append + causal attention of one chunk from the raw QKV projection rows (n rows of q_dim + 2 kv_dim
+// floats): the cache rows pos0..pos0+n-1 get the roped k / plain v rows, out gets the attention as operand rows.
 // head_dim 64 is one fused tensor-core kernel (q_scratch unused); others run launch_rope_append_at into q_scratch
 // [n][q_dim] and then launch_attention_prefill_at.
 void launch_rope_attention_prefill(const float* qkv, int n, const int32_t* pos0, const float2* rope_table,
                                    int n_heads, int n_kv_heads, int head_dim, float* k_cache, float* v_cache,
-                                   float* q_scratch, bool split, __half* out, cudaStream_t s);
+                                   float* q_scratch, __half* out, cudaStream_t s);
+
+// ------------------------------------------------------------------ long prompts on tensor cores (prompt_gemm.cu)
+// y[t] = W . x_t (or y[t] += W . x_t), t < n: one projection of a prompt chunk or batch group of any size, read
+// straight from the quantized decode weights (every type of DevMatrix), the weights exact (floats as fp16 hi + lo),
+// the operand rows as fp16 hi + lo on tensor cores, the block scales applied in fp32 after each block's MMAs.
+struct PromptGemmArgs {
+  DevMatrix W;                      // cols a multiple of 32 (as every DevMatrix)
+  int n = 0;                        // tokens
+  const __half* x_slots = nullptr;  // [n] operand rows of W.cols values (store_operand)
+  float* y = nullptr;               // [n][W.rows]
+  bool accumulate = false;          // y += W . x (the residual stream) instead of y = W . x
+};
+bool prompt_gemm_supported(GgmlType type);
+void launch_prompt_gemm(const PromptGemmArgs& a, cudaStream_t s);
 
 // ------------------------------------------------------------------ few-token prompts on tensor cores (prompt_mma.cu)
 // For prompts of at most kPromptMmaMaxTokens tokens the backend runs each projection as one programmatic launch
-// that reads the quantized decode weights directly (no cuBLAS, no fp16 weight copy): Y = W . X with the weights
-// exact and X as fp16 hi + lo on tensor cores, fp32 accumulation.
+// that reads the quantized decode weights directly: Y = W . X with the weights exact and X as fp16 hi + lo on tensor
+// cores, fp32 accumulation; unlike prompt_gemm.cu it also takes fp32 rows to rmsnorm and fuses SiLU * up, and its
+// blocks split K, which suits a few tokens.
 constexpr int kPromptMmaMaxTokens = 32;
 enum class PromptMmaOut : int {
   Store = 0,        // y[t][row] = (W . x_t)[row]
@@ -669,7 +661,7 @@ struct PromptMmaArgs {
   const float* x = nullptr;  // [n][W.cols] fp32 rows, rmsnorm'ed here with norm_w (required) and eps
   const float* norm_w = nullptr;
   float eps = 0.f;
-  const __half* x_slots = nullptr;  // [n] rows of W.cols values in the slot layout (store_slot_operand)
+  const __half* x_slots = nullptr;  // [n] operand rows of W.cols values (store_operand)
   PromptMmaOut out_kind = PromptMmaOut::Store;
   float* y = nullptr;               // Store, AddResidual: [n][W.rows]
   __half* out_slots = nullptr;      // SiluHalf: [n] rows of d_ff values in the slot layout
@@ -691,11 +683,6 @@ struct FewAttnArgs {
   __half* out_slots = nullptr;  // [n] rows of q_dim values
 };
 void launch_attention_prompt_few(const FewAttnArgs& a, cudaStream_t s);
-// The same from the tensor-core prefill attention (any pos0; head_dim 64): launch_rope_attention_prefill with the
-// output in the slot layout.
-void launch_rope_attention_prefill_slots(const float* qkv, int n, const int32_t* pos0, const float2* rope_table,
-                                         int n_heads, int n_kv_heads, int head_dim, float* k_cache, float* v_cache,
-                                         __half* out_slots, cudaStream_t s);
 
 // Whether launch_prompt_mma takes this weight type and width (d_ff: the SiluHalf output width, else 0) on the current
 // device (its blocks need up to ~211 KiB of shared memory at d_ff 1536).

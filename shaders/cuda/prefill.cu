@@ -1,9 +1,9 @@
-// Prefill kernels: the glue around the cuBLAS GEMMs of a layer-major prompt pass (norms and SiLU that emit the
-// fp16 GEMM inputs, RoPE + KV append of a whole chunk, causal attention over the prompt).
+// Prefill kernels: the glue around the tensor-core projections of a layer-major prompt pass (prompt_gemm.cu): norms
+// and SiLU that emit the projections' inputs, RoPE + KV append of a whole chunk, causal attention over the prompt.
 //
-// GEMM operands are fp16 rows; with `split` on each row holds three K-slices [hi | lo | hi] (weights: [hi | hi | lo])
-// so that one GEMM computes W_hi.a_hi + W_hi.a_lo + W_lo.a_hi, removing the fp16 rounding of both operands
-// (about 2^-12 relative each, which compounded to ~1e-3 on the logits of a 30-layer, 2048-token prompt).
+// Projection inputs are operand rows in the slot layout (kernels.cuh, store_operand): each value as fp16 hi + lo,
+// so the fp16 rounding of the activations (about 2^-12 relative, which compounded to ~1e-3 on the logits of a
+// 30-layer, 2048-token prompt) stays out of the products.
 #include <algorithm>
 #include <cmath>
 #include <utility>
@@ -19,28 +19,8 @@ namespace {
 
 using detail::store_operand;
 
-// Weight rows [W_hi | W_hi | W_lo]: the lo slice meets the activation's hi slice, the second hi slice its lo.
-__global__ void weights_to_half_kernel(DevMatrix W, bool split, __half* out) {
-  const int64_t total = static_cast<int64_t>(W.rows) * W.cols;
-  for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < total;
-       i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
-    const int64_t r = i / W.cols;
-    const int c = static_cast<int>(i % W.cols);
-    const float v = detail::load_weight(W, r, c);
-    const __half h = __float2half_rn(v);
-    if (!split) {
-      out[i] = h;
-      continue;
-    }
-    __half* row = out + r * 3 * W.cols;
-    row[c] = h;
-    row[W.cols + c] = h;
-    row[2 * W.cols + c] = __float2half_rn(v - __half2float(h));
-  }
-}
-
 __global__ void __launch_bounds__(256) rmsnorm_to_half_kernel(const float* __restrict__ x, int d,
-                                                              const float* __restrict__ w, float eps, bool split,
+                                                              const float* __restrict__ w, float eps,
                                                               __half* out) {
   __shared__ float red[32];
   detail::grid_dependency_wait();
@@ -50,7 +30,7 @@ __global__ void __launch_bounds__(256) rmsnorm_to_half_kernel(const float* __res
   const float total = detail::block_sum(ss, red);
   const float scale = 1.f / sqrtf(total / static_cast<float>(d) + eps);
   for (int i = threadIdx.x; i < d; i += blockDim.x)
-    store_operand(x[base + i] * scale * w[i], blockIdx.x, i, d, split, out);
+    store_operand(x[base + i] * scale * w[i], blockIdx.x, i, d, out);
 }
 
 __global__ void rope_append_kernel(const float* __restrict__ qkv, int n, const int32_t* pos0_dev, int pos0_value,
@@ -70,7 +50,7 @@ __global__ void rope_append_kernel(const float* __restrict__ qkv, int n, const i
   }
 }
 
-__global__ void silu_to_half_kernel(const float* __restrict__ gate_up, int n, int d_ff, bool split, __half* out) {
+__global__ void silu_to_half_kernel(const float* __restrict__ gate_up, int n, int d_ff, __half* out) {
   detail::grid_dependency_wait();
   const int64_t total = static_cast<int64_t>(n) * d_ff;
   for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < total;
@@ -78,7 +58,7 @@ __global__ void silu_to_half_kernel(const float* __restrict__ gate_up, int n, in
     const int64_t t = i / d_ff;
     const int j = static_cast<int>(i % d_ff);
     const float g = gate_up[t * 2 * d_ff + j], u = gate_up[t * 2 * d_ff + d_ff + j];
-    store_operand(g / (1.f + expf(-g)) * u, t, j, d_ff, split, out);
+    store_operand(g / (1.f + expf(-g)) * u, t, j, d_ff, out);
   }
 }
 
@@ -94,7 +74,7 @@ __global__ void __launch_bounds__(256) attention_prefill_kernel(const float* __r
                                                                 const float* __restrict__ k_cache,
                                                                 const float* __restrict__ v_cache, int n,
                                                                 const int32_t* pos0_dev, int pos0_value, int n_heads,
-                                                                int n_kv_heads, int hd, bool split, __half* out) {
+                                                                int n_kv_heads, int hd, __half* out) {
   extern __shared__ float4 smem_dyn[];
   float* q_s = reinterpret_cast<float*>(smem_dyn);  // [kQTile][hd]
   float* k_s = q_s + kQTile * hd;                   // [kKTile][hd + 1]: the pad makes per-lane rows conflict-free
@@ -168,7 +148,7 @@ __global__ void __launch_bounds__(256) attention_prefill_kernel(const float* __r
 #pragma unroll
     for (int c = 0; c < kMaxDimsPerLane; ++c)
       if (c < dims_per_lane)
-        store_operand(o[j][c] / l[j], q0 + qi, h * hd + lane + 32 * c, q_dim, split, out);
+        store_operand(o[j][c] / l[j], q0 + qi, h * hd + lane + 32 * c, q_dim, out);
   }
 }
 
@@ -218,9 +198,7 @@ struct TcAttnArgs {
   const int32_t* pos0_dev = nullptr;
   int pos0_value = 0;
   int n_heads = 0, n_kv_heads = 0;
-  bool split = true;
-  bool slots = false;  // out in the slot layout of the tensor-core prompt projections instead (split ignored)
-  __half* out = nullptr;
+  __half* out = nullptr;  // operand rows (store_operand)
 };
 
 __device__ __forceinline__ float4 rope4(float4 v, const float2* table_row, int c) {
@@ -399,8 +377,7 @@ __global__ void __launch_bounds__(kTcWarps * 32) attention_prefill_tc_kernel(con
     const int t = q0 + w_row0 + r;
 #pragma unroll
     for (int i = 0; i < kTcHeadDim / 2; ++i)
-      if (a.slots) detail::store_slot_operand(o[i] * inv, t, h * kTcHeadDim + 2 * i + half, q_dim, a.out);
-      else store_operand(o[i] * inv, t, h * kTcHeadDim + 2 * i + half, q_dim, a.split, a.out);
+      store_operand(o[i] * inv, t, h * kTcHeadDim + 2 * i + half, q_dim, a.out);
   }
 }
 
@@ -434,8 +411,7 @@ void launch_tc(const TcAttnArgs& a, cudaStream_t s) {
 }
 
 void attention_prefill(const float* q, const float* k_cache, const float* v_cache, int n, const int32_t* pos0_dev,
-                       int pos0_value, int n_heads, int n_kv_heads, int head_dim, bool split, __half* out,
-                       cudaStream_t s) {
+                       int pos0_value, int n_heads, int n_kv_heads, int head_dim, __half* out, cudaStream_t s) {
   if (head_dim % 32 != 0 || head_dim > 32 * kMaxDimsPerLane)
     throw EngineError("prefill attention needs head_dim a multiple of 32, at most 128");
   if (head_dim == kTcHeadDim) {
@@ -448,7 +424,6 @@ void attention_prefill(const float* q, const float* k_cache, const float* v_cach
     a.pos0_value = pos0_value;
     a.n_heads = n_heads;
     a.n_kv_heads = n_kv_heads;
-    a.split = split;
     a.out = out;
     launch_tc(a, s);
     return;
@@ -459,7 +434,7 @@ void attention_prefill(const float* q, const float* k_cache, const float* v_cach
                                     static_cast<int>(smem)));
   const dim3 grid(n_heads, (n + kQTile - 1) / kQTile);
   launch_pdl(attention_prefill_kernel, grid, dim3(256), smem, s, q, k_cache, v_cache, n, pos0_dev, pos0_value, n_heads,
-             n_kv_heads, head_dim, split, out);
+             n_kv_heads, head_dim, out);
 }
 
 // The tensor-core attention's arguments when it starts from the raw QKV rows of a chunk (RoPE + KV append inside).
@@ -480,14 +455,8 @@ TcAttnArgs tc_args_from_qkv(const float* qkv, int n, const int32_t* pos0, const 
 
 }  // namespace
 
-void launch_weights_to_half(const DevMatrix& W, bool split, __half* out, cudaStream_t s) {
-  weights_to_half_kernel<<<grid_for(static_cast<int64_t>(W.rows) * W.cols, 256), 256, 0, s>>>(W, split, out);
-  CUDA_CHECK_LAUNCH();
-}
-
-void launch_rmsnorm_to_half(const float* x, int n, int d, const float* w, float eps, bool split, __half* out,
-                            cudaStream_t s) {
-  launch_pdl(rmsnorm_to_half_kernel, dim3(n), dim3(256), 0, s, x, d, w, eps, split, out);
+void launch_rmsnorm_to_half(const float* x, int n, int d, const float* w, float eps, __half* out, cudaStream_t s) {
+  launch_pdl(rmsnorm_to_half_kernel, dim3(n), dim3(256), 0, s, x, d, w, eps, out);
 }
 
 void launch_rope_append(const float* qkv, int n, int pos0, const float2* rope_table, int q_dim, int kv_dim,
@@ -501,42 +470,31 @@ void launch_rope_append_at(const float* qkv, int n, const int32_t* pos0, const f
 }
 
 void launch_attention_prefill(const float* q, const float* k_cache, const float* v_cache, int n, int pos0,
-                              int n_heads, int n_kv_heads, int head_dim, bool split, __half* out, cudaStream_t s) {
-  attention_prefill(q, k_cache, v_cache, n, nullptr, pos0, n_heads, n_kv_heads, head_dim, split, out, s);
+                              int n_heads, int n_kv_heads, int head_dim, __half* out, cudaStream_t s) {
+  attention_prefill(q, k_cache, v_cache, n, nullptr, pos0, n_heads, n_kv_heads, head_dim, out, s);
 }
 
 void launch_attention_prefill_at(const float* q, const float* k_cache, const float* v_cache, int n,
-                                 const int32_t* pos0, int n_heads, int n_kv_heads, int head_dim, bool split,
-                                 __half* out, cudaStream_t s) {
-  attention_prefill(q, k_cache, v_cache, n, pos0, 0, n_heads, n_kv_heads, head_dim, split, out, s);
+                                 const int32_t* pos0, int n_heads, int n_kv_heads, int head_dim, __half* out,
+                                 cudaStream_t s) {
+  attention_prefill(q, k_cache, v_cache, n, pos0, 0, n_heads, n_kv_heads, head_dim, out, s);
 }
 
 void launch_rope_attention_prefill(const float* qkv, int n, const int32_t* pos0, const float2* rope_table,
                                    int n_heads, int n_kv_heads, int head_dim, float* k_cache, float* v_cache,
-                                   float* q_scratch, bool split, __half* out, cudaStream_t s) {
+                                   float* q_scratch, __half* out, cudaStream_t s) {
   if (head_dim != kTcHeadDim) {
     const int q_dim = n_heads * head_dim, kv_dim = n_kv_heads * head_dim;
     rope_append(qkv, n, pos0, 0, rope_table, q_dim, kv_dim, head_dim, q_scratch, k_cache, v_cache, s);
-    attention_prefill(q_scratch, k_cache, v_cache, n, pos0, 0, n_heads, n_kv_heads, head_dim, split, out, s);
+    attention_prefill(q_scratch, k_cache, v_cache, n, pos0, 0, n_heads, n_kv_heads, head_dim, out, s);
     return;
   }
-  TcAttnArgs a = tc_args_from_qkv(qkv, n, pos0, rope_table, n_heads, n_kv_heads, k_cache, v_cache, out);
-  a.split = split;
-  launch_tc(a, s);
+  launch_tc(tc_args_from_qkv(qkv, n, pos0, rope_table, n_heads, n_kv_heads, k_cache, v_cache, out), s);
 }
 
-void launch_rope_attention_prefill_slots(const float* qkv, int n, const int32_t* pos0, const float2* rope_table,
-                                         int n_heads, int n_kv_heads, int head_dim, float* k_cache, float* v_cache,
-                                         __half* out_slots, cudaStream_t s) {
-  if (head_dim != kTcHeadDim) throw EngineError("launch_rope_attention_prefill_slots: needs head_dim 64");
-  TcAttnArgs a = tc_args_from_qkv(qkv, n, pos0, rope_table, n_heads, n_kv_heads, k_cache, v_cache, out_slots);
-  a.slots = true;
-  launch_tc(a, s);
-}
-
-void launch_silu_to_half(const float* gate_up, int n, int d_ff, bool split, __half* out, cudaStream_t s) {
+void launch_silu_to_half(const float* gate_up, int n, int d_ff, __half* out, cudaStream_t s) {
   launch_pdl(silu_to_half_kernel, dim3(grid_for(static_cast<int64_t>(n) * d_ff, 256)), dim3(256), 0, s, gate_up, n, d_ff,
-             split, out);
+             out);
 }
 
 }  // namespace metalattn::cuda

@@ -2,8 +2,8 @@
 // straight from the quantized decode weights (Q4_0, Q4_1, Q8_0, Q5_0, Q5_1, Q4_K, Q5_K, Q6_K and the wide int8 layout
 // of mixed stacks), each launched with programmatic dependent launch.
 //
-// Why: a 32-token prompt through the cuBLAS path costs ~48 us per layer, most of it four GEMM launches that the
-// programmatic chain cannot overlap. Here a layer is five of our own kernels (norm+QKV, attention, O+residual,
+// Why: a 32-token prompt through the long-prompt path costs ~48 us per layer (measured on cuBLAS GEMMs), most of it
+// four GEMM launches that the programmatic chain cannot overlap. Here a layer is five of our own kernels (norm+QKV, attention, O+residual,
 // norm+gate/up+SiLU, down+residual), each loading its weights into registers before it waits for its predecessor.
 //
 // Geometry: a block owns one 16-row tile of W (one MMA m16 tile; two for the wide gate/up projection) for all
@@ -16,10 +16,8 @@
 // the block's MMAs, the Q4_1 minimum m times the block's activation sum); an activation travels as fp16 hi + lo
 // (two MMAs), so products keep ~22 bits and accumulation is fp32, as in the decode kernels.
 //
-// MMA fragment map (mma.sync m16n8k16, g = lane / 4, c = lane % 4): of the 16 k-slots of one step, thread c's
-// slots 2c, 2c+1 carry elements 4c, 4c+1 of the step's 16 and slots 2c+8, 2c+9 elements 4c+2, 4c+3 (a dot product
-// does not care about the order, so the quants are used in their stored order). Step 0 of a 32-weight block covers
-// elements 0..15 (for Q4: the low nibbles of payload word c), step 1 elements 16..31 (the high nibbles).
+// The weight side (each type's A fragments, the fragment map, the scales applied after the MMAs) is mma_weights.cuh,
+// shared with the long-prompt GEMM (prompt_gemm.cu).
 //
 // Shared layout of X (the "slot" layout, also the global layout of the activations the attention and the gate/up
 // projection hand on, kernels.cuh): token rows of K/4 16-byte slots; slot s holds elements 4s..4s+3 as
@@ -32,262 +30,18 @@
 
 #include "cuda/cuda_check.h"
 #include "kernels.cuh"
+#include "mma_weights.cuh"
 
 namespace metalattn::cuda {
 
 namespace {
 
+using namespace mma;  // the weight blocks (mma_weights.cuh)
+
 constexpr int kMmaWarps = 8;
 constexpr int kMmaThreads = kMmaWarps * 32;
 constexpr int kMmaTileRows = 16;
 constexpr int kMmaMaxTiles = kPromptMmaMaxTokens / 8;  // n-tiles of 8 tokens
-constexpr int kMmaPrefetch = 6;  // weight blocks per warp loaded before the programmatic wait (d_ff 1536 / 8 warps / 32)
-
-// ------------------------------------------------------------------ the weight side of one 32-column block
-
-// The two rows a thread feeds the MMA (tile rows g and g + 8), one block: payload words and scales.
-template <GgmlType T>
-struct WBlock;
-
-// Q4: word c of the 16-byte payload holds elements 4c..4c+3 (low nibbles) and 16+4c..16+4c+3 (high nibbles).
-// Returns the A registers of step `step` for one row: {elements 4c,4c+1 ; 4c+2,4c+3} as half2 of (q - bias).
-__device__ __forceinline__ void q4_pairs(uint32_t w, int step, uint32_t bias_h2, uint32_t& p01, uint32_t& p23) {
-  const uint32_t t01 = __byte_perm(w, 0u, 0x4140), t23 = __byte_perm(w, 0u, 0x4342);  // bytes -> 16-bit lanes
-  const int sh = 4 * step;
-  const uint32_t h01 = ((t01 >> sh) & 0x000F000Fu) | 0x64006400u;  // fp16 1024 + q
-  const uint32_t h23 = ((t23 >> sh) & 0x000F000Fu) | 0x64006400u;
-  const __half2 b = *reinterpret_cast<const __half2*>(&bias_h2);
-  const __half2 r01 = __hsub2(*reinterpret_cast<const __half2*>(&h01), b);
-  const __half2 r23 = __hsub2(*reinterpret_cast<const __half2*>(&h23), b);
-  p01 = *reinterpret_cast<const uint32_t*>(&r01);
-  p23 = *reinterpret_cast<const uint32_t*>(&r23);
-}
-
-// Q8: word w holds 4 signed bytes; (b ^ 0x80) | 0x6400 is fp16 1024 + b + 128.
-__device__ __forceinline__ void q8_pairs(uint32_t w, uint32_t& p01, uint32_t& p23) {
-  const uint32_t u = w ^ 0x80808080u;
-  const uint32_t h01 = __byte_perm(u, 0x64646464u, 0x4140), h23 = __byte_perm(u, 0x64646464u, 0x4342);
-  const __half2 b = __float2half2_rn(1152.f);
-  const __half2 r01 = __hsub2(*reinterpret_cast<const __half2*>(&h01), b);
-  const __half2 r23 = __hsub2(*reinterpret_cast<const __half2*>(&h23), b);
-  p01 = *reinterpret_cast<const uint32_t*>(&r01);
-  p23 = *reinterpret_cast<const uint32_t*>(&r23);
-}
-
-constexpr uint32_t kHalf1032x2 = 0x64086408u;  // fp16 1032 = 1024 + 8 (Q4_0's offset)
-constexpr uint32_t kHalf1024x2 = 0x64006400u;
-
-template <>
-struct WBlock<GgmlType::Q4_0> {
-  static constexpr int kPrefetch = kMmaPrefetch;
-  static constexpr bool kStepScales = false;
-  static constexpr bool kHasMin = false;
-  uint32_t w[2];
-  uint16_t d[2];
-  __device__ __forceinline__ void load(const DevMatrix& W, const int row[2], int blk, int c) {
-#pragma unroll
-    for (int i = 0; i < 2; ++i) {
-      const int64_t b = static_cast<int64_t>(row[i]) * W.nb + blk;
-      w[i] = row[i] >= 0 ? __ldg(reinterpret_cast<const uint32_t*>(W.payload) + b * 4 + c) : 0u;
-      d[i] = row[i] >= 0 ? __ldg(W.scales + b) : 0;
-    }
-  }
-  __device__ __forceinline__ void a_regs(int step, uint32_t a[4]) const {
-    q4_pairs(w[0], step, kHalf1032x2, a[0], a[2]);
-    q4_pairs(w[1], step, kHalf1032x2, a[1], a[3]);
-  }
-  __device__ __forceinline__ float scale(int i, int) const { return __half2float(__ushort_as_half(d[i])); }
-  __device__ __forceinline__ float min(int, int) const { return 0.f; }
-};
-
-template <>
-struct WBlock<GgmlType::Q4_1> {
-  static constexpr int kPrefetch = kMmaPrefetch;
-  static constexpr bool kStepScales = false;
-  static constexpr bool kHasMin = true;
-  uint32_t w[2];
-  uint32_t dm[2];  // fp16 d (low half), m (high half)
-  __device__ __forceinline__ void load(const DevMatrix& W, const int row[2], int blk, int c) {
-#pragma unroll
-    for (int i = 0; i < 2; ++i) {
-      const int64_t b = static_cast<int64_t>(row[i]) * W.nb + blk;
-      w[i] = row[i] >= 0 ? __ldg(reinterpret_cast<const uint32_t*>(W.payload) + b * 4 + c) : 0u;
-      dm[i] = row[i] >= 0 ? __ldg(reinterpret_cast<const unsigned int*>(W.scales) + b) : 0u;
-    }
-  }
-  __device__ __forceinline__ void a_regs(int step, uint32_t a[4]) const {
-    q4_pairs(w[0], step, kHalf1024x2, a[0], a[2]);
-    q4_pairs(w[1], step, kHalf1024x2, a[1], a[3]);
-  }
-  __device__ __forceinline__ float scale(int i, int) const {
-    return __half2float(__ushort_as_half(static_cast<uint16_t>(dm[i] & 0xffffu)));
-  }
-  __device__ __forceinline__ float min(int i, int) const {
-    return __half2float(__ushort_as_half(static_cast<uint16_t>(dm[i] >> 16)));
-  }
-};
-
-template <>
-struct WBlock<GgmlType::Q8_0> {
-  static constexpr int kPrefetch = kMmaPrefetch;
-  static constexpr bool kStepScales = false;
-  static constexpr bool kHasMin = false;
-  uint32_t w[2][2];  // [row][step]: word 4 * step + c of the 32-byte payload
-  uint16_t d[2];
-  __device__ __forceinline__ void load(const DevMatrix& W, const int row[2], int blk, int c) {
-#pragma unroll
-    for (int i = 0; i < 2; ++i) {
-      const int64_t b = static_cast<int64_t>(row[i]) * W.nb + blk;
-      const uint32_t* p = reinterpret_cast<const uint32_t*>(W.payload) + b * 8 + c;
-      w[i][0] = row[i] >= 0 ? __ldg(p) : 0u;
-      w[i][1] = row[i] >= 0 ? __ldg(p + 4) : 0u;
-      d[i] = row[i] >= 0 ? __ldg(W.scales + b) : 0;
-    }
-  }
-  __device__ __forceinline__ void a_regs(int step, uint32_t a[4]) const {
-    q8_pairs(w[0][step], a[0], a[2]);
-    q8_pairs(w[1][step], a[1], a[3]);
-  }
-  __device__ __forceinline__ float scale(int i, int) const { return __half2float(__ushort_as_half(d[i])); }
-  __device__ __forceinline__ float min(int, int) const { return 0.f; }
-};
-
-// ---- the types of Q4_K_M files (DevMatrix in kernels.cuh has their layouts). The quants enter the MMA exactly as
-// fp16 integers (at most 6 bits), the fp32 scales (and mins) after the block's (or, per-16 scales, the step's) MMAs.
-
-// Four unsigned byte values (< 256) as two half2 of (value - bias): {bytes 0, 1} and {bytes 2, 3}.
-__device__ __forceinline__ void byte_pairs(uint32_t bytes, uint32_t bias_h2, uint32_t& p01, uint32_t& p23) {
-  const uint32_t h01 = __byte_perm(bytes, 0x64646464u, 0x4140), h23 = __byte_perm(bytes, 0x64646464u, 0x4342);
-  const __half2 b = *reinterpret_cast<const __half2*>(&bias_h2);
-  const __half2 r01 = __hsub2(*reinterpret_cast<const __half2*>(&h01), b);
-  const __half2 r23 = __hsub2(*reinterpret_cast<const __half2*>(&h23), b);
-  p01 = *reinterpret_cast<const uint32_t*>(&r01);
-  p23 = *reinterpret_cast<const uint32_t*>(&r23);
-}
-constexpr uint32_t kHalf1040x2 = 0x64106410u;  // fp16 1040 = 1024 + 16 (Q5_0's offset)
-constexpr uint32_t kHalf1056x2 = 0x64206420u;  // fp16 1056 = 1024 + 32 (Q6_K's offset)
-
-// Q5_0 / Q5_1 / Q4_K / Q5_K: a nibble payload word (elements 4c..4c+3: low nibbles, step 0; high nibbles, step 1),
-// with a Q5 aux word shifted right by c (kernels.cuh, q5_aux_bit: its bits for this word's bytes at bit 8k, step 1's
-// four higher). Q5_0's stored bits are inverted.
-template <GgmlType T>
-struct WBlockQ5K {
-  static constexpr bool kFive = T != GgmlType::Q4_K;
-  static constexpr bool kHasMin = T != GgmlType::Q5_0;
-  static constexpr int kPrefetch = kMmaPrefetch;
-  static constexpr bool kStepScales = false;
-  uint32_t w[2], h[2];
-  float2 sm[2];  // scale, min: fp16 d (and m) widened, or the K-quants' mma_scales
-  __device__ __forceinline__ void load(const DevMatrix& W, const int row[2], int blk, int c) {
-#pragma unroll
-    for (int i = 0; i < 2; ++i) {
-      const int64_t b = static_cast<int64_t>(row[i]) * W.nb + blk;
-      const bool ok = row[i] >= 0;
-      w[i] = ok ? __ldg(reinterpret_cast<const uint32_t*>(W.payload) + b * 4 + c) : 0u;
-      h[i] = kFive && ok ? __ldg(W.aux + b) >> c : 0u;
-      if constexpr (T == GgmlType::Q4_K || T == GgmlType::Q5_K) {
-        sm[i] = ok ? __ldg(W.mma_scales + b) : make_float2(0.f, 0.f);
-      } else if constexpr (T == GgmlType::Q5_1) {
-        const uint32_t dm = ok ? __ldg(reinterpret_cast<const unsigned int*>(W.scales) + b) : 0u;
-        sm[i] = make_float2(__half2float(__ushort_as_half(static_cast<uint16_t>(dm & 0xffffu))),
-                            __half2float(__ushort_as_half(static_cast<uint16_t>(dm >> 16))));
-      } else {
-        sm[i] = make_float2(ok ? __half2float(__ushort_as_half(__ldg(W.scales + b))) : 0.f, 0.f);
-      }
-    }
-  }
-  __device__ __forceinline__ void a_regs(int step, uint32_t a[4]) const {
-#pragma unroll
-    for (int i = 0; i < 2; ++i) {
-      uint32_t bytes = (w[i] >> (4 * step)) & 0x0f0f0f0fu;
-      if constexpr (T == GgmlType::Q5_0) bytes |= (~(h[i] >> (4 * step)) & 0x01010101u) << 4;
-      else if constexpr (kFive) bytes |= ((h[i] >> (4 * step)) & 0x01010101u) << 4;
-      byte_pairs(bytes, T == GgmlType::Q5_0 ? kHalf1040x2 : kHalf1024x2, a[i], a[i + 2]);
-    }
-  }
-  __device__ __forceinline__ float scale(int i, int) const { return sm[i].x; }
-  __device__ __forceinline__ float min(int i, int) const { return sm[i].y; }
-};
-template <>
-struct WBlock<GgmlType::Q5_0> : WBlockQ5K<GgmlType::Q5_0> {};
-template <>
-struct WBlock<GgmlType::Q5_1> : WBlockQ5K<GgmlType::Q5_1> {};
-template <>
-struct WBlock<GgmlType::Q4_K> : WBlockQ5K<GgmlType::Q4_K> {};
-template <>
-struct WBlock<GgmlType::Q5_K> : WBlockQ5K<GgmlType::Q5_K> {};
-
-// Q6_K: nibble payload word c plus the block's two aux words (high bits xor 2 of elements 0..15 and 16..31, two per
-// byte: kernels.cuh q6_aux_bit) shifted right by 2c; a scale per step (16 elements).
-template <>
-struct WBlock<GgmlType::Q6_K> {
-  static constexpr int kPrefetch = 4;
-  static constexpr bool kStepScales = true;
-  static constexpr bool kHasMin = false;
-  uint32_t w[2], h[2][2];
-  float2 sc[2];  // d * sc of elements 0..15, 16..31
-  __device__ __forceinline__ void load(const DevMatrix& W, const int row[2], int blk, int c) {
-#pragma unroll
-    for (int i = 0; i < 2; ++i) {
-      const int64_t b = static_cast<int64_t>(row[i]) * W.nb + blk;
-      const bool ok = row[i] >= 0;
-      w[i] = ok ? __ldg(reinterpret_cast<const uint32_t*>(W.payload) + b * 4 + c) : 0u;
-      const uint2 hh = ok ? __ldg(reinterpret_cast<const uint2*>(W.aux) + b) : make_uint2(0u, 0u);
-      h[i][0] = hh.x >> (2 * c);
-      h[i][1] = hh.y >> (2 * c);
-      sc[i] = ok ? __ldg(W.mma_scales + b) : make_float2(0.f, 0.f);
-    }
-  }
-  __device__ __forceinline__ void a_regs(int step, uint32_t a[4]) const {
-#pragma unroll
-    for (int i = 0; i < 2; ++i) {
-      const uint32_t hi2 = (h[i][step] & 0x03030303u) ^ 0x02020202u;  // the stored bits back to q6 >> 4
-      byte_pairs(((w[i] >> (4 * step)) & 0x0f0f0f0fu) | (hi2 << 4), kHalf1056x2, a[i], a[i + 2]);
-    }
-  }
-  __device__ __forceinline__ float scale(int i, int step) const { return step == 0 ? sc[i].x : sc[i].y; }
-  __device__ __forceinline__ float min(int, int) const { return 0.f; }
-};
-
-// kWide8 (a plain struct, not WBlock<kWide8>: nvcc's host stubs cannot spell a non-enumerator kernel argument):
-// int8 words c and 4 + c as Q8_0, fp32 scale and min per step.
-struct WBlockWide8 {
-  static constexpr int kPrefetch = 3;
-  static constexpr bool kStepScales = true;
-  static constexpr bool kHasMin = true;
-  uint32_t w[2][2];
-  uint4 sm[2];  // s0, s1, m0, m1 (float bits)
-  __device__ __forceinline__ void load(const DevMatrix& W, const int row[2], int blk, int c) {
-#pragma unroll
-    for (int i = 0; i < 2; ++i) {
-      const int64_t b = static_cast<int64_t>(row[i]) * W.nb + blk;
-      const bool ok = row[i] >= 0;
-      const uint32_t* p = reinterpret_cast<const uint32_t*>(W.payload) + b * 8 + c;
-      w[i][0] = ok ? __ldg(p) : 0u;
-      w[i][1] = ok ? __ldg(p + 4) : 0u;
-      sm[i] = ok ? __ldg(reinterpret_cast<const uint4*>(W.aux) + b) : make_uint4(0u, 0u, 0u, 0u);
-    }
-  }
-  __device__ __forceinline__ void a_regs(int step, uint32_t a[4]) const {
-    q8_pairs(w[0][step], a[0], a[2]);
-    q8_pairs(w[1][step], a[1], a[3]);
-  }
-  __device__ __forceinline__ float scale(int i, int step) const { return __uint_as_float(step == 0 ? sm[i].x : sm[i].y); }
-  __device__ __forceinline__ float min(int i, int step) const { return -__uint_as_float(step == 0 ? sm[i].z : sm[i].w); }
-};
-
-__device__ __forceinline__ void mma_16816(float c[4], const uint32_t a[4], uint32_t b0, uint32_t b1) {
-  asm volatile(
-      "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
-      "{%0,%1,%2,%3};"
-      : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
-}
-
-__device__ __forceinline__ uint32_t pack_half2(float a, float b) {
-  const __half2 h = __floats2half2_rn(a, b);
-  return *reinterpret_cast<const uint32_t*>(&h);
-}
 
 // [hi x4 | lo x4] of four floats.
 __device__ __forceinline__ uint4 split_slot(float4 v) {
@@ -409,6 +163,11 @@ __global__ void __launch_bounds__(kMmaThreads) prompt_mma_kernel(const PromptMma
     rows[rt][0] = tile_row(a, blockIdx.x * RT + rt, g);
     rows[rt][1] = tile_row(a, blockIdx.x * RT + rt, g + 8);
   }
+  // The block indices of rows[rt] at block blk (-1 past the matrix), as the weight loaders take them.
+  auto blocks_at = [&](int rt, int blk, int64_t (&b)[2]) {
+    b[0] = rows[rt][0] >= 0 ? static_cast<int64_t>(rows[rt][0]) * nb + blk : -1;
+    b[1] = rows[rt][1] >= 0 ? static_cast<int64_t>(rows[rt][1]) * nb + blk : -1;
+  };
 
   // Before the wait: this warp's first weight blocks, and the norm weights (neither depends on earlier kernels).
   detail::launch_dependents();
@@ -419,7 +178,11 @@ __global__ void __launch_bounds__(kMmaThreads) prompt_mma_kernel(const PromptMma
   for (int j = 0; j < kPre; ++j)
 #pragma unroll
     for (int rt = 0; rt < RT; ++rt)
-      if (j < my_blocks) pre[j][rt].load(a.W, rows[rt], warp + j * kMmaWarps, c);
+      if (j < my_blocks) {
+        int64_t b[2];
+        blocks_at(rt, warp + j * kMmaWarps, b);
+        pre[j][rt].load(a.W, b, c);
+      }
   const int Kc = lay.chunk_cols, chunk_blocks = Kc / 32;  // K itself unless X must be staged in chunks
   if constexpr (kNormed) {
     const float* const norm_w = a.norm_w;  // in a register: see stage_x
@@ -450,41 +213,9 @@ __global__ void __launch_bounds__(kMmaThreads) prompt_mma_kernel(const PromptMma
     // Adds the scaled partial tiles (and the min times the activation sums) to acc: once per block, or after each
     // step (16 elements) for the types with a scale per 16 (Q6_K, kWide8), which then start the next step afresh.
     auto apply = [&](int step) {
-      // Types with a min: the block's (step's) activation sum of token nt * 8 + g is spread over the lanes c of
-      // group g; this lane's accumulators hold tokens nt * 8 + 2c and + 2c + 1 (sum0, sum1).
       float sum0[kMmaMaxTiles], sum1[kMmaMaxTiles];
-#pragma unroll
-      for (int nt = 0; nt < kMmaMaxTiles; ++nt) {
-        if (WB::kHasMin && nt < n_tiles) {
-          float xs = xsum[nt];
-          xs += __shfl_xor_sync(0xffffffffu, xs, 1);
-          xs += __shfl_xor_sync(0xffffffffu, xs, 2);
-          sum0[nt] = __shfl_sync(0xffffffffu, xs, 8 * c);
-          sum1[nt] = __shfl_sync(0xffffffffu, xs, 8 * c + 4);
-        }
-      }
-#pragma unroll
-      for (int rt = 0; rt < RT; ++rt) {
-        const float d0 = wb[rt].scale(0, step), d1 = wb[rt].scale(1, step);
-#pragma unroll
-        for (int nt = 0; nt < kMmaMaxTiles; ++nt) {
-          if (nt < n_tiles) {
-            float* ac = acc[rt][nt];
-            ac[0] += d0 * part[rt][nt][0];
-            ac[1] += d0 * part[rt][nt][1];
-            ac[2] += d1 * part[rt][nt][2];
-            ac[3] += d1 * part[rt][nt][3];
-            if constexpr (WB::kHasMin) {
-              const float s0 = sum0[nt], s1 = sum1[nt];
-              const float m0 = wb[rt].min(0, step), m1 = wb[rt].min(1, step);
-              ac[0] += m0 * s0;
-              ac[1] += m0 * s1;
-              ac[2] += m1 * s0;
-              ac[3] += m1 * s1;
-            }
-          }
-        }
-      }
+      if constexpr (WB::kHasMin) lane_token_sums(xsum, sum0, sum1, n_tiles);
+      add_scaled_tiles(acc, part, wb, sum0, sum1, step, n_tiles);
     };
 #pragma unroll
     for (int step = 0; step < 2; ++step) {
@@ -540,7 +271,11 @@ __global__ void __launch_bounds__(kMmaThreads) prompt_mma_kernel(const PromptMma
     for (; j < my_blocks && warp + j * kMmaWarps < blk0 + chunk_blocks; ++j) {
       WB wb[RT];
 #pragma unroll
-      for (int rt = 0; rt < RT; ++rt) wb[rt].load(a.W, rows[rt], warp + j * kMmaWarps, c);
+      for (int rt = 0; rt < RT; ++rt) {
+        int64_t b[2];
+        blocks_at(rt, warp + j * kMmaWarps, b);
+        wb[rt].load(a.W, b, c);
+      }
       do_block(wb, warp + j * kMmaWarps, blk0);
     }
   }
@@ -591,7 +326,7 @@ __global__ void __launch_bounds__(kMmaThreads) prompt_mma_kernel(const PromptMma
       const int j = 8 * (blockIdx.x * RT + rt) + r;
       if (j >= a.d_ff) continue;
       const float gv = tile_sum(rt * kMmaTileRows + r, t), uv = tile_sum(rt * kMmaTileRows + r + 8, t);
-      detail::store_slot_operand(gv / (1.f + expf(-gv)) * uv, t, j, a.d_ff, a.out_slots);
+      detail::store_operand(gv / (1.f + expf(-gv)) * uv, t, j, a.d_ff, a.out_slots);
     }
     return;
   }
@@ -781,7 +516,7 @@ __global__ void __launch_bounds__(kFewAttnThreads) attention_prompt_few_kernel(c
   __syncthreads();
   if (tid < kFewHd) {
     const float o = (sm.pv[0][tid] + sm.pv[1][tid]) / sm.sum_run;
-    detail::store_slot_operand(o, t, h * kFewHd + tid, q_dim, a.out_slots);
+    detail::store_operand(o, t, h * kFewHd + tid, q_dim, a.out_slots);
   }
 }
 

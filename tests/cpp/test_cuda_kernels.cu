@@ -691,24 +691,6 @@ TEST(CudaKernels, EmbeddingRowsAreExact) {
   }
 }
 
-TEST(CudaKernels, DequantToHalfMatchesReference) {
-  REQUIRE_GPU();
-  for (GgmlType t : kAllTypes) {
-    auto w = random_matrix(t, 96, 576, 0.5f);
-    GpuMatrix g = to_gpu({&w->view});
-    DevBuf<__half> h(96 * 576);
-    launch_dequant_to_half(g.m, h.p, nullptr);
-    const std::vector<__half> got = h.download();
-    std::vector<float> row(576);
-    int mismatches = 0;
-    for (int r = 0; r < 96; ++r) {
-      ref::dequantize_row(t, w->view.row(r), row.data(), 576);
-      for (int c = 0; c < 576; ++c) mismatches += to_fp16(row[c]) != __half_raw(got[r * 576 + c]).x;
-    }
-    EXPECT_EQ(mismatches, 0) << type_name(t);
-  }
-}
-
 namespace {
 ArgmaxResult gpu_argmax(const std::vector<float>& v, DecodeIO* io_after = nullptr) {
   DevBuf<float> dx(v);
@@ -811,66 +793,53 @@ TEST(CudaFused, FinalNormLmHeadArgmax) {
 
 namespace {
 
-// fp16 GEMM operand rows as the prefill kernels write them (kernels.cuh): `width` values per row, as [hi | lo | hi]
-// K-slices when split, else [hi].
-struct OperandRows {
+// Operand rows of n x width values as the prompt kernels write them and the tensor-core projections read them
+// (kernels.cuh, store_operand): per 4 values [hi x4 | lo x4] fp16; `value` is what they stand for (hi + lo).
+struct SlotRows {
   std::vector<__half> h;
   int width;
-  bool split;
-  size_t row(int64_t t) const { return static_cast<size_t>(t) * half_slices(split) * width; }
-  double hi(int64_t t, int j) const { return __half2float(h[row(t) + j]); }
-  // The value the GEMM sees: hi + lo when split.
-  double value(int64_t t, int j) const { return hi(t, j) + (split ? __half2float(h[row(t) + width + j]) : 0.f); }
-  // Elements whose third slice is not bit-for-bit the first (0 when not split).
-  int64_t hi_copy_mismatches(int n) const {
+  size_t at(int64_t t, int j) const { return static_cast<size_t>(t) * 2 * width + (j / 4) * 8 + (j % 4); }
+  double hi(int64_t t, int j) const { return __half2float(h[at(t, j)]); }
+  double value(int64_t t, int j) const { return hi(t, j) + __half2float(h[at(t, j) + 4]); }
+  // Values of rows 0..n-1 whose hi is not a nearest fp16 of hi + lo (a lo beyond half an ulp of hi; a tie is fine).
+  int64_t bad_splits(int n) const {
     int64_t bad = 0;
-    if (split)
-      for (int t = 0; t < n; ++t)
-        for (int j = 0; j < width; ++j)
-          bad += __half_raw(h[row(t) + j]).x != __half_raw(h[row(t) + 2 * width + j]).x;
-    return bad;
-  }
-};
-
-}  // namespace
-
-// Weight rows [W_hi | W_hi | W_lo]: W_hi is the fp16 rounding of the dequantized weight, W_hi + W_lo the weight to
-// ~22 bits (exactly for Q4_0 / Q8_0, whose d * q has at most 11 + 8 significant bits); unsplit rows are W_hi alone.
-TEST(CudaPrefill, WeightRowsHiHiLo) {
-  REQUIRE_GPU();
-  const int rows = 70, cols = 576;
-  for (GgmlType t : kAllTypes) {
-    auto w = random_matrix(t, rows, cols, 0.05f);
-    GpuMatrix g = to_gpu({&w->view});
-    for (bool split : {true, false}) {
-      SCOPED_TRACE(std::string(type_name(t)) + (split ? " split" : " plain"));
-      DevBuf<__half> out(static_cast<size_t>(half_slices(split)) * rows * cols);
-      out.poison();
-      launch_weights_to_half(g.m, split, out.p, nullptr);
-      const std::vector<__half> got = out.download();
-      const size_t ld = static_cast<size_t>(half_slices(split)) * cols;
-      std::vector<float> row(cols);
-      int64_t hi_mismatch = 0, copy_mismatch = 0;
-      double worst = 0;
-      for (int r = 0; r < rows; ++r) {
-        ref::dequantize_row(t, w->view.row(r), row.data(), cols);
-        for (int c = 0; c < cols; ++c) {
-          const __half hi = got[r * ld + c];
-          hi_mismatch += to_fp16(row[c]) != __half_raw(hi).x;
-          if (!split) continue;
-          copy_mismatch += __half_raw(hi).x != __half_raw(got[r * ld + cols + c]).x;
-          const double sum = static_cast<double>(__half2float(hi)) + __half2float(got[r * ld + 2 * cols + c]);
-          const double err = std::fabs(sum - row[c]);
-          worst = std::isnan(err) ? INFINITY : std::max(worst, err / (std::fabs(row[c]) * 0x1p-21 + 0x1p-24));
-          if ((t == GgmlType::Q4_0 || t == GgmlType::Q8_0) && sum != row[c]) worst = std::max(worst, 2.0);
+    for (int t = 0; t < n; ++t)
+      for (int j = 0; j < width; ++j) {
+        const uint16_t bits = __half_raw(h[at(t, j)]).x;
+        const double v = value(t, j), d = std::fabs(v - hi(t, j));
+        for (int step : {-1, 1}) {
+          __half_raw nb;
+          nb.x = static_cast<uint16_t>(bits + step);
+          const double other = __half2float(__half(nb));
+          if (!std::isnan(other) && std::fabs(v - other) < d) ++bad;
         }
       }
-      EXPECT_EQ(hi_mismatch, 0) << "W_hi is fp16(W)";
-      EXPECT_EQ(copy_mismatch, 0) << "second slice repeats W_hi";
-      EXPECT_LE(worst, 1.0) << "W_hi + W_lo (in units of the allowed error; 2 = not exact for Q4_0/Q8_0)";
-    }
+    return bad;
   }
+  // Halves of row t that still hold the 0xffff poison.
+  int64_t poisoned(int64_t t) const {
+    int64_t c = 0;
+    for (int i = 0; i < 2 * width; ++i) c += __half_raw(h[static_cast<size_t>(t) * 2 * width + i]).x == 0xffff;
+    return c;
+  }
+};
+SlotRows make_slot_rows(const std::vector<float>& v, int n, int width, std::vector<float>* values) {
+  SlotRows o{std::vector<__half>(static_cast<size_t>(n) * 2 * width), width};
+  values->resize(static_cast<size_t>(n) * width);
+  for (int t = 0; t < n; ++t)
+    for (int j = 0; j < width; ++j) {
+      const float x = v[static_cast<size_t>(t) * width + j];
+      const __half hi = __float2half_rn(x), lo = __float2half_rn(x - __half2float(hi));
+      const size_t i = static_cast<size_t>(t) * 2 * width + (j / 4) * 8 + (j % 4);
+      o.h[i] = hi;
+      o.h[i + 4] = lo;
+      (*values)[static_cast<size_t>(t) * width + j] = __half2float(hi) + __half2float(lo);
+    }
+  return o;
 }
+
+}  // namespace
 
 TEST(CudaPrefill, NormSiluAndRopeAppend) {
   REQUIRE_GPU();
@@ -878,41 +847,38 @@ TEST(CudaPrefill, NormSiluAndRopeAppend) {
   const std::vector<float> x = random_vec(static_cast<size_t>(n) * d, -3.f, 3.f), nw = random_vec(d, 0.5f, 1.5f);
   const std::vector<float> gu = random_vec(static_cast<size_t>(n) * 2 * ff, -4.f, 4.f);
   DevBuf<float> dx(x), dnw(nw), dgu(gu);
-  for (bool split : {true, false}) {
-    SCOPED_TRACE(split ? "split" : "plain");
-    DevBuf<__half> out(static_cast<size_t>(half_slices(split)) * n * ff);
-    out.poison();
-    launch_rmsnorm_to_half(dx.p, n, d, dnw.p, kEps, split, out.p, nullptr);
-    {
-      const OperandRows o{out.download(), d, split};
-      double err = 0, err_hi = 0;
-      for (int t = 0; t < n; ++t) {
-        const std::vector<float> row(x.begin() + t * d, x.begin() + (t + 1) * d);
-        const std::vector<float> want = ref_rmsnorm(row, nw, kEps);
-        for (int i = 0; i < d; ++i) {
-          const double e = std::fabs(o.value(t, i) - want[i]), e_hi = std::fabs(o.hi(t, i) - want[i]);
-          err = std::isnan(e) ? INFINITY : std::max(err, e);
-          err_hi = std::isnan(e_hi) ? INFINITY : std::max(err_hi, e_hi / std::max(1e-3f, std::fabs(want[i])));
-        }
+  DevBuf<__half> out(static_cast<size_t>(n + 1) * 2 * ff);
+  out.poison();
+  launch_rmsnorm_to_half(dx.p, n, d, dnw.p, kEps, out.p, nullptr);
+  {
+    const SlotRows o{out.download(), d};
+    double err = 0;
+    for (int t = 0; t < n; ++t) {
+      const std::vector<float> row(x.begin() + t * d, x.begin() + (t + 1) * d);
+      const std::vector<float> want = ref_rmsnorm(row, nw, kEps);
+      for (int i = 0; i < d; ++i) {
+        const double e = std::fabs(o.value(t, i) - want[i]);
+        err = std::isnan(e) ? INFINITY : std::max(err, e);
       }
-      EXPECT_LE(err, split ? 1e-5 : 1e-2) << "rmsnorm hi+lo (plain: hi alone)";
-      EXPECT_LE(err_hi, 1e-3) << "rmsnorm hi is the fp16 rounding";
-      EXPECT_EQ(o.hi_copy_mismatches(n), 0) << "rmsnorm third slice";
     }
-    out.poison();
-    launch_silu_to_half(dgu.p, n, ff, split, out.p, nullptr);
-    {
-      const OperandRows o{out.download(), ff, split};
-      double err = 0;
-      for (int t = 0; t < n; ++t)
-        for (int i = 0; i < ff; ++i) {
-          const float want = ref::silu(gu[t * 2 * ff + i]) * gu[t * 2 * ff + ff + i];
-          const double e = std::fabs(o.value(t, i) - want) / (split ? 1.0 : std::max(1e-3f, std::fabs(want)));
-          err = std::isnan(e) ? INFINITY : std::max(err, e);
-        }
-      EXPECT_LE(err, split ? 1e-5 : 1e-3) << "silu hi+lo (plain: relative error of hi)";
-      EXPECT_EQ(o.hi_copy_mismatches(n), 0) << "silu third slice";
-    }
+    EXPECT_LE(err, 1e-5) << "rmsnorm hi+lo";
+    EXPECT_EQ(o.bad_splits(n), 0) << "rmsnorm hi is the fp16 rounding";
+    EXPECT_EQ(o.poisoned(n), 2 * d) << "row n written";
+  }
+  out.poison();
+  launch_silu_to_half(dgu.p, n, ff, out.p, nullptr);
+  {
+    const SlotRows o{out.download(), ff};
+    double err = 0;
+    for (int t = 0; t < n; ++t)
+      for (int i = 0; i < ff; ++i) {
+        const float want = ref::silu(gu[t * 2 * ff + i]) * gu[t * 2 * ff + ff + i];
+        const double e = std::fabs(o.value(t, i) - want);
+        err = std::isnan(e) ? INFINITY : std::max(err, e);
+      }
+    EXPECT_LE(err, 1e-5) << "silu hi+lo";
+    EXPECT_EQ(o.bad_splits(n), 0) << "silu hi is the fp16 rounding";
+    EXPECT_EQ(o.poisoned(n), 2 * ff) << "row n written";
   }
   // RoPE + append for n tokens at positions pos0..
   const int pos0 = 100, rows = q_dim + 2 * kv_dim;
@@ -935,27 +901,24 @@ TEST(CudaPrefill, CausalAttentionOverPromptAndCache) {
   DevBuf<float> dk(kc), dv(vc);
   for (int n : {1, 7, 33, 129, 300}) {
     for (int pos0 : {0, 50}) {
-      // The plain (unsplit) layout once per n: its hi values carry the fp16 rounding, |err| <= 2^-11 |v| + kTol.
-      const bool split = pos0 == 0;
-      SCOPED_TRACE("n " + std::to_string(n) + " pos0 " + std::to_string(pos0) + (split ? " split" : " plain"));
+      SCOPED_TRACE("n " + std::to_string(n) + " pos0 " + std::to_string(pos0));
       const std::vector<float> q = random_vec(static_cast<size_t>(n) * q_dim, -1.5f, 1.5f);
       DevBuf<float> dq(q);
-      DevBuf<__half> out(static_cast<size_t>(half_slices(split)) * n * q_dim);
+      DevBuf<__half> out(static_cast<size_t>(n) * 2 * q_dim);
       out.poison();
-      launch_attention_prefill(dq.p, dk.p, dv.p, n, pos0, n_heads, n_kv, hd, split, out.p, nullptr);
-      const OperandRows o{out.download(), q_dim, split};
+      launch_attention_prefill(dq.p, dk.p, dv.p, n, pos0, n_heads, n_kv, hd, out.p, nullptr);
+      const SlotRows o{out.download(), q_dim};
       double err = 0;
       std::vector<float> want(q_dim);
       for (int t = 0; t < n; ++t) {
         ref::attention(q.data() + t * q_dim, kc.data(), vc.data(), n_heads, n_kv, hd, pos0 + t + 1, want.data());
         for (int i = 0; i < q_dim; ++i) {
           const double g = o.value(t, i);
-          const double allowed = kTol + (split ? 0.0 : std::fabs(want[i]) * 0x1p-11);
-          err = std::isnan(g) ? INFINITY : std::max(err, std::fabs(g - want[i]) / allowed * kTol);
+          err = std::isnan(g) ? INFINITY : std::max(err, std::fabs(g - want[i]));
         }
       }
       EXPECT_LE(err, kTol);
-      EXPECT_EQ(o.hi_copy_mismatches(n), 0) << "third slice";
+      EXPECT_EQ(o.bad_splits(n), 0) << "hi is the fp16 rounding";
     }
   }
 }
@@ -978,11 +941,11 @@ TEST(CudaPrefill, AttentionWithDevicePositionTensorCoresAndFallback) {
       const std::vector<float> q = random_vec(static_cast<size_t>(n) * q_dim, -1.5f, 1.5f);
       DevBuf<float> dq(q);
       DevBuf<int32_t> dpos(std::vector<int32_t>{pos0});
-      DevBuf<__half> out(static_cast<size_t>(3) * n * q_dim);
+      DevBuf<__half> out(static_cast<size_t>(n) * 2 * q_dim);
       out.poison();
-      launch_attention_prefill_at(dq.p, dk.p, dv.p, n, dpos.p, sh.n_heads, sh.n_kv, sh.hd, true, out.p, nullptr);
-      const OperandRows o{out.download(), q_dim, true};
-      EXPECT_EQ(o.hi_copy_mismatches(n), 0) << "third slice";
+      launch_attention_prefill_at(dq.p, dk.p, dv.p, n, dpos.p, sh.n_heads, sh.n_kv, sh.hd, out.p, nullptr);
+      const SlotRows o{out.download(), q_dim};
+      EXPECT_EQ(o.bad_splits(n), 0) << "hi is the fp16 rounding";
       double err = 0;
       std::vector<float> want(q_dim);
       for (int t = 0; t < n; ++t) {
@@ -1019,10 +982,10 @@ TEST(CudaPrefill, RopeAppendAttentionFromQkvRows) {
       const std::vector<float> qkv = random_vec(static_cast<size_t>(n) * rows, -1.5f, 1.5f);
       DevBuf<float> dqkv(qkv), dqs(static_cast<size_t>(n) * q_dim);
       DevBuf<int32_t> dpos(std::vector<int32_t>{pos0});
-      DevBuf<__half> out(static_cast<size_t>(3) * n * q_dim);
+      DevBuf<__half> out(static_cast<size_t>(n) * 2 * q_dim);
       out.poison();
-      launch_rope_attention_prefill(dqkv.p, n, dpos.p, dtab.p, sh.n_heads, sh.n_kv, sh.hd, dk.p, dv.p, dqs.p, true,
-                                    out.p, nullptr);
+      launch_rope_attention_prefill(dqkv.p, n, dpos.p, dtab.p, sh.n_heads, sh.n_kv, sh.hd, dk.p, dv.p, dqs.p, out.p,
+                                    nullptr);
       // Reference: rope and append on the host, then attention per query.
       std::vector<std::vector<float>> qs(n);
       for (int t = 0; t < n; ++t) {
@@ -1046,8 +1009,8 @@ TEST(CudaPrefill, RopeAppendAttentionFromQkvRows) {
       }
       EXPECT_EQ(cache_mismatch, 0u) << "cache rows written outside pos0..pos0+n-1, or missing";
       EXPECT_LE(cache_err, kTol) << "appended K/V rows";
-      const OperandRows o{out.download(), q_dim, true};
-      EXPECT_EQ(o.hi_copy_mismatches(n), 0) << "third slice";
+      const SlotRows o{out.download(), q_dim};
+      EXPECT_EQ(o.bad_splits(n), 0) << "hi is the fp16 rounding";
       double err = 0;
       std::vector<float> want(q_dim);
       for (int t = 0; t < n; ++t) {
@@ -1082,37 +1045,6 @@ TEST(CudaPrefill, RopeAppendWithDevicePosition) {
 // ------------------------------------------------------------------ few-token prompt projections (prompt_mma.cu)
 
 namespace {
-
-// Rows of n x width values in the slot layout of the tensor-core prompt projections (kernels.cuh,
-// store_slot_operand): per 4 values [hi x4 | lo x4] fp16; `value` holds what they stand for (hi + lo).
-struct SlotRows {
-  std::vector<__half> h;
-  int width;
-  double value(int64_t t, int j) const {
-    const size_t i = static_cast<size_t>(t) * 2 * width + (j / 4) * 8 + (j % 4);
-    return static_cast<double>(__half2float(h[i])) + __half2float(h[i + 4]);
-  }
-  // Halves of row t that still hold the 0xffff poison.
-  int64_t poisoned(int64_t t) const {
-    int64_t c = 0;
-    for (int i = 0; i < 2 * width; ++i) c += __half_raw(h[static_cast<size_t>(t) * 2 * width + i]).x == 0xffff;
-    return c;
-  }
-};
-SlotRows make_slot_rows(const std::vector<float>& v, int n, int width, std::vector<float>* values) {
-  SlotRows o{std::vector<__half>(static_cast<size_t>(n) * 2 * width), width};
-  values->resize(static_cast<size_t>(n) * width);
-  for (int t = 0; t < n; ++t)
-    for (int j = 0; j < width; ++j) {
-      const float x = v[static_cast<size_t>(t) * width + j];
-      const __half hi = __float2half_rn(x), lo = __float2half_rn(x - __half2float(hi));
-      const size_t i = static_cast<size_t>(t) * 2 * width + (j / 4) * 8 + (j % 4);
-      o.h[i] = hi;
-      o.h[i + 4] = lo;
-      (*values)[static_cast<size_t>(t) * width + j] = __half2float(hi) + __half2float(lo);
-    }
-  return o;
-}
 
 }  // namespace
 
@@ -1254,7 +1186,7 @@ TEST(CudaPrompt, FewTokenAttentionMatchesReference) {
           a.out_slots = out.p;
           launch_attention_prompt_few(a, nullptr);
         } else {
-          launch_rope_attention_prefill_slots(dqkv.p, n, dpos.p, dtab.p, n_heads, n_kv, hd, dk.p, dv.p, out.p, nullptr);
+          launch_rope_attention_prefill(dqkv.p, n, dpos.p, dtab.p, n_heads, n_kv, hd, dk.p, dv.p, nullptr, out.p, nullptr);
         }
         const SlotRows got{out.download(), q_dim};
         const std::vector<float> gk = dk.download(), gv = dv.download();
@@ -2010,9 +1942,8 @@ TEST(CudaQuant, MixedStacksDecodeExactlyAndMultiply) {
 }
 
 // Each new type's rows decode bit for bit as ref::dequantize_row (embedding gather: one row by DecodeIO, many by
-// token list), and the fp16 copies of the prefill (dequant_to_half; weights_to_half split and plain) hold fp16 of
-// exactly those values.
-TEST(CudaQuant, RowsEmbeddingAndHalfCopiesMatchReference) {
+// token list).
+TEST(CudaQuant, EmbeddingRowsMatchReference) {
   REQUIRE_GPU();
   for (GgmlType t : kNewTypes) {
     const int rows = 200, cols = is_k_quant(t) ? 1536 : 896;
@@ -2045,42 +1976,6 @@ TEST(CudaQuant, RowsEmbeddingAndHalfCopiesMatchReference) {
           ADD_FAILURE() << "embedding rows: token " << toks[i] << " " << first_bit_difference(row, ref_rows[toks[i]]);
       }
       EXPECT_EQ(bad, 0) << "embedding rows not bit for bit";
-    }
-    // fp16 copies.
-    {
-      DevBuf<__half> h(static_cast<size_t>(rows) * cols);
-      h.poison();
-      launch_dequant_to_half(g.m, h.p, nullptr);
-      const std::vector<__half> got = h.download();
-      int64_t mismatches = 0;
-      for (int r = 0; r < rows; ++r)
-        for (int c = 0; c < cols; ++c)
-          mismatches += to_fp16(ref_rows[r][c]) != __half_raw(got[static_cast<size_t>(r) * cols + c]).x;
-      EXPECT_EQ(mismatches, 0) << "dequant_to_half is not fp16 of the reference";
-    }
-    for (bool split : {true, false}) {
-      SCOPED_TRACE(split ? "weights_to_half split" : "weights_to_half plain");
-      DevBuf<__half> out(static_cast<size_t>(half_slices(split)) * rows * cols);
-      out.poison();
-      launch_weights_to_half(g.m, split, out.p, nullptr);
-      const std::vector<__half> got = out.download();
-      const size_t ld = static_cast<size_t>(half_slices(split)) * cols;
-      int64_t hi_mismatch = 0, copy_mismatch = 0;
-      double worst = 0;
-      for (int r = 0; r < rows; ++r)
-        for (int c = 0; c < cols; ++c) {
-          const float v = ref_rows[r][c];
-          const __half hi = got[r * ld + c];
-          hi_mismatch += to_fp16(v) != __half_raw(hi).x;
-          if (!split) continue;
-          copy_mismatch += __half_raw(hi).x != __half_raw(got[r * ld + cols + c]).x;
-          const double sum = static_cast<double>(__half2float(hi)) + __half2float(got[r * ld + 2 * cols + c]);
-          const double err = std::fabs(sum - v);
-          worst = std::isnan(err) ? INFINITY : std::max(worst, err / (std::fabs(v) * 0x1p-21 + 0x1p-24));
-        }
-      EXPECT_EQ(hi_mismatch, 0) << "W_hi is fp16(W)";
-      EXPECT_EQ(copy_mismatch, 0) << "second slice repeats W_hi";
-      EXPECT_LE(worst, 1.0) << "W_hi + W_lo within 2^-21 relative (in units of that bound)";
     }
   }
 }
@@ -2343,6 +2238,90 @@ TEST(CudaQuant, PromptMmaProjectionsAtRealShapes) {
   }
 }
 
+// The long-prompt projections (prompt_gemm.cu) for every weight type the GPU holds, at the real models' shapes (rows
+// cut where the full matrix adds nothing but time), for token counts across the 64-token tiles, storing and adding
+// into y (projections of few tiles take two warp groups per block, K split between them, others one); against the
+// scalar reference on the same operand values. Outputs start poisoned: rows of y past n must stay so.
+TEST(CudaQuant, PromptGemmAtRealShapes) {
+  REQUIRE_GPU();
+  struct Case {
+    std::vector<GgmlType> parts;  // stacked (equal row counts)
+    int rows, cols;
+  };
+  const Case cases[] = {
+      {{GgmlType::Q4_0}, 960, 576},                    // SmolLM2-135M QKV
+      {{GgmlType::Q4_0, GgmlType::Q4_0}, 3072, 576},   // its gate/up
+      {{GgmlType::Q4_0}, 576, 1536},                   // its down
+      {{GgmlType::Q4_1}, 576, 576},                    // SmolLM2-135M-Instruct Q4_1 O
+      {{GgmlType::Q8_0}, 200, 576},
+      {{GgmlType::Q5_0, GgmlType::Q8_0}, 1152, 896},   // Qwen2.5-0.5B QKV (a Q8_0 v: widened to Q8_0)
+      {{GgmlType::Q5_0, GgmlType::Q5_0}, 2432, 896},   // its gate/up, rows cut
+      {{GgmlType::Q4_K}, 896, 4864},                   // its down, Q4_K and Q6_K layers
+      {{GgmlType::Q6_K}, 896, 4864},
+      {{GgmlType::Q5_0}, 1536, 640},                   // Gemma 3 270M QKV
+      {{GgmlType::Q4_K}, 640, 1024},                   // its O
+      {{GgmlType::Q6_K}, 640, 2048},                   // its down
+      {{GgmlType::Q5_1}, 130, 640},
+      {{GgmlType::Q5_K}, 256, 1536},
+      {{GgmlType::Q4_K, GgmlType::Q6_K}, 1024, 512},   // kWide8 (Llama 3.2 QKV mix)
+      {{GgmlType::Q3_K}, 512, 1536},                   // kWide8
+      {{GgmlType::Q4_0}, 384, 2048},                   // SmolLM2-1.7B widths, rows cut
+      {{GgmlType::Q4_0}, 256, 8192},
+      {{GgmlType::F16}, 960, 576},                     // float weights
+      {{GgmlType::BF16}, 576, 576},
+      {{GgmlType::F32}, 576, 1536},
+      {{GgmlType::Q4_0}, 70, 608},                     // 19 blocks (a last chunk of one block), 70 rows
+      {{GgmlType::F32}, 33, 96},
+  };
+  for (const Case& cs : cases) {
+    const int K = cs.cols;
+    const int part_rows = cs.rows / static_cast<int>(cs.parts.size());
+    std::vector<std::unique_ptr<HostMatrix>> mats;
+    std::vector<const WeightView*> parts;
+    for (GgmlType t : cs.parts) {
+      mats.push_back(random_matrix(t, part_rows, K, 1.f / std::sqrt(static_cast<float>(K))));
+      parts.push_back(&mats.back()->view);
+    }
+    GpuMatrix g = to_gpu(parts);
+    EXPECT_TRUE(prompt_gemm_supported(g.m.type)) << gpu_type_name(g.m.type);
+    for (int n : {1, 64, 65, 200}) {
+      SCOPED_TRACE(layout_trace(cs.parts, g, cs.rows, K) + " n " + std::to_string(n));
+      std::vector<float> in;
+      const SlotRows slots = make_slot_rows(random_vec(static_cast<size_t>(n) * K, -3.f, 3.f), n, K, &in);
+      DevBuf<__half> dxs(slots.h);
+      std::vector<std::vector<float>> want(n);
+      for (int t = 0; t < n; ++t)
+        want[t] = ref_stack_matvec(parts, std::vector<float>(in.begin() + static_cast<size_t>(t) * K,
+                                                             in.begin() + static_cast<size_t>(t + 1) * K));
+      for (bool add : {false, true}) {
+        const std::vector<float> y0 = random_vec(static_cast<size_t>(n) * cs.rows);
+        DevBuf<float> dy(static_cast<size_t>(n + 1) * cs.rows);
+        dy.poison();
+        if (add) CUDA_CHECK(cudaMemcpy(dy.p, y0.data(), y0.size() * 4, cudaMemcpyHostToDevice));
+        PromptGemmArgs a;
+        a.W = g.m;
+        a.n = n;
+        a.x_slots = dxs.p;
+        a.y = dy.p;
+        a.accumulate = add;
+        launch_prompt_gemm(a, nullptr);
+        const std::vector<float> got = dy.download();
+        double err = 0;
+        for (int t = 0; t < n; ++t)
+          for (int r = 0; r < cs.rows; ++r) {
+            const size_t i = static_cast<size_t>(t) * cs.rows + r;
+            const double e = std::fabs(got[i] - (want[t][r] + (add ? y0[i] : 0.f)));
+            err = std::isnan(e) ? INFINITY : std::max(err, e);
+          }
+        EXPECT_LE(err, kTol) << (add ? "y += W.x" : "y = W.x");
+        int64_t spare_written = 0;
+        for (size_t i = static_cast<size_t>(n) * cs.rows; i < got.size(); ++i) spare_written += !is_poison(got[i]);
+        EXPECT_EQ(spare_written, 0) << "row n written";
+      }
+    }
+  }
+}
+
 // ------------------------------------------------------------------ whole backend on mixed-type models
 
 namespace {
@@ -2549,19 +2528,11 @@ std::vector<float> ref_attention_window(const float* q, const float* kc, const f
   return out;
 }
 
-float half_bits_to_float(__half h) { return __half2float(h); }
-
-// Row t of an fp16 GEMM operand of `width` values back to floats (hi + lo when split).
-std::vector<float> operand_row(const std::vector<__half>& op, int t, int width, bool split) {
+// Row t of operand rows of `width` values (kernels.cuh, store_operand) back to floats: hi + lo.
+std::vector<float> operand_row(const std::vector<__half>& op, int t, int width) {
+  const SlotRows rows{op, width};
   std::vector<float> r(width);
-  for (int j = 0; j < width; ++j) {
-    if (!split) {
-      r[j] = half_bits_to_float(op[static_cast<size_t>(t) * width + j]);
-    } else {
-      const __half* row = op.data() + static_cast<size_t>(t) * 3 * width;
-      r[j] = half_bits_to_float(row[j]) + half_bits_to_float(row[width + j]);
-    }
-  }
+  for (int j = 0; j < width; ++j) r[j] = static_cast<float>(rows.value(t, j));
   return r;
 }
 
@@ -2813,7 +2784,7 @@ TEST(CudaArch, AttentionDecodeWithFusedQkvFinish) {
 }
 
 // Prompt attention: n queries at pos0.. over the cache (their own rows included), windows across the chunk, output as
-// fp32 rows and as fp16 GEMM operand rows (hi/lo split and plain).
+// fp32 rows and as operand rows (fp16 hi + lo).
 TEST(CudaArch, AttentionPromptCausalWindowAndOperandOutput) {
   REQUIRE_GPU();
   const int n_ctx = 1200;
@@ -2834,7 +2805,7 @@ TEST(CudaArch, AttentionPromptCausalWindowAndOperandOutput) {
       const std::vector<float> q = random_vec(static_cast<size_t>(c.n) * q_dim, -1.5f, 1.5f);
       DevBuf<float> q_d(q), out_d(static_cast<size_t>(c.n) * q_dim);
       DevBuf<int32_t> pos_d(std::vector<int32_t>{c.pos0});
-      DevBuf<__half> op_d(static_cast<size_t>(3) * c.n * q_dim);
+      DevBuf<__half> op_d(static_cast<size_t>(2) * c.n * q_dim);
       ArchAttnArgs a;
       a.q = q_d.p;
       a.k_cache = kc_d.p;
@@ -2858,19 +2829,16 @@ TEST(CudaArch, AttentionPromptCausalWindowAndOperandOutput) {
         for (int i = 0; i < q_dim; ++i) err = std::max(err, std::fabs(double(got[t * q_dim + i]) - want[t][i]));
       }
       EXPECT_LE(err, kTol) << "fp32 rows";
-      for (bool split : {true, false}) {
-        a.out = nullptr;
-        a.out_half = op_d.p;
-        a.split_operand = split;
-        launch_arch_attention(a, nullptr);
-        const auto op = op_d.download();
-        double e = 0;
-        for (int t = 0; t < c.n; ++t) {
-          const auto r = operand_row(op, t, q_dim, split);
-          for (int i = 0; i < q_dim; ++i) e = std::max(e, std::fabs(double(r[i]) - want[t][i]));
-        }
-        EXPECT_LE(e, split ? kTol : 2e-3) << (split ? "hi/lo operand rows" : "fp16 operand rows");
+      a.out = nullptr;
+      a.out_half = op_d.p;
+      launch_arch_attention(a, nullptr);
+      const auto op = op_d.download();
+      double e = 0;
+      for (int t = 0; t < c.n; ++t) {
+        const auto r = operand_row(op, t, q_dim);
+        for (int i = 0; i < q_dim; ++i) e = std::max(e, std::fabs(double(r[i]) - want[t][i]));
       }
+      EXPECT_LE(e, kTol) << "operand rows";
     }
   }
 }
@@ -2976,7 +2944,7 @@ TEST(CudaArch, EmbedScaledAddNormedAndGlu) {
     for (int n : {1, 4}) {
       const std::vector<float> gu = random_vec(static_cast<size_t>(n) * 2 * ff, -4.f, 4.f);
       DevBuf<float> gu_d(gu), out_d(static_cast<size_t>(n) * ff);
-      DevBuf<__half> op_d(static_cast<size_t>(3) * n * ff);
+      DevBuf<__half> op_d(static_cast<size_t>(2) * n * ff);
       for (Activation act : {Activation::Silu, Activation::GeluTanh}) {
         std::vector<float> want(static_cast<size_t>(n) * ff);
         for (int t = 0; t < n; ++t)
@@ -2986,13 +2954,13 @@ TEST(CudaArch, EmbedScaledAddNormedAndGlu) {
                                                      : 0.5 * g * (1 + std::tanh(0.7978845608028654 * (g + 0.044715 * g * g * g)));
             want[static_cast<size_t>(t) * ff + j] = static_cast<float>(a * u);
           }
-        launch_glu(gu_d.p, n, ff, act, out_d.p, false, nullptr, nullptr);
+        launch_glu(gu_d.p, n, ff, act, out_d.p, nullptr, nullptr);
         EXPECT_LE(max_abs_diff(out_d.download(), want), 1e-5) << "glu fp32, n " << n;
-        launch_glu(gu_d.p, n, ff, act, nullptr, true, op_d.p, nullptr);
+        launch_glu(gu_d.p, n, ff, act, nullptr, op_d.p, nullptr);
         const auto op = op_d.download();
         double e = 0;
         for (int t = 0; t < n; ++t) {
-          const auto r = operand_row(op, t, ff, true);
+          const auto r = operand_row(op, t, ff);
           for (int j = 0; j < ff; ++j) e = std::max(e, std::fabs(double(r[j]) - want[static_cast<size_t>(t) * ff + j]));
         }
         EXPECT_LE(e, 2e-5) << "glu operand rows, n " << n;
