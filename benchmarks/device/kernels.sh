@@ -18,10 +18,8 @@ for stage in "$@"; do
     test) timeout 300 $T 2>&1 | tee $OUT/test.log | grep -E "^\[  (FAILED|PASSED|  OK|SKIPPED)|Failure|error|Expected|Which is|actual|rel L2|random seed" | head -80 ;;
     testf) timeout 300 $T --gtest_filter="$FILTER" 2>&1 | tee $OUT/testf.log | grep -E "^\[  (FAILED|PASSED|  OK)|Failure|Expected|Which is|rel L2" | head -60 ;;
     testpdl) METALATTN_CUDA_PDL=1 timeout 200 $T --gtest_filter='CudaBackend.*' 2>&1 | tee $OUT/testpdl.log | grep -E "^\[  (FAILED|PASSED|  OK)|Failure|Expected|Which is|rel L2" | head -40 ;;
-    testnosplit) METALATTN_CUDA_PREFILL_SPLIT=0 timeout 200 $T --gtest_filter='CudaBackend.Prompt*' 2>&1 | tee $OUT/testnosplit.log | grep -E "^\[  (FAILED|PASSED|  OK)|Failure|Expected|Which is|rel L2" | head -40 ;;
     bench) timeout 120 $BE 2048 2>&1 | tee $OUT/bench.log ;;
     benchpdl) METALATTN_CUDA_PDL=1 timeout 120 $BE 2048 2>&1 | tee $OUT/bench_pdl.log ;;
-    benchnosplit) METALATTN_CUDA_PREFILL_SPLIT=0 timeout 120 $BE 2048 2>&1 | grep prefill | tee $OUT/bench_nosplit.log ;;
     ncu) NCU=$(command -v ncu || ls /usr/local/cuda/bin/ncu /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -1); echo "ncu: $NCU"
       # kernels-only bench: the first launch of each attention kernel is at pos 160.
       for spec in "attention_decode_short_kernel 0" "attention_decode_kernel 0"; do set -- $spec

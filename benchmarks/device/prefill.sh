@@ -1,6 +1,6 @@
 #!/bin/bash
 # Prefill work on the lent H100: build, then the stages named (repo root, .devcarry carried):
-#   source .devcarry/setup.sh && bash benchmarks/device/prefill.sh [test|testnosplit|testall|bench|benchnosplit|nsys|memcheck|racecheck]...
+#   source .devcarry/setup.sh && bash benchmarks/device/prefill.sh [test|testall|bench|nsys|memcheck|racecheck]...
 cd "$(dirname "$0")/../.."
 B=/tmp/bp
 T=$B/test_cuda_kernels; BE=$B/bench_cuda
@@ -10,10 +10,8 @@ F='CudaPrefill.*:CudaBackend.Prompt*'
 for stage in "$@"; do
   case $stage in
     test) timeout 200 $T --gtest_filter="$F" 2>&1 | tee $OUT/test.log | grep -E "^\[  (FAILED|PASSED|  OK)|Failure|Expected|Which is|rel L2|random seed|prompt" | head -60 ;;
-    testnosplit) METALATTN_CUDA_PREFILL_SPLIT=0 timeout 200 $T --gtest_filter="$F" 2>&1 | tee $OUT/testnosplit.log | grep -E "^\[  (FAILED|PASSED|  OK)|Failure|Expected|Which is|rel L2|prompt" | head -40 ;;
     testall) timeout 300 $T 2>&1 | tee $OUT/testall.log | grep -E "^\[  (FAILED|PASSED)|Failure|Expected|Which is" | head -40 ;;
     bench) timeout 120 $BE 2048 2>&1 | tee $OUT/bench.log | grep -E "device|prefill|decode" ;;
-    benchnosplit) METALATTN_CUDA_PREFILL_SPLIT=0 timeout 120 $BE 2048 2>&1 | tee $OUT/bench_nosplit.log | grep -E "prefill" ;;
     nsys) if command -v nsys > /dev/null; then
             nsys profile -o $OUT/pf --force-overwrite true timeout 120 $BE 2048 > /dev/null 2>&1
             nsys stats -r cuda_gpu_kern_sum $OUT/pf.nsys-rep 2>/dev/null | head -30; rm -f $OUT/pf.nsys-rep $OUT/pf.sqlite

@@ -22,10 +22,7 @@
 #   DEADLINE       seconds after the script starts (builds included) by which every sanitizer run ends (default 0:
 #                  none). A run cut by it is CUT, one never started NOT RUN; both leave the exit status non-zero.
 #   MEMCHECK_FLAGS extra memcheck flags (e.g. "--leak-check full")
-#   RACECHECK_FLAGS racecheck flags (default "--racecheck-report hazard"). Not "--kernel-name-exclude kns=nvjet": with
-#                  cuBLAS's nvjet kernels excluded, compute-sanitizer 2025.3.1 fails ("Internal Sanitizer Error: failed
-#                  to handle a hardware exception", then an illegal address) in every test that calls cuBLAS (H100,
-#                  2026-11-24, 4 of 4)
+#   RACECHECK_FLAGS racecheck flags (default "--racecheck-report hazard")
 #   PY_WHEEL       a prebuilt metalattn wheel (cp312) to install instead of building the package here
 #   PYTEST         1 (default): also run tests/python/test_reliability.py -k cuda under each tool (two jobs a tool:
 #                  the cycles test alone, as SOLO, the rest in the pool); 0: skip them and the pip build
@@ -35,7 +32,8 @@
 # and the test passed); "expected OOM" (a test of EXPECT_API_OOM passed and every error the tool reported is a
 # cudaErrorMemoryAllocation returned by a CUDA API call, which the test asked for); SANITIZER ERRORS; HAZARD WARNINGS
 # (racecheck warnings with exit 0); "cuBLAS-only hazards" (racecheck: the test passed and every access of every
-# printed hazard lies in a vendor kernel, cuBLAS's nvjet GEMMs); TIMEOUT; CUT; NOT RUN; SKIPPED (the test skipped
+# printed hazard lies in a vendor kernel; the backend called cuBLAS's nvjet GEMMs until 2026-11-25 and calls no
+# vendor kernel now, so this verdict should not occur); TIMEOUT; CUT; NOT RUN; SKIPPED (the test skipped
 # itself); TEST FAILED.
 # Only the first three count as clean. Prints a line per finished job, the non-clean jobs' key log lines, and a table
 # per tool; logs land in $OUT/san_logs.tgz (one file: the device tool returns at most 8), the summary in

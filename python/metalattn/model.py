@@ -47,7 +47,7 @@ def _resolve_device(device: str) -> str:
     if device == "auto":
         return "cuda" if has_gpu else "cpu"
     if device == "cuda" and not has_gpu:
-        why = ("this build has no CUDA backend (nvcc/cuBLAS were not found at build time)"
+        why = ("this build has no CUDA backend (nvcc and the CUDA toolkit were not found at build time)"
                if not core.cuda_compiled() else "no CUDA device is visible")
         raise DeviceError(f"device='cuda' requested but {why}")
     return device
