@@ -824,6 +824,23 @@ struct SlotRows {
     return c;
   }
 };
+// Rows 0..n-1 of a projection's output y ([n + 1][rows], poisoned before the launch) against want[t] (+ y0 when the
+// projection added into y), within kTol; row n must still hold the poison.
+void expect_projection_rows(const std::vector<float>& got, const std::vector<std::vector<float>>& want,
+                            const std::vector<float>& y0, int n, int rows, bool add) {
+  double err = 0;
+  for (int t = 0; t < n; ++t)
+    for (int r = 0; r < rows; ++r) {
+      const size_t i = static_cast<size_t>(t) * rows + r;
+      const double e = std::fabs(got[i] - (want[t][r] + (add ? y0[i] : 0.f)));
+      err = std::isnan(e) ? INFINITY : std::max(err, e);
+    }
+  EXPECT_LE(err, kTol) << (add ? "y += W.x" : "y = W.x");
+  int64_t spare_written = 0;
+  for (size_t i = static_cast<size_t>(n) * rows; i < got.size(); ++i) spare_written += !is_poison(got[i]);
+  EXPECT_EQ(spare_written, 0) << "row n written";
+}
+
 SlotRows make_slot_rows(const std::vector<float>& v, int n, int width, std::vector<float>* values) {
   SlotRows o{std::vector<__half>(static_cast<size_t>(n) * 2 * width), width};
   values->resize(static_cast<size_t>(n) * width);
@@ -1129,18 +1146,7 @@ TEST(CudaPrompt, MmaProjectionsMatchReferenceAtEveryShape) {
           if (add) CUDA_CHECK(cudaMemcpy(dy.p, y0.data(), y0.size() * 4, cudaMemcpyHostToDevice));
           a.y = dy.p;
           launch_prompt_mma(a, nullptr);
-          const std::vector<float> got = dy.download();
-          double err = 0;
-          for (int t = 0; t < n; ++t)
-            for (int r = 0; r < cs.rows; ++r) {
-              const size_t i = static_cast<size_t>(t) * cs.rows + r;
-              const double e = std::fabs(got[i] - (want[t][r] + (add ? y0[i] : 0.f)));
-              err = std::isnan(e) ? INFINITY : std::max(err, e);
-            }
-          EXPECT_LE(err, kTol) << (add ? "y += W.x" : "y = W.x");
-          int64_t spare_written = 0;
-          for (size_t i = static_cast<size_t>(n) * cs.rows; i < got.size(); ++i) spare_written += !is_poison(got[i]);
-          EXPECT_EQ(spare_written, 0) << "row n written";
+          expect_projection_rows(dy.download(), want, y0, n, cs.rows, add);
         }
       }
     }
@@ -2221,18 +2227,7 @@ TEST(CudaQuant, PromptMmaProjectionsAtRealShapes) {
         if (add) CUDA_CHECK(cudaMemcpy(dy.p, y0.data(), y0.size() * 4, cudaMemcpyHostToDevice));
         a.y = dy.p;
         launch_prompt_mma(a, nullptr);
-        const std::vector<float> got = dy.download();
-        double err = 0;
-        for (int t = 0; t < n; ++t)
-          for (int r = 0; r < cs.rows; ++r) {
-            const size_t i = static_cast<size_t>(t) * cs.rows + r;
-            const double e = std::fabs(got[i] - (want[t][r] + (add ? y0[i] : 0.f)));
-            err = std::isnan(e) ? INFINITY : std::max(err, e);
-          }
-        EXPECT_LE(err, kTol) << (add ? "y += W.x" : "y = W.x");
-        int64_t spare_written = 0;
-        for (size_t i = static_cast<size_t>(n) * cs.rows; i < got.size(); ++i) spare_written += !is_poison(got[i]);
-        EXPECT_EQ(spare_written, 0) << "row n written";
+        expect_projection_rows(dy.download(), want, y0, n, cs.rows, add);
       }
     }
   }
@@ -2305,18 +2300,7 @@ TEST(CudaQuant, PromptGemmAtRealShapes) {
         a.y = dy.p;
         a.accumulate = add;
         launch_prompt_gemm(a, nullptr);
-        const std::vector<float> got = dy.download();
-        double err = 0;
-        for (int t = 0; t < n; ++t)
-          for (int r = 0; r < cs.rows; ++r) {
-            const size_t i = static_cast<size_t>(t) * cs.rows + r;
-            const double e = std::fabs(got[i] - (want[t][r] + (add ? y0[i] : 0.f)));
-            err = std::isnan(e) ? INFINITY : std::max(err, e);
-          }
-        EXPECT_LE(err, kTol) << (add ? "y += W.x" : "y = W.x");
-        int64_t spare_written = 0;
-        for (size_t i = static_cast<size_t>(n) * cs.rows; i < got.size(); ++i) spare_written += !is_poison(got[i]);
-        EXPECT_EQ(spare_written, 0) << "row n written";
+        expect_projection_rows(dy.download(), want, y0, n, cs.rows, add);
       }
     }
   }
