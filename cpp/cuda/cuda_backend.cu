@@ -533,15 +533,7 @@ void CudaBackend::enqueue_decode(bool capture_hidden, DecodeVariant variant) {
     const DevLayer& L = layers_[l];
     float* kc = layer_k(l);
     float* vc = layer_v(l);
-    QkvTargets t;
-    t.rope_table = rope_;
-    t.io = io_dev_;
-    t.q_dim = s.q_dim();
-    t.kv_dim = s.kv_dim();
-    t.head_dim = s.head_dim;
-    t.q_out = q_;
-    t.k_cache = kc;
-    t.v_cache = vc;
+    QkvTargets t = qkv_targets(rope_, io_dev_, s.q_dim(), s.kv_dim(), s.head_dim, q_, kc, vc);
     t.bias = L.qkv_bias;  // null unless the layer has biases (general_ then uploaded them)
     t.neox = s.rope_style == RopeStyle::Neox;
     if (l == 0) {

@@ -557,6 +557,20 @@ struct QkvTargets {
   float* k_cache = nullptr;  // this layer: [n_ctx][kv_dim]
   float* v_cache = nullptr;
 };
+// The targets of one layer's fused QKV kernel without bias or NeoX pairs (set those fields after, where a model has them).
+inline QkvTargets qkv_targets(const float2* rope_table, const DecodeIO* io, int q_dim, int kv_dim, int head_dim,
+                              float* q_out, float* k_cache, float* v_cache) {
+  QkvTargets t;
+  t.rope_table = rope_table;
+  t.io = io;
+  t.q_dim = q_dim;
+  t.kv_dim = kv_dim;
+  t.head_dim = head_dim;
+  t.q_out = q_out;
+  t.k_cache = k_cache;
+  t.v_cache = v_cache;
+  return t;
+}
 void launch_norm_matvec_qkv(const DevMatrix& W, const float* x, const float* norm_w, float eps, const QkvTargets& t,
                             cudaStream_t s);
 // The first layer's variant with the embedding gather folded in: x = row t.io->token of emb (written to x for the

@@ -323,16 +323,7 @@ const Shape kShapes[] = {{960, 576}, {576, 576}, {3072, 576}, {576, 1536}, {4915
 // The fused QKV kernel's targets: q into q, k and v rows of position io->pos into the caches k, v ([n_ctx][kv_dim]).
 QkvTargets qkv_targets(const DevBuf<float2>& rope_table, const DevBuf<DecodeIO>& io, int q_dim, int kv_dim,
                        int head_dim, DevBuf<float>& q, DevBuf<float>& k, DevBuf<float>& v) {
-  QkvTargets t;
-  t.rope_table = rope_table.p;
-  t.io = io.p;
-  t.q_dim = q_dim;
-  t.kv_dim = kv_dim;
-  t.head_dim = head_dim;
-  t.q_out = q.p;
-  t.k_cache = k.p;
-  t.v_cache = v.p;
-  return t;
+  return metalattn::cuda::qkv_targets(rope_table.p, io.p, q_dim, kv_dim, head_dim, q.p, k.p, v.p);
 }
 
 }  // namespace
