@@ -524,15 +524,7 @@ int main(int argc, char** argv) {
       am.counter = static_cast<unsigned*>(dalloc(4));
       ArgmaxResult* res = static_cast<ArgmaxResult*>(dalloc(8));
       DecodeIO* io = static_cast<DecodeIO*>(dalloc(8));
-      QkvTargets tg;
-      tg.rope_table = rope;
-      tg.io = io;
-      tg.q_dim = 576;
-      tg.kv_dim = 192;
-      tg.head_dim = 64;
-      tg.q_out = q;
-      tg.k_cache = kc;
-      tg.v_cache = vc;
+      const QkvTargets tg = qkv_targets(rope, io, 576, 192, 64, q, kc, vc);
       auto set_pos = [&](int pos) {
         DecodeIO h{1, pos};
         CUDA_CHECK(cudaMemcpy(io, &h, 8, cudaMemcpyHostToDevice));
