@@ -609,7 +609,7 @@ int argmax_partials_needed(const DevMatrix& lm_head);
 
 // ------------------------------------------------------------------ prefill launches (prefill.cu)
 // A prompt chunk runs layer by layer: the projections on tensor cores straight from the quantized weights
-// (prompt_gemm.cu; prompt_mma.cu up to 32 tokens), with the kernels below between them. Their inputs are operand rows
+// (prompt_gemm.cu; prompt_mma.cu up to 64 tokens), with the kernels below between them. Their inputs are operand rows
 // (store_operand: 2 * width halves per token, each value as fp16 hi + lo).
 // x[t] = row tokens[t] of emb, t < n.
 void launch_embed_rows(const DevMatrix& emb, const int32_t* tokens, int n, float* x, cudaStream_t s);
