@@ -280,8 +280,7 @@ __device__ __forceinline__ uint32_t pack_half2(float a, float b) {
 // F16 enters the MMA exactly; BF16 and F32 as fp16 hi + lo (hi = fp16(w), lo = fp16(w - hi)), a third MMA with the
 // activations' hi: ~22 bits of each weight, as the activations.
 template <GgmlType T>
-struct WBlockFloat {
-  static constexpr int kPrefetch = 2;
+struct WBlockFloat {  // long-prompt kernel only (the few-token kernels take no float weights), so no kPrefetch
   static constexpr bool kStepScales = false;
   static constexpr bool kHasMin = false;
   static constexpr bool kWeightLo = T != GgmlType::F16;

@@ -2116,6 +2116,23 @@ TEST(CudaQuant, FusedQkvFfnAndLmHeadAtRealShapes) {
 
 // The few-token prompt projections (prompt_mma.cu) on each new type and on mixed stacks (kWide8), every output kind,
 // fp32 rmsnorm'ed input and slot input, at the real models' widths and every token-tile count.
+namespace {
+
+// The random stacked matrix of the projection tests: one part per type, rows / types.size() rows each, K columns,
+// sigma 1 / sqrt(K).
+struct RandomStack {
+  std::vector<std::unique_ptr<HostMatrix>> mats;
+  std::vector<const WeightView*> parts;
+  RandomStack(const std::vector<GgmlType>& types, int rows, int K) {
+    for (GgmlType t : types) {
+      mats.push_back(random_matrix(t, rows / static_cast<int>(types.size()), K, 1.f / std::sqrt(static_cast<float>(K))));
+      parts.push_back(&mats.back()->view);
+    }
+  }
+};
+
+}  // namespace
+
 TEST(CudaQuant, PromptMmaProjectionsAtRealShapes) {
   REQUIRE_GPU();
   struct Case {
@@ -2150,13 +2167,8 @@ TEST(CudaQuant, PromptMmaProjectionsAtRealShapes) {
   };
   for (const Case& cs : cases) {
     const int K = cs.cols, d_ff = cs.out == PromptMmaOut::SiluHalf ? cs.rows / 2 : 0;
-    const int part_rows = cs.rows / static_cast<int>(cs.parts.size());
-    std::vector<std::unique_ptr<HostMatrix>> mats;
-    std::vector<const WeightView*> parts;
-    for (GgmlType t : cs.parts) {
-      mats.push_back(random_matrix(t, part_rows, K, 1.f / std::sqrt(static_cast<float>(K))));
-      parts.push_back(&mats.back()->view);
-    }
+    const RandomStack stack(cs.parts, cs.rows, K);
+    const std::vector<const WeightView*>& parts = stack.parts;
     GpuMatrix g = to_gpu(parts);
     if (!prompt_mma_supported(g.m.type, K, d_ff)) {
       ADD_FAILURE() << "prompt_mma_supported refuses " << layout_trace(cs.parts, g, cs.rows, K);
@@ -2261,13 +2273,8 @@ TEST(CudaQuant, PromptGemmAtRealShapes) {
   };
   for (const Case& cs : cases) {
     const int K = cs.cols;
-    const int part_rows = cs.rows / static_cast<int>(cs.parts.size());
-    std::vector<std::unique_ptr<HostMatrix>> mats;
-    std::vector<const WeightView*> parts;
-    for (GgmlType t : cs.parts) {
-      mats.push_back(random_matrix(t, part_rows, K, 1.f / std::sqrt(static_cast<float>(K))));
-      parts.push_back(&mats.back()->view);
-    }
+    const RandomStack stack(cs.parts, cs.rows, K);
+    const std::vector<const WeightView*>& parts = stack.parts;
     GpuMatrix g = to_gpu(parts);
     EXPECT_TRUE(prompt_gemm_supported(g.m.type)) << gpu_type_name(g.m.type);
     for (int n : {1, 64, 65, 200}) {
