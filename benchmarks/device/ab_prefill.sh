@@ -8,24 +8,9 @@
 # while the packages build. Prints per preset and package: ppN medians, tg128 after 32 tokens, Model.memory_info().
 # JSON of every bench run: $OUT/bench_<preset>_<A|B>.json.
 set -o pipefail
-OUT=${OUT:-$PWD/device-out}
-mkdir -p "$OUT"
-T=$(date +%s)
 PRESETS=${1:-s135m,qwen2,gemma3,s1.7b}
-[ -f .devcarry/ab_base.tar ] || { echo "ab_prefill: make .devcarry/ab_base.tar first (git archive -o .devcarry/ab_base.tar REV)"; exit 2; }
-if [ -n "$TESTS" ]; then
-  ( timeout 300 .devcarry/bin/test_cuda_kernels > "$OUT/tests.log" 2>&1; echo "tests rc $?" >> "$OUT/tests.log" ) &
-fi
-rm -rf /tmp/ab_A && mkdir -p /tmp/ab_A && tar -xf .devcarry/ab_base.tar -C /tmp/ab_A
-export CMAKE_BUILD_PARALLEL_LEVEL=$(( $(nproc) / 2 ))
-( cd /tmp/ab_A && python3 -m pip install -q --no-build-isolation --no-deps --target /tmp/ab_siteA . > "$OUT/pipA.log" 2>&1 \
-  || { echo "build A failed"; tail -20 "$OUT/pipA.log"; } ) &
-( python3 -m pip install -q --no-build-isolation --no-deps --target /tmp/ab_siteB . > "$OUT/pipB.log" 2>&1 \
-  || { echo "build B failed"; tail -20 "$OUT/pipB.log"; } ) &
-PYTHONPATH=$PWD/python:$PYTHONPATH python3 benchmarks/device/ab_decode.py write "$PRESETS" > "$OUT/models.log" 2>&1 &
-wait
-echo "builds, models$([ -n "$TESTS" ] && echo ", tests") $(( $(date +%s) - T )) s"
-[ -n "$TESTS" ] && { tail -3 "$OUT/tests.log"; grep -E "^\[  FAILED|Failure" "$OUT/tests.log" | head; }
+source "$(dirname "$0")/ab_build.sh"
+ab_build "$PRESETS" ab_prefill || exit $?
 for n in ${PRESETS//,/ }; do
   for s in A B; do
     json=$OUT/bench_${n}_$s.json
