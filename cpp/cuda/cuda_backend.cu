@@ -237,8 +237,9 @@ class CudaBackend final : public Backend {
   // or for a few tokens prompt_mma.cu).
   void gemm(const DevMatrix& W, int n, float* y, bool accumulate);
   void ensure_all_logits_buffer();
-  // How a prompt chunk runs: the long-prompt projections (prompt_gemm.cu), or (at most kPromptMmaMaxTokens tokens) those of
-  // prompt_mma.cu with the few-token attention (while the chunk ends by kPromptFewAttnMaxKeys) or the prefill one.
+  // How a prompt chunk runs: the long-prompt projections (prompt_gemm.cu), or (at most kPromptMmaMaxTokens tokens)
+  // those of prompt_mma.cu with the few-token attention (while the chunk ends by kPromptFewAttnMaxKeys) or the
+  // prefill one.
   enum PrefillVariant { kPrefillGemm = 0, kPrefillFewAttention = 1, kPrefillFewLongAttention = 2 };
   PrefillVariant prefill_variant(int m, int pos) const {
     if (!prompt_mma_ || m > kPromptMmaMaxTokens) return kPrefillGemm;
@@ -292,7 +293,8 @@ class CudaBackend final : public Backend {
   bool debug_;
   bool use_pdl_;
   // Prompt chunks of at most kPromptMmaMaxTokens tokens take the tensor-core projections of prompt_mma.cu instead of
-  // the long-prompt projections (METALATTN_CUDA_PROMPT_MMA=0 turns that off; needs every layer matrix in a type it reads).
+  // the long-prompt projections (METALATTN_CUDA_PROMPT_MMA=0 turns that off; needs every layer matrix in a type it
+  // reads).
   bool prompt_mma_ = false;
   Resources res_;
   MemoryInfo mem_;
@@ -640,8 +642,9 @@ void CudaBackend::forward_token_debug(int32_t token, int pos, float* hidden, flo
 void CudaBackend::gemm(const DevMatrix& W, int n, float* y, bool accumulate) {
   if (n <= 2 * kPromptMmaMaxTokens && prompt_mma_supported(W.type, W.cols, 0)) {
     for (int t0 = 0; t0 < n; t0 += kPromptMmaMaxTokens) {
-      PromptMmaArgs p = mma_add_residual(W, std::min(kPromptMmaMaxTokens, n - t0), pa_ + static_cast<size_t>(t0) * 2 * W.cols,
-                                         y + static_cast<size_t>(t0) * W.rows);
+      const size_t row = static_cast<size_t>(t0);
+      PromptMmaArgs p = mma_add_residual(W, std::min(kPromptMmaMaxTokens, n - t0), pa_ + row * 2 * W.cols,
+                                         y + row * W.rows);
       if (!accumulate) p.out_kind = PromptMmaOut::Store;
       launch_prompt_mma(p, res_.stream);
       after_launch();

@@ -1,8 +1,8 @@
 // The CUDA kernels of the general decode/prefill path: every architecture ModelSpec describes (Qwen 2 biases,
 // Qwen 3 / Gemma 3 QK-norm, Gemma 3 post-norms, GELU, embedding scale, sliding windows with per-layer RoPE, NeoX
 // RoPE, Llama 3 RoPE factors, head_dim up to kArchMaxHeadDim and any attention scale). The projections reuse the
-// matvec launchers of kernels.cuh (and the tensor-core projections of prompt_gemm.cu), so every weight type they read works here;
-// these kernels do what lies between the projections.
+// matvec launchers of kernels.cuh (and the tensor-core projections of prompt_gemm.cu), so every weight type they read
+// works here; these kernels do what lies between the projections.
 //
 // Decode, per layer (cuda_backend.cu, enqueue_decode_general):
 //   norm+QKV matvec (plain rows) -> arch_attention with the QKV finish fused in (bias, QK-norm, RoPE, K/V append)

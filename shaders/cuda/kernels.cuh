@@ -557,7 +557,8 @@ struct QkvTargets {
   float* k_cache = nullptr;  // this layer: [n_ctx][kv_dim]
   float* v_cache = nullptr;
 };
-// The targets of one layer's fused QKV kernel without bias or NeoX pairs (set those fields after, where a model has them).
+// The targets of one layer's fused QKV kernel without bias or NeoX pairs (set those fields after, where a model has
+// them).
 inline QkvTargets qkv_targets(const float2* rope_table, const DecodeIO* io, int q_dim, int kv_dim, int head_dim,
                               float* q_out, float* k_cache, float* v_cache) {
   QkvTargets t;

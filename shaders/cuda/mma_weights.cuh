@@ -284,7 +284,8 @@ struct WBlockFloat {  // long-prompt kernel only (the few-token kernels take no 
   static constexpr bool kStepScales = false;
   static constexpr bool kHasMin = false;
   static constexpr bool kWeightLo = T != GgmlType::F16;
-  uint4 bits[2][2];  // [row][step]: elements 16 step + 4c .. +3: four fp32 (F32, BF16 widened) or two half2 (F16: .x, .y)
+  // [row][step]: elements 16 step + 4c .. +3 as four fp32 bit patterns (F32, BF16 widened) or two half2 (F16: .x, .y)
+  uint4 bits[2][2];
   __device__ __forceinline__ void load(const DevMatrix& W, const int64_t blocks[2], int c) {
 #pragma unroll
     for (int i = 0; i < 2; ++i) {

@@ -198,7 +198,8 @@ __global__ void __launch_bounds__(GemmShape<KG>::kThreads, KG == 1 ? 3 : 1) prom
             add_scaled_tiles(acc, part, wb, sum0, sum1, step, kGemmNT);
             if constexpr (WB::kStepScales) {
 #pragma unroll
-              for (int nt = 0; nt < kGemmNT; ++nt) part[0][nt][0] = part[0][nt][1] = part[0][nt][2] = part[0][nt][3] = 0.f;
+              for (int nt = 0; nt < kGemmNT; ++nt)
+                part[0][nt][0] = part[0][nt][1] = part[0][nt][2] = part[0][nt][3] = 0.f;
             }
           }
         }
@@ -221,7 +222,8 @@ __global__ void __launch_bounds__(GemmShape<KG>::kThreads, KG == 1 ? 3 : 1) prom
       float* mine = red + (((kg - 1) * 4 + wr) * 32 + lane) * (4 * kGemmNT);
 #pragma unroll
       for (int nt = 0; nt < kGemmNT; ++nt)
-        *reinterpret_cast<float4*>(mine + 4 * nt) = make_float4(acc[0][nt][0], acc[0][nt][1], acc[0][nt][2], acc[0][nt][3]);
+        *reinterpret_cast<float4*>(mine + 4 * nt) =
+            make_float4(acc[0][nt][0], acc[0][nt][1], acc[0][nt][2], acc[0][nt][3]);
     }
     __syncthreads();
     if (kg > 0) return;

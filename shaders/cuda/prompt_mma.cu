@@ -2,9 +2,10 @@
 // straight from the quantized decode weights (Q4_0, Q4_1, Q8_0, Q5_0, Q5_1, Q4_K, Q5_K, Q6_K and the wide int8 layout
 // of mixed stacks), each launched with programmatic dependent launch.
 //
-// Why: a 32-token prompt through the long-prompt path costs ~48 us per layer (measured on cuBLAS GEMMs), most of it
-// four GEMM launches that the programmatic chain cannot overlap. Here a layer is five of our own kernels (norm+QKV, attention, O+residual,
-// norm+gate/up+SiLU, down+residual), each loading its weights into registers before it waits for its predecessor.
+// Why: a 32-token prompt through the long-prompt path cost ~48 us per layer (measured on cuBLAS GEMMs), most of it
+// four GEMM launches that the programmatic chain cannot overlap. Here a layer is five of our own kernels (norm+QKV,
+// attention, O+residual, norm+gate/up+SiLU, down+residual), each loading its weights into registers before it waits
+// for its predecessor.
 //
 // Geometry: a block owns one 16-row tile of W (one MMA m16 tile; two for the wide gate/up projection) for all
 // tokens; its 8 warps split the 32-column weight blocks of K (warp w takes blocks w, w+8, ...) and sum their

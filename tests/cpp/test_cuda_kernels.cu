@@ -1183,7 +1183,8 @@ TEST(CudaPrompt, FewTokenAttentionMatchesReference) {
           a.out_slots = out.p;
           launch_attention_prompt_few(a, nullptr);
         } else {
-          launch_rope_attention_prefill(dqkv.p, n, dpos.p, dtab.p, n_heads, n_kv, hd, dk.p, dv.p, nullptr, out.p, nullptr);
+          launch_rope_attention_prefill(dqkv.p, n, dpos.p, dtab.p, n_heads, n_kv, hd, dk.p, dv.p, nullptr, out.p,
+                                        nullptr);
         }
         const SlotRows got{out.download(), q_dim};
         const std::vector<float> gk = dk.download(), gv = dv.download();
@@ -1463,7 +1464,8 @@ TEST(CudaBackend, PromptGraphReplayAtNewStartPositions) {
     be->forward_prompt(toks.data(), n_first, 0, nullptr, all.data());
     double worst = 0;
     for (int t = 0; t < n_first; ++t) {
-      const std::vector<float> row(all.begin() + static_cast<size_t>(t) * V, all.begin() + static_cast<size_t>(t + 1) * V);
+      const std::vector<float> row(all.begin() + static_cast<size_t>(t) * V,
+                                   all.begin() + static_cast<size_t>(t + 1) * V);
       worst = std::max(worst, rel_l2(row, want[t]));
       SCOPED_TRACE("72 tokens at 0 (long-prompt path), row " + std::to_string(t));
       expect_logits_close(row, want[t], 1e-3, "prompt vs reference (long-prompt path)");
@@ -1506,7 +1508,8 @@ TEST(CudaBackend, PromptGraphReplayAtNewStartPositions) {
     double worst = 0;
     int worst_t = 0;
     for (int t = 0; t < 32; ++t) {  // every row: row 31 against `last` tells the lm_head launches from their input
-      const std::vector<float> row(all.begin() + static_cast<size_t>(t) * V, all.begin() + static_cast<size_t>(t + 1) * V);
+      const std::vector<float> row(all.begin() + static_cast<size_t>(t) * V,
+                                   all.begin() + static_cast<size_t>(t + 1) * V);
       const double e = rel_l2(row, dec[p0 + t]);
       if (e > worst) worst = e, worst_t = t;
       char side[160];
@@ -2125,7 +2128,8 @@ struct RandomStack {
   std::vector<const WeightView*> parts;
   RandomStack(const std::vector<GgmlType>& types, int rows, int K) {
     for (GgmlType t : types) {
-      mats.push_back(random_matrix(t, rows / static_cast<int>(types.size()), K, 1.f / std::sqrt(static_cast<float>(K))));
+      const int part_rows = rows / static_cast<int>(types.size());
+      mats.push_back(random_matrix(t, part_rows, K, 1.f / std::sqrt(static_cast<float>(K))));
       parts.push_back(&mats.back()->view);
     }
   }
