@@ -12,6 +12,7 @@
 #include <memory>
 #include <random>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "cpu/reference.h"
@@ -1332,14 +1333,24 @@ void expect_logits_close(const std::vector<float>& got, const std::vector<float>
 
 // Decodes n random tokens on backends a and b side by side (and on the reference forward). At the positions where
 // check(p) holds both return logits (poisoned first) and compare(logits_a, logits_b, reference) runs; elsewhere
-// greedy steps just fill the caches.
+// greedy steps just fill the caches. In quick mode (the race checker) one prompt on each backend fills the positions
+// [fill.first, fill.second) instead of a decode step each: the kernels are the same, ~20x fewer launches.
 template <typename Check, typename Compare>
-void decode_side_by_side(const TestModel& m, Backend& a, Backend& b, int n, Check check, Compare compare) {
+void decode_side_by_side(const TestModel& m, Backend& a, Backend& b, int n, Check check, Compare compare,
+                         std::pair<int, int> fill = {0, 0}) {
   RefForward ref_fwd(m);
   const std::vector<int32_t> toks = random_tokens(n, m.spec.vocab);
   std::vector<float> la(m.spec.vocab), lb(m.spec.vocab);
+  if (!quick_mode()) fill = {0, 0};
   for (int p = 0; p < n; ++p) {
     const std::vector<float> want = ref_fwd.forward(toks[p], p);
+    if (p >= fill.first && p < fill.second) {
+      if (p == fill.first) {
+        a.forward_prompt(toks.data() + p, fill.second - p, p, nullptr, nullptr);
+        b.forward_prompt(toks.data() + p, fill.second - p, p, nullptr, nullptr);
+      }
+      continue;
+    }
     if (!check(p)) {
       a.forward_token_greedy(toks[p], p);
       b.forward_token_greedy(toks[p], p);
@@ -1400,8 +1411,10 @@ class CudaBackendPrompt : public ::testing::TestWithParam<int> {};
 
 TEST_P(CudaBackendPrompt, MatchesTokenByTokenDecode) {
   REQUIRE_GPU();
-  // METALATTN_TEST_QUICK=1 (for the slow race checker): 2 layers instead of 30 and a 4096-token vocabulary. The
-  // kernels are the same; the layers only repeat them, and the lm_head's rows only lengthen its loop.
+  // METALATTN_TEST_QUICK=1 (for the slow race checker): 2 layers instead of 30 and a 4096-token vocabulary, and past
+  // the first 8 positions the decode's cache is filled by a prompt up to the last position, which is decoded (the
+  // kernels are the same; the layers only repeat them, the lm_head's rows only lengthen its loop, and the decode
+  // steps skipped only repeat the ones kept).
   const bool quick = quick_mode();
   auto m = make_model(quick ? 2 : 30, quick ? 4096 : 49152, 2048, GgmlType::Q4_0, GgmlType::Q8_0);
   auto be = make_cuda_backend(m->spec, m->w, false);
@@ -1412,7 +1425,12 @@ TEST_P(CudaBackendPrompt, MatchesTokenByTokenDecode) {
     const std::vector<int32_t> toks = random_tokens(n, V);
     const bool check_all = n == 7 || n == 129;
     std::vector<float> dec_all(check_all ? static_cast<size_t>(n) * V : 0), dec_last(V);
+    const int decoded = quick ? std::min(n, 8) : n;  // positions decoded one by one from 0
     for (int p = 0; p < n; ++p) {
+      if (p >= decoded && p < n - 1) {
+        if (p == decoded) be->forward_prompt(toks.data() + p, n - 1 - p, p, nullptr, nullptr);
+        continue;
+      }
       if (check_all) be->forward_token(toks[p], p, dec_all.data() + static_cast<size_t>(p) * V);
       else if (p == n - 1) be->forward_token(toks[p], p, dec_last.data());
       else be->forward_token_greedy(toks[p], p);
@@ -1425,6 +1443,7 @@ TEST_P(CudaBackendPrompt, MatchesTokenByTokenDecode) {
     EXPECT_EQ(r.token, ref::argmax(last.data(), V).token);
     if (check_all)
       for (int p = 0; p < n; p += (n > 7 ? 16 : 1)) {
+        if (p >= decoded && p < n - 1) continue;
         const std::vector<float> a(all.begin() + static_cast<size_t>(p) * V, all.begin() + static_cast<size_t>(p + 1) * V);
         const std::vector<float> b(dec_all.begin() + static_cast<size_t>(p) * V, dec_all.begin() + static_cast<size_t>(p + 1) * V);
         expect_logits_close(a, b, 1e-3, "prompt all_logits row");
@@ -1596,18 +1615,29 @@ TEST(CudaBackend, FewTokenPromptsMatchDecodeForEachWeightType) {
     unsetenv("METALATTN_CUDA_PROMPT_MMA");
     const int V = m->spec.vocab;
     const std::vector<int32_t> toks = random_tokens(64, V);
+    // METALATTN_TEST_QUICK=1 (for the slow race checker): the prompts are compared with the float64 reference
+    // instead of 64 decode steps, and each piece runs once (the repeats replay captured graphs of the same kernels).
+    const bool quick = quick_mode();
     std::vector<std::vector<float>> dec(toks.size(), std::vector<float>(V));
-    for (size_t p = 0; p < toks.size(); ++p) be->forward_token(toks[p], static_cast<int>(p), dec[p].data());
+    RefForward ref_fwd(*m);
+    for (size_t p = 0; p < toks.size(); ++p) {
+      if (quick) dec[p] = ref_fwd.forward(toks[p], static_cast<int>(p));
+      else be->forward_token(toks[p], static_cast<int>(p), dec[p].data());
+    }
     struct Piece {
       int pos, n;
     };
     // (0, 9) then (9, 23) continues from the cache; the 32-token pieces run eagerly, then as a captured graph.
-    for (Piece pc : {Piece{0, 1}, Piece{0, 9}, Piece{9, 23}, Piece{0, 32}, Piece{32, 32}, Piece{0, 32}, Piece{32, 32}}) {
+    std::vector<Piece> pieces = {Piece{0, 1},   Piece{0, 9},  Piece{9, 23}, Piece{0, 32},
+                                 Piece{32, 32}, Piece{0, 32}, Piece{32, 32}};
+    if (quick) pieces.resize(5);
+    for (Piece pc : pieces) {
       SCOPED_TRACE("prompt of " + std::to_string(pc.n) + " at " + std::to_string(pc.pos));
       std::vector<float> last(V, NAN), ref_last(V, NAN);
       const ArgmaxResult r = be->forward_prompt(toks.data() + pc.pos, pc.n, pc.pos, last.data(), nullptr);
       gemm_be->forward_prompt(toks.data() + pc.pos, pc.n, pc.pos, ref_last.data(), nullptr);
-      expect_logits_close(last, dec[pc.pos + pc.n - 1], 1e-3, "tensor-core prompt vs decode");
+      expect_logits_close(last, dec[pc.pos + pc.n - 1], 1e-3,
+                          quick ? "tensor-core prompt vs reference" : "tensor-core prompt vs decode");
       expect_logits_close(last, ref_last, 1e-3, "few-token prompt vs long-prompt path");
       EXPECT_EQ(r.token, ref::argmax(last.data(), V).token);
       if (pc.n == 32 && pc.pos == 32)
@@ -1626,9 +1656,14 @@ TEST(CudaBackend, PromptOfTwoEqualChunksRepeated) {
   const int V = m->spec.vocab, n = 4096;
   const std::vector<int32_t> toks = random_tokens(n, V);
   std::vector<float> dec_last(V);
-  for (int p = 0; p < n - 1; ++p) be->forward_token_greedy(toks[p], p);
+  // METALATTN_TEST_QUICK=1 (for the slow race checker): a prompt fills the cache up to the last position (two chunks
+  // of unequal length) instead of 4,095 decode steps, and the prompt runs twice (eager, then captured).
+  const bool quick = quick_mode();
+  if (quick) be->forward_prompt(toks.data(), n - 1, 0, nullptr, nullptr);
+  else
+    for (int p = 0; p < n - 1; ++p) be->forward_token_greedy(toks[p], p);
   be->forward_token(toks[n - 1], n - 1, dec_last.data());
-  for (int rep = 0; rep < 3; ++rep) {
+  for (int rep = 0; rep < (quick ? 2 : 3); ++rep) {
     SCOPED_TRACE("use " + std::to_string(rep));
     std::vector<float> last(V, NAN);
     be->forward_prompt(toks.data(), n, 0, last.data(), nullptr);
@@ -1674,7 +1709,8 @@ TEST(CudaBackend, DecodeAcrossTheShortToLongAttentionSwitchOver) {
       [](const std::vector<float>& lf, const std::vector<float>& ld, const std::vector<float>& want) {
         expect_logits_close(lf, want, 1e-3, "decode logits");
         EXPECT_EQ(lf, ld) << "graph replay and debug launches are the same kernels";
-      });
+      },
+      {2, sw - 3});
 }
 
 // The default decode (graphs, short then split attention) and the eager debug decode against the reference forward
@@ -1705,7 +1741,8 @@ TEST(CudaBackend, DecodeMatchesReferenceForEachLayerTypeAndOddCapacity) {
         [](const std::vector<float>& lg, const std::vector<float>& le, const std::vector<float>& want) {
           expect_logits_close(lg, want, 1e-3, "graph decode logits vs reference");
           expect_logits_close(le, want, 1e-3, "eager decode logits vs reference");
-        });
+        },
+        {3, limit - 2});
   }
 }
 
@@ -2403,11 +2440,18 @@ TEST(CudaQuant, BackendOnMixedTypeModelsMatchesReference) {
     RefForward ref_fwd(*m);
     const std::vector<int32_t> toks = random_tokens(n, V);
     std::vector<std::vector<float>> dec(n, std::vector<float>(V));
+    // METALATTN_TEST_QUICK=1 (for the slow race checker): the backends decode the first 10 positions only; the
+    // prompts below are then compared with the float64 reference (dec holds it past position 9).
+    const int n_dec = quick_mode() ? 10 : n;
     double worst = 0;
     for (int p = 0; p < n; ++p) {
       SCOPED_TRACE("decode pos " + std::to_string(p));
       std::vector<float> ref_hidden;
       const std::vector<float> want = ref_fwd.forward(toks[p], p, &ref_hidden);
+      if (p >= n_dec) {
+        dec[p] = want;
+        continue;
+      }
       std::fill(dec[p].begin(), dec[p].end(), NAN);
       be->forward_token(toks[p], p, dec[p].data());
       expect_logits_close(dec[p], want, 1e-3, "decode logits vs reference");
@@ -2421,7 +2465,7 @@ TEST(CudaQuant, BackendOnMixedTypeModelsMatchesReference) {
         dbg->forward_token_greedy(toks[p], p);
       }
     }
-    std::printf("[ %s: decode rel L2 vs reference, worst of %d positions %.2e ]\n", c.name, n, worst);
+    std::printf("[ %s: decode rel L2 vs reference, worst of %d positions %.2e ]\n", c.name, n_dec, worst);
     // Prompts of up to 32 tokens take the few-token projections (prompt_mma.cu), longer ones prompt_gemm.cu; the short
     // ones also against a backend with the tensor-core path off (METALATTN_CUDA_PROMPT_MMA=0), twice each (the
     // second use replays a captured graph).
@@ -3121,27 +3165,32 @@ TEST(CudaArch, WholeModelsMatchCpuBackend) {
       EXPECT_EQ(gpu->kernels_per_token(), 5 * s.n_layers + 1);
     }
     const std::vector<int32_t> toks = random_tokens(n, V);
+    // METALATTN_TEST_QUICK=1 (for the slow race checker): the GPU decodes the first 12 positions (not 100), the debug
+    // backend's residual stream is read at position 8 (not 40) and the greedy run takes 8 steps (not 64). The prompts
+    // are the same: every kernel still runs.
+    const bool quick = quick_mode();
+    const int n_dec = quick ? 12 : n, p_dbg = quick ? 8 : 40, n_greedy = quick ? 8 : 64;
 
     // Decode, every position.
     const std::vector<float> want = decode_all(*cpu, toks, V);
-    const std::vector<float> got = decode_all(*gpu, toks, V);
+    const std::vector<float> got = decode_all(*gpu, std::vector<int32_t>(toks.begin(), toks.begin() + n_dec), V);
     double worst = 0;
-    for (int p = 0; p < n; ++p) {
+    for (int p = 0; p < n_dec; ++p) {
       SCOPED_TRACE("decode pos " + std::to_string(p));
       const auto a = row_of(got, p, V), b = row_of(want, p, V);
       worst = std::max(worst, rel_l2(a, b));
       expect_logits_close_or_tie(a, b, 1e-3, "decode logits vs CPU");
     }
-    std::printf("[ %s: decode rel L2 vs CPU, worst of %d positions: %.2e ]\n", c.name, n, worst);
+    std::printf("[ %s: decode rel L2 vs CPU, worst of %d positions: %.2e ]\n", c.name, n_dec, worst);
 
     // Debug (eager launches) with the residual stream: identical to the graph, hidden states near the CPU's.
     {
       std::vector<float> hid_g((s.n_layers + 1) * s.d_model, NAN), hid_c(hid_g.size(), NAN), lg(V, NAN), lc(V, NAN);
-      for (int p = 0; p < 40; ++p) dbg->forward_token_greedy(toks[p], p);
-      dbg->forward_token_debug(toks[40], 40, hid_g.data(), lg.data());
-      cpu->forward_token_debug(toks[40], 40, hid_c.data(), lc.data());
+      for (int p = 0; p < p_dbg; ++p) dbg->forward_token_greedy(toks[p], p);
+      dbg->forward_token_debug(toks[p_dbg], p_dbg, hid_g.data(), lg.data());
+      cpu->forward_token_debug(toks[p_dbg], p_dbg, hid_c.data(), lc.data());
       EXPECT_LE(rel_l2(hid_g, hid_c), 1e-4) << "residual stream after each layer";
-      EXPECT_EQ(lg, row_of(got, 40, V)) << "eager launches and the graph are the same kernels";
+      EXPECT_EQ(lg, row_of(got, p_dbg, V)) << "eager launches and the graph are the same kernels";
     }
 
     // Prompts: all logits of one chunk, then the same tokens in two pieces (the second continuing from the cache).
@@ -3177,7 +3226,7 @@ TEST(CudaArch, WholeModelsMatchCpuBackend) {
       int32_t tok = toks[8];
       std::vector<float> lc(V);
       int disagreements = 0;
-      for (int p = 8; p < 8 + 64; ++p) {
+      for (int p = 8; p < 8 + n_greedy; ++p) {
         const ArgmaxResult r = gpu->forward_token_greedy(tok, p);
         cpu->forward_token(tok, p, lc.data());
         const ArgmaxResult rc = ref::argmax(lc.data(), V);
@@ -3212,7 +3261,8 @@ TEST(CudaArch, GeneralPathOnPlainLlamaMatchesFusedPath) {
       [](const std::vector<float>& lg, const std::vector<float>& lf, const std::vector<float>& want) {
         expect_logits_close(lg, want, 1e-3, "general path vs reference");
         expect_logits_close(lg, lf, 1e-3, "general path vs fused path");
-      });
+      },
+      {3, 270});
   const std::vector<int32_t> toks = random_tokens(200, m->spec.vocab);
   std::vector<float> a(m->spec.vocab), b(m->spec.vocab);
   general->forward_prompt(toks.data(), 200, 0, a.data(), nullptr);
