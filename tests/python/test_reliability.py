@@ -244,6 +244,7 @@ def test_keyboard_interrupt_leaves_the_model_usable(wide, device):
     n_ids = 200 if _SANITIZER == "racecheck" else 1000
     ids = np.array(fresh.tokenize(" ".join(PROMPTS) * 8)[:n_ids], dtype=np.int32)
     want_text = fresh.generate(PROMPTS[0], max_tokens=16)
+    fresh.reset()  # check() below runs the prompt from position 0
     want_prompt = fresh.forward_prompt(ids)
     fresh.reset()
     want_logits = fresh.forward_prompt_logits(ids[:40])
