@@ -1,0 +1,407 @@
+// Decode attention: one query position (the new token) over the KV cache. Two kernels: the split kernel (any
+// head_dim of 32..128, the context split over blocks whose partial softmaxes the last block combines) and, up to
+// kAttnSinglePassMax positions, the short kernel (head_dim 64, every K/V row in shared memory, one pass). The
+// general architectures' decode attention (windows, scales, head_dim 256) is arch.cu's.
+#include <algorithm>
+#include <cmath>
+#include <string>
+
+#include "cuda/cuda_check.h"
+#include "kernels.cuh"
+#include "trace.cuh"
+
+namespace metalattn::cuda {
+
+using detail::grid_dependency_wait;
+
+METALATTN_TRACE_UNIT(decode_attention)
+
+constexpr int kMaxGroup = 8;  // query heads per KV head the decode attention supports
+constexpr int kAttnThreads = kAttnSinglePassMax;  // also: the block holds up to 256 rows in registers
+constexpr int kAttnWarps = kAttnThreads / 32;
+
+// Shared memory of one attention block: the staged V rows of the chunk, q of its heads, the scores of the chunk,
+// per-warp P.V partial sums.
+inline size_t attention_smem_bytes(int heads_per_block, int head_dim, int chunk_cap, int stage_rows) {
+  return (static_cast<size_t>(stage_rows) * head_dim +
+          static_cast<size_t>(heads_per_block) * (head_dim + chunk_cap + kAttnWarps * head_dim)) *
+         sizeof(float);
+}
+
+
+using detail::cp_async16;
+using detail::cp_async_wait_all;
+
+// One block per (heads_per_block query heads of one KV head, split); splits = attn_splits(pos + 1), blocks past it
+// exit at once. Cache rows before pos were written by earlier steps, so before the programmatic wait each thread
+// loads its K row into registers and the block copies the chunk's V rows (the first stage_rows of them) into shared
+// memory: after the wait only q and row pos come from L2, in one round trip. Scores: a thread per position (16-byte
+// loads, no shuffles); P.V: warps over positions, lanes over float2 columns.
+template <int HD>
+__global__ void __launch_bounds__(kAttnThreads) attention_decode_kernel(const float* q, const float* k_cache,
+                                                                        const float* v_cache,
+                                                                        const DecodeIO* io, int n_heads,
+                                                                        int n_kv_heads, int heads_per_block,
+                                                                        int chunk_cap, int stage_rows,
+                                                                        AttnScratch p, float* __restrict__ out) {
+  constexpr int kHd4 = HD / 4, kPairs = HD / 2, kPairsPerLane = (kPairs + 31) / 32;
+  KernelTrace trace(kTraceAttention);
+  detail::launch_dependents();
+  extern __shared__ float4 smem_dyn[];
+  const int hpb = heads_per_block, kv_dim = n_kv_heads * HD;
+  float* v_s = reinterpret_cast<float*>(smem_dyn);  // [stage_rows][HD]
+  float* q_s = v_s + stage_rows * HD;                // [hpb][HD]
+  float* sc = q_s + hpb * HD;                        // [hpb][chunk_cap] scores, then probabilities
+  float* part = sc + hpb * chunk_cap;                // [kAttnWarps][hpb][HD]
+  __shared__ float m_s[kMaxGroup], l_s[kMaxGroup];
+  __shared__ bool is_last;
+
+  const int head_block = blockIdx.x, split = blockIdx.y;
+  const int head0 = head_block * hpb, kvh = head0 / (n_heads / n_kv_heads);
+  const int pos = io->pos, n_pos = pos + 1;  // io was written before this graph launch
+  const int n_splits = attn_splits(n_pos, p.max_splits);
+  if (split >= n_splits) return;
+  const int chunk = attn_chunk(n_pos, n_splits);
+  const int start = split * chunk;
+  const int len = min(chunk, n_pos - start);
+  const int n_staged = min(len, stage_rows);
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+
+  const float* k_head = k_cache + kvh * HD;
+  const float* v_head = v_cache + kvh * HD;
+  float4 k_own[kHd4];
+  const int t0 = threadIdx.x;
+  const bool own_early = t0 < len && start + t0 < pos;
+  if (own_early) {
+    const float4* k4 = reinterpret_cast<const float4*>(k_head + static_cast<int64_t>(start + t0) * kv_dim);
+#pragma unroll
+    for (int c = 0; c < kHd4; ++c) k_own[c] = __ldg(k4 + c);
+  }
+  const int n_early = min(n_staged, pos - start);  // staged rows written by earlier steps
+  for (int i = threadIdx.x; i < n_early * kHd4; i += kAttnThreads) {
+    const int t = i / kHd4, c = i % kHd4;
+    cp_async16(v_s + t * HD + c * 4, v_head + static_cast<int64_t>(start + t) * kv_dim + c * 4);
+  }
+  grid_dependency_wait();
+  trace.released();
+
+  // After the wait, data the kernel before wrote (q, K and V row pos) is read through L2 only (__ldcg), all at once.
+  if (t0 < len && !own_early) {
+    const float4* k4 = reinterpret_cast<const float4*>(k_head + static_cast<int64_t>(start + t0) * kv_dim);
+#pragma unroll
+    for (int c = 0; c < kHd4; ++c) k_own[c] = __ldcg(k4 + c);
+  }
+  if (pos - start < n_staged && threadIdx.x < kHd4)  // row pos is staged too (the last row of the last chunk)
+    reinterpret_cast<float4*>(v_s + (pos - start) * HD)[threadIdx.x] =
+        __ldcg(reinterpret_cast<const float4*>(v_head + static_cast<int64_t>(pos) * kv_dim) + threadIdx.x);
+  for (int i = threadIdx.x; i < hpb * HD; i += blockDim.x) q_s[i] = __ldcg(q + static_cast<int64_t>(head0) * HD + i);
+  cp_async_wait_all();
+  __syncthreads();
+  trace.mark(0);
+
+  const float scale = 1.f / sqrtf(static_cast<float>(HD));
+  const float4* q4 = reinterpret_cast<const float4*>(q_s);
+  for (int t = t0; t < len; t += blockDim.x) {
+    if (t != t0) {
+      const float4* k4 = reinterpret_cast<const float4*>(k_head + static_cast<int64_t>(start + t) * kv_dim);
+#pragma unroll
+      for (int c = 0; c < kHd4; ++c) k_own[c] = __ldcg(k4 + c);
+    }
+    // Two accumulators per head halve the dependent FMA chain (the latency, not the FMA count, is the cost here).
+    float acc[kMaxGroup][2];
+#pragma unroll
+    for (int g = 0; g < kMaxGroup; ++g) acc[g][0] = acc[g][1] = 0.f;
+#pragma unroll
+    for (int c = 0; c < kHd4; ++c) {
+      const float4 k = k_own[c];
+#pragma unroll
+      for (int g = 0; g < kMaxGroup; ++g) {
+        if (g < hpb) {
+          const float4 qq = q4[g * kHd4 + c];
+          acc[g][c & 1] += qq.x * k.x + qq.y * k.y + qq.z * k.z + qq.w * k.w;
+        }
+      }
+    }
+#pragma unroll
+    for (int g = 0; g < kMaxGroup; ++g)
+      if (g < hpb) sc[g * chunk_cap + t] = (acc[g][0] + acc[g][1]) * scale;
+  }
+  __syncthreads();
+  trace.mark(1);
+
+  for (int g = warp; g < hpb; g += kAttnWarps) {
+    float* sg = sc + g * chunk_cap;
+    float m = -INFINITY;
+    for (int t = lane; t < len; t += 32) m = fmaxf(m, sg[t]);
+    m = detail::warp_max(m);
+    float l = 0.f;
+    for (int t = lane; t < len; t += 32) {
+      const float e = expf(sg[t] - m);
+      sg[t] = e;
+      l += e;
+    }
+    l = detail::warp_sum(l);
+    if (lane == 0) {
+      m_s[g] = m;
+      l_s[g] = l;
+    }
+  }
+  __syncthreads();
+  trace.mark(2);
+
+  // P.V: warp w takes positions w, w + kAttnWarps, ...; lane owns float2 columns lane, lane + 32. Staged rows come
+  // from shared memory, the rest (long chunks of a one-split capacity only) from L2.
+  float2 o[kMaxGroup][kPairsPerLane];
+#pragma unroll
+  for (int g = 0; g < kMaxGroup; ++g)
+#pragma unroll
+    for (int c = 0; c < kPairsPerLane; ++c) o[g][c] = make_float2(0.f, 0.f);
+#pragma unroll 4
+  for (int t = warp; t < len; t += kAttnWarps) {
+    const bool staged = t < n_staged;
+    const float2* v2 = staged ? reinterpret_cast<const float2*>(v_s + t * HD)
+                              : reinterpret_cast<const float2*>(v_head + static_cast<int64_t>(start + t) * kv_dim);
+#pragma unroll
+    for (int c = 0; c < kPairsPerLane; ++c) {
+      if (lane + 32 * c < kPairs) {
+        const float2 v = staged ? v2[lane + 32 * c] : __ldcg(v2 + lane + 32 * c);
+#pragma unroll
+        for (int g = 0; g < kMaxGroup; ++g) {
+          if (g < hpb) {
+            const float pg = sc[g * chunk_cap + t];
+            o[g][c].x += pg * v.x;
+            o[g][c].y += pg * v.y;
+          }
+        }
+      }
+    }
+  }
+#pragma unroll
+  for (int g = 0; g < kMaxGroup; ++g)
+#pragma unroll
+    for (int c = 0; c < kPairsPerLane; ++c)
+      if (g < hpb && lane + 32 * c < kPairs)
+        reinterpret_cast<float2*>(part + (warp * hpb + g) * HD)[lane + 32 * c] = o[g][c];
+  __syncthreads();
+  trace.mark(3);
+
+  if (n_splits == 1) {
+    for (int i = threadIdx.x; i < hpb * HD; i += blockDim.x) {
+      float sum = 0.f;
+#pragma unroll
+      for (int w = 0; w < kAttnWarps; ++w) sum += part[w * hpb * HD + i];
+      out[static_cast<int64_t>(head0) * HD + i] = sum / l_s[i / HD];
+    }
+    return;
+  }
+
+  // Split: post this chunk's partial; the last block of this head block combines all of them:
+  // o = sum_s o_s e^(m_s - M) / sum_s l_s e^(m_s - M), M = max_s m_s.
+  for (int i = threadIdx.x; i < hpb * HD; i += blockDim.x) {
+    float sum = 0.f;
+#pragma unroll
+    for (int w = 0; w < kAttnWarps; ++w) sum += part[w * hpb * HD + i];
+    const int g = i / HD, d = i % HD;
+    p.o[(static_cast<int64_t>(head0 + g) * p.max_splits + split) * HD + d] = sum;
+  }
+  if (threadIdx.x < hpb) {
+    float* ml = p.ml + (static_cast<int64_t>(head0 + threadIdx.x) * p.max_splits + split) * 2;
+    ml[0] = m_s[threadIdx.x];
+    ml[1] = l_s[threadIdx.x];
+  }
+  __threadfence();
+  __syncthreads();
+  if (threadIdx.x == 0) is_last = atomicAdd(p.counters + head_block, 1u) == static_cast<unsigned>(n_splits) - 1;
+  __syncthreads();
+  if (!is_last) return;
+  __threadfence();
+  for (int i = threadIdx.x; i < hpb * HD; i += blockDim.x) {
+    const int g = i / HD, d = i % HD;
+    const int64_t head = head0 + g;
+    const float* ml = p.ml + head * p.max_splits * 2;
+    float m = -INFINITY;
+    for (int s = 0; s < n_splits; ++s) m = fmaxf(m, __ldcg(ml + 2 * s));
+    float num = 0.f, den = 0.f;
+    for (int s = 0; s < n_splits; ++s) {
+      const float w = expf(__ldcg(ml + 2 * s) - m);
+      den += __ldcg(ml + 2 * s + 1) * w;
+      num += __ldcg(p.o + (head * p.max_splits + s) * HD + d) * w;
+    }
+    out[head * HD + d] = num / den;
+  }
+  if (threadIdx.x == 0) p.counters[head_block] = 0u;  // re-armed for the next launch
+}
+
+// ------------------------------------------------------------------ short-context decode attention
+// Up to kAttnSinglePassMax positions (the decode graph's single-pass regime), head_dim 64: one block of
+// kShortAttnThreads per query head with every K and V row in shared memory.
+
+constexpr int kShortAttnThreads = 512;
+constexpr int kShortAttnHd = 64;                     // the one head_dim it serves
+constexpr int kShortAttnKStride = kShortAttnHd + 8;  // padded K rows: the 8 float4 loads of a quarter warp hit 32 banks
+constexpr int kShortAttnPvGroups = kShortAttnThreads / kShortAttnHd;  // position groups of the P.V product
+static_assert(2 * kAttnSinglePassMax <= kShortAttnThreads, "two threads per position in the score pass");
+
+// Score buffers hold a multiple of 4 floats, so the buffers after them stay 16-byte aligned for float4 access.
+__host__ __device__ inline int score_slots(int pos_cap) { return (pos_cap + 3) / 4 * 4; }
+
+// Attention of one query head (head_dim 64) over n_pos <= kAttnSinglePassMax positions whose q, K rows
+// (kShortAttnKStride apart) and V rows are all in shared memory; kShortAttnThreads threads. Scores: a thread pair
+// per position, each half of the dot product (float4 chunks 2c + half); softmax: one warp; P.V: kShortAttnPvGroups
+// position groups x 64 dims, then a fixed-order sum. Returns output element threadIdx.x in threads < 64.
+// sc: [n_pos], pv: [kShortAttnPvGroups][64], sum_exp: one shared float. Starts and ends with all threads in step.
+__device__ __forceinline__ float attend_head64(const float* q_s, const float* k_s, const float* v_s, int n_pos,
+                                               float* sc, float* pv, float* sum_exp) {
+  constexpr int HD = kShortAttnHd;
+  const int tid = threadIdx.x;
+  {
+    const int t = tid >> 1, half = tid & 1;
+    float acc0 = 0.f, acc1 = 0.f;
+    if (t < n_pos) {
+      const float4* k4 = reinterpret_cast<const float4*>(k_s + t * kShortAttnKStride);
+      const float4* q4 = reinterpret_cast<const float4*>(q_s);
+#pragma unroll
+      for (int c = 0; c < HD / 8; c += 2) {
+        const float4 ka = k4[2 * c + half], qa = q4[2 * c + half];
+        const float4 kb = k4[2 * c + 2 + half], qb = q4[2 * c + 2 + half];
+        acc0 += qa.x * ka.x + qa.y * ka.y + qa.z * ka.z + qa.w * ka.w;
+        acc1 += qb.x * kb.x + qb.y * kb.y + qb.z * kb.z + qb.w * kb.w;
+      }
+    }
+    float acc = acc0 + acc1;
+    acc += __shfl_xor_sync(0xffffffffu, acc, 1);
+    if (half == 0 && t < n_pos) sc[t] = acc * (1.f / sqrtf(static_cast<float>(HD)));
+  }
+  __syncthreads();
+  if (tid < 32) {
+    float m = -INFINITY;
+    for (int t = tid; t < n_pos; t += 32) m = fmaxf(m, sc[t]);
+    m = detail::warp_max(m);
+    float l = 0.f;
+    for (int t = tid; t < n_pos; t += 32) {
+      const float e = expf(sc[t] - m);
+      sc[t] = e;
+      l += e;
+    }
+    l = detail::warp_sum(l);
+    if (tid == 0) *sum_exp = l;
+  }
+  __syncthreads();
+  {
+    const int g = tid / HD, e = tid % HD;
+    float acc0 = 0.f, acc1 = 0.f;
+    int t = g;
+    for (; t + kShortAttnPvGroups < n_pos; t += 2 * kShortAttnPvGroups) {
+      acc0 += sc[t] * v_s[t * HD + e];
+      acc1 += sc[t + kShortAttnPvGroups] * v_s[(t + kShortAttnPvGroups) * HD + e];
+    }
+    if (t < n_pos) acc0 += sc[t] * v_s[t * HD + e];
+    pv[g * HD + e] = acc0 + acc1;
+  }
+  __syncthreads();
+  float o = 0.f;
+  if (tid < HD) {
+#pragma unroll
+    for (int g = 0; g < kShortAttnPvGroups; ++g) o += pv[g * HD + tid];
+    o /= *sum_exp;
+  }
+  return o;
+}
+
+// Short-context decode attention, head_dim 64: one block of kShortAttnThreads per query head; the K and V rows of
+// earlier steps are copied into shared memory before the programmatic wait, and after it only q and this step's
+// K and V rows come from L2 (one round trip). n_pos = io->pos + 1 <= pos_cap <= kAttnSinglePassMax.
+__global__ void __launch_bounds__(kShortAttnThreads) attention_decode_short_kernel(const float* q,
+                                                                                   const float* k_cache,
+                                                                                   const float* v_cache,
+                                                                                   const DecodeIO* io, int n_heads,
+                                                                                   int n_kv_heads, int pos_cap,
+                                                                                   float* __restrict__ out) {
+  constexpr int HD = kShortAttnHd;
+  KernelTrace trace(kTraceAttention);
+  detail::launch_dependents();
+  extern __shared__ float4 smem_dyn[];
+  float* k_s = reinterpret_cast<float*>(smem_dyn);  // [pos_cap][kShortAttnKStride]
+  float* v_s = k_s + pos_cap * kShortAttnKStride;    // [pos_cap][HD]
+  float* q_s = v_s + pos_cap * HD;                   // [HD]
+  float* sc = q_s + HD;                              // [score_slots(pos_cap)]
+  float* pv = sc + score_slots(pos_cap);             // [kShortAttnPvGroups][HD]
+  __shared__ float sum_exp;
+  const int head = blockIdx.x, kvh = head / (n_heads / n_kv_heads), kv_dim = n_kv_heads * HD;
+  const int pos = io->pos, n_pos = pos + 1;  // io was written before this graph launch
+  if (n_pos > pos_cap) __trap();
+  const int tid = threadIdx.x;
+  const float* k_head = k_cache + kvh * HD;
+  const float* v_head = v_cache + kvh * HD;
+  for (int c = tid; c < pos * (HD / 4); c += kShortAttnThreads) {
+    const int t = c / (HD / 4), j = c % (HD / 4);
+    cp_async16(k_s + t * kShortAttnKStride + 4 * j, k_head + static_cast<int64_t>(t) * kv_dim + 4 * j);
+    cp_async16(v_s + t * HD + 4 * j, v_head + static_cast<int64_t>(t) * kv_dim + 4 * j);
+  }
+  grid_dependency_wait();
+  trace.released();
+  if (tid < HD / 4) {
+    reinterpret_cast<float4*>(q_s)[tid] = __ldcg(reinterpret_cast<const float4*>(q + head * HD) + tid);
+  } else if (tid < HD / 2) {
+    const int j = tid - HD / 4;
+    reinterpret_cast<float4*>(k_s + pos * kShortAttnKStride)[j] =
+        __ldcg(reinterpret_cast<const float4*>(k_head + static_cast<int64_t>(pos) * kv_dim) + j);
+  } else if (tid < 3 * HD / 4) {
+    const int j = tid - HD / 2;
+    reinterpret_cast<float4*>(v_s + pos * HD)[j] =
+        __ldcg(reinterpret_cast<const float4*>(v_head + static_cast<int64_t>(pos) * kv_dim) + j);
+  }
+  cp_async_wait_all();
+  __syncthreads();
+  trace.mark(0);
+  const float o = attend_head64(q_s, k_s, v_s, n_pos, sc, pv, &sum_exp);
+  if (tid < HD) out[head * HD + tid] = o;
+}
+void launch_attention_decode(const float* q, const float* k_cache, const float* v_cache, const DecodeIO* io,
+                             int n_heads, int n_kv_heads, int head_dim, int n_ctx, const AttnScratch& p, float* out,
+                             cudaStream_t s, int heads_per_block) {
+  const int group = n_heads / n_kv_heads;
+  if (group > kMaxGroup || group * n_kv_heads != n_heads) throw EngineError("attention: unsupported head grouping");
+  if (p.max_splits < 1 || p.max_splits > kMaxAttnSplits) throw EngineError("attention: bad split capacity");
+  if (heads_per_block == 0) heads_per_block = kAttnDefaultHeadsPerBlock;
+  if (heads_per_block < 1 || group % heads_per_block != 0)
+    throw EngineError("attention: heads per block must divide the query heads per KV head");
+  using AttnKernel = void (*)(const float*, const float*, const float*, const DecodeIO*, int, int, int, int, int,
+                              AttnScratch, float*);
+  AttnKernel k = head_dim == 32    ? attention_decode_kernel<32>
+                 : head_dim == 64  ? attention_decode_kernel<64>
+                 : head_dim == 96  ? attention_decode_kernel<96>
+                 : head_dim == 128 ? attention_decode_kernel<128>
+                                   : nullptr;
+  if (k == nullptr) throw EngineError("decode attention needs head_dim 32, 64, 96 or 128");
+  const int chunk_cap = attn_chunk_cap(n_ctx, p.max_splits);
+  // V rows staged in shared memory: the whole chunk when it fits (every chunk of a split context does), else as many
+  // leading rows as the opt-in limit leaves room for after the other buffers.
+  int dev = 0, smem_optin = 0;
+  CUDA_CHECK(cudaGetDevice(&dev));
+  CUDA_CHECK(cudaDeviceGetAttribute(&smem_optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, dev));
+  const size_t fixed = attention_smem_bytes(heads_per_block, head_dim, chunk_cap, 0);
+  const size_t static_smem = 1024;  // m_s, l_s, is_last and slack
+  if (fixed + static_smem > static_cast<size_t>(smem_optin))
+    throw EngineError("attention: context too long for shared memory");
+  const size_t room_rows = (static_cast<size_t>(smem_optin) - fixed - static_smem) / (head_dim * sizeof(float));
+  const int stage_rows = static_cast<int>(std::min<size_t>(room_rows, std::min(chunk_cap, kAttnSinglePassMax)));
+  const size_t smem = attention_smem_bytes(heads_per_block, head_dim, chunk_cap, stage_rows);
+  detail::allow_dynamic_smem(k, smem);
+  detail::launch_programmatic(k, dim3(n_heads / heads_per_block, p.max_splits), dim3(kAttnThreads), smem, s, q, k_cache, v_cache, io,
+         n_heads, n_kv_heads, heads_per_block, chunk_cap, stage_rows, p, out);
+}
+
+void launch_attention_decode_short(const float* q, const float* k_cache, const float* v_cache, const DecodeIO* io,
+                                   int n_heads, int n_kv_heads, int head_dim, int pos_cap, float* out,
+                                   cudaStream_t s) {
+  if (head_dim != kShortAttnHd) throw EngineError("short decode attention needs head_dim 64");
+  if (n_kv_heads < 1 || n_heads % n_kv_heads != 0) throw EngineError("attention: unsupported head grouping");
+  if (pos_cap < 1 || pos_cap > kAttnSinglePassMax) throw EngineError("short decode attention: bad capacity");
+  const size_t smem = (static_cast<size_t>(pos_cap) * (kShortAttnKStride + kShortAttnHd) + score_slots(pos_cap) +
+                       kShortAttnHd + kShortAttnPvGroups * kShortAttnHd) * sizeof(float);
+  detail::allow_dynamic_smem(attention_decode_short_kernel, smem);
+  detail::launch_programmatic(attention_decode_short_kernel, dim3(n_heads), dim3(kShortAttnThreads), smem, s, q, k_cache, v_cache, io,
+         n_heads, n_kv_heads, pos_cap, out);
+}
+}  // namespace metalattn::cuda

@@ -1,0 +1,631 @@
+// Decode matvecs: one token per step, float activations, float accumulation, weights decoded on the fly
+// (matvec_weights.cuh): fused RMSNorm + matvec (QKV with RoPE and the K/V append, gate/up with SiLU), matvec +
+// residual, and the final norm + lm_head + argmax.
+//
+// Matvec geometry: a row group of TPR lanes (8, 16 or 32 consecutive lanes of a warp) owns one output row; lane
+// `sub` of the group takes weight blocks sub, sub + TPR, ... of that row, reads each block's payload with 16-byte
+// loads (consecutive lanes read consecutive blocks, so a group reads one contiguous span), and the group sums by
+// xor-shuffles. A block of 128 (or 256) threads therefore covers 128/TPR rows. Each block stages the activation
+// vector in shared memory once (recomputing RMSNorm from the residual, which is cheaper than a separate launch),
+// after issuing the loads of its first weight blocks so their latency overlaps the staging.
+#include <algorithm>
+#include <cmath>
+#include <string>
+
+#include "cuda/cuda_check.h"
+#include "kernels.cuh"
+#include "matvec_weights.cuh"
+#include "trace.cuh"
+
+namespace metalattn::cuda {
+
+using detail::grid_dependency_wait;
+
+METALATTN_TRACE_UNIT(matvec)
+
+// ------------------------------------------------------------------ fused RMSNorm + matvec
+
+// Norm weights of the first staging batch, loaded before the programmatic wait (they are weights, so this takes
+// one L2 round trip out of the critical path).
+struct NormPrefetch {
+  float w[kStageBatch];
+  __device__ __forceinline__ void load(const float* __restrict__ norm_w, int cols) {
+#pragma unroll
+    for (int u = 0; u < kStageBatch; ++u) {
+      const int i = threadIdx.x + u * blockDim.x;
+      w[u] = norm_w != nullptr && i < cols ? __ldg(norm_w + i) : 1.f;
+    }
+  }
+};
+
+// Stages x[0..n) (zero past `cols`) times the norm weights into the padded shared layout and returns rmsnorm's
+// 1/rms (1 without norm_w), which the caller applies to its dot products: W.(x*w) / rms = W.rmsnorm(x), with no
+// second pass over x_s. x is read through L2 (it was written by the kernel before), in batches of kStageBatch loads
+// per thread, so the staging costs one round trip. With add.y set (PreAdd, kernels.cuh), x + rmsnorm(add.y) * add.w
+// is staged instead of x, as add_normed_kernel computes it, and block 0 writes it to add.x_next. Ends with a barrier.
+__device__ __forceinline__ float stage_normed(const float* x, const float* __restrict__ norm_w, const NormPrefetch& pre,
+                                              float eps, int cols, int n, float* x_s, float* red,
+                                              const PreAdd& add = PreAdd{}) {
+  // PreAdd: y's reduction first, then the add as x is staged: two round trips to L2 and one block reduction more
+  // than plain staging. (Loading x, y and the post-norm weights of the first batch together ahead of the reduction,
+  // one round trip fewer, measured slower on the H100: Gemma 3 270M-shaped decode 1,853 -> 1,737 tok/s, NOTES.)
+  float add_scale = 0.f;
+  if (add.y != nullptr) {
+    float sy = 0.f;
+    for (int i = threadIdx.x; i < cols; i += blockDim.x) {
+      const float v = __ldcg(add.y + i);
+      sy += v * v;
+    }
+    add_scale = 1.f / sqrtf(detail::block_sum(sy, red) / static_cast<float>(cols) + add.eps);
+  }
+  float ss = 0.f;
+  for (int i0 = threadIdx.x, batch = 0; i0 < n; i0 += kStageBatch * blockDim.x, ++batch) {
+    float v[kStageBatch], w[kStageBatch];
+#pragma unroll
+    for (int u = 0; u < kStageBatch; ++u) {
+      const int i = i0 + u * blockDim.x;
+      v[u] = i < cols ? __ldcg(x + i) : 0.f;
+      w[u] = batch == 0 ? pre.w[u] : (norm_w != nullptr && i < cols ? __ldg(norm_w + i) : 1.f);
+    }
+    if (add.y != nullptr) {
+#pragma unroll
+      for (int u = 0; u < kStageBatch; ++u) {
+        const int i = i0 + u * blockDim.x;
+        if (i < cols) {
+          v[u] = v[u] + __ldcg(add.y + i) * add_scale * __ldg(add.w + i);
+          if (blockIdx.x == 0) add.x_next[i] = v[u];
+        }
+      }
+    }
+#pragma unroll
+    for (int u = 0; u < kStageBatch; ++u) {
+      const int i = i0 + u * blockDim.x;
+      if (i < n) {
+        x_s[smem_index(i)] = v[u] * w[u];
+        ss += v[u] * v[u];
+      }
+    }
+  }
+  if (norm_w == nullptr) {
+    __syncthreads();
+    return 1.f;
+  }
+  const float total = detail::block_sum(ss, red);  // its barriers also publish x_s
+  return 1.f / sqrtf(total / static_cast<float>(cols) + eps);
+}
+
+// Plain: y = the rows. Qkv: RoPE and the cache append (QkvTargets). SiluGlu: W = [gate; up] stacked, and each block
+// takes the same units of both halves (its first warps gate rows u.., the rest up rows u..), so that y[u] =
+// silu(gate_u) * up_u leaves the kernel finished and the down projection stages plain activations.
+enum class NormOut : int { Plain = 0, Qkv = 1, SiluGlu = 2 };
+
+struct NormMatvecArgs {
+  NormOut mode = NormOut::Plain;
+  bool gelu = false;   // SiluGlu: GELU (tanh form) in place of SiLU
+  PreAdd pre;          // a residual add folded into the staging (see stage_normed)
+  float* y = nullptr;  // Plain: the output rows; SiluGlu: the W.rows / 2 activations
+  QkvTargets qkv;
+  DevMatrix embed;           // Qkv with embed.payload set: x is row qkv.io->token of embed
+  float* x_out = nullptr;    // ... and block 0 writes that row here (the residual stream)
+};
+
+// Blocks per lane loaded before the wait: at least 4 for quarter-warp rows (TPR 8), so that all blocks of a row of
+// up to 32 (SmolLM2, Qwen2.5-0.5B, Gemma 3 widths) are in flight before the wait (small block types only).
+// The one-wave kernel (norm_matvec_kernel_5) holds at most 2, so that 16-lane rows of up to 32 blocks fit 48 registers.
+template <typename B>
+constexpr int unroll_for(int tpr, int minb = 1) {
+  return minb > 1 ? (B::kUnroll < 2 ? B::kUnroll : 2) : tpr == 8 && sizeof(B) <= 32 && B::kUnroll < 4 ? 4 : B::kUnroll;
+}
+
+// The body of the fused norm + matvec kernels below. PRE: the PreAdd variant (a.pre set), a separate instantiation so
+// that the kernels of every other layer compile as if it did not exist (a runtime test cost Qwen2.5-0.5B-shaped
+// decode 2.5% on the H100). MINB: see norm_matvec_kernel_5.
+template <typename B, int TPR, bool PRE, int MINB>
+__device__ __forceinline__ void norm_matvec_body(const DevMatrix& W, const float* __restrict__ x,
+                                                 const float* __restrict__ norm_w, float eps, const NormMatvecArgs& a) {
+  extern __shared__ float4 smem_dyn[];
+  float* x_s = reinterpret_cast<float*>(smem_dyn);
+  __shared__ float red[32];
+  __shared__ float y_s[512 / 8];
+  const int rows_per_block = blockDim.x / TPR;
+  const int local = threadIdx.x / TPR, sub = threadIdx.x % TPR;
+  const int n = W.nb * 32;
+  // SiluGlu: this block's units [unit0, unit0 + units_per_block) of both halves; rows past a half map to W.rows,
+  // which every row test treats as absent.
+  const int units = W.rows / 2, units_per_block = rows_per_block / 2, unit0 = blockIdx.x * units_per_block;
+  const int glu_unit = unit0 + (local < units_per_block ? local : local - units_per_block);
+  // Qkv: the rows in pair order (detail::qkv_pair_row), so that the two rows RoPE turns together are adjacent here.
+  const int row = a.mode == NormOut::Qkv
+                      ? detail::qkv_pair_row(blockIdx.x * rows_per_block + local, a.qkv.neox, a.qkv.q_dim,
+                                             a.qkv.kv_dim, a.qkv.head_dim)
+                  : a.mode != NormOut::SiluGlu ? blockIdx.x * rows_per_block + local
+                  : glu_unit >= units          ? W.rows
+                                               : glu_unit + (local < units_per_block ? 0 : units);
+
+  KernelTrace trace(a.mode == NormOut::Qkv ? kTraceQkv : kTraceNormMatvec);
+  detail::launch_dependents();
+  RowDotB<B, TPR, unroll_for<B>(TPR, MINB)> rd;
+  rd.prefetch(W, row, sub);
+  NormPrefetch nw;
+  nw.load(norm_w, W.cols);
+  // QKV: the RoPE factors of the rows this thread stores (the position was written before this graph launch).
+  const int pair = threadIdx.x;
+  const int r0 = blockIdx.x * rows_per_block + 2 * pair;
+  const bool stores_pair = a.mode == NormOut::Qkv && pair < rows_per_block / 2 && r0 < W.rows;
+  float2 cs = make_float2(1.f, 0.f);
+  if (stores_pair) {
+    const QkvTargets& t = a.qkv;
+    cs = detail::rope_factors(r0, t.io->pos, t.rope_table, t.q_dim, t.kv_dim, t.head_dim);
+  }
+  const float bias = a.mode == NormOut::Qkv && a.qkv.bias != nullptr && sub == 0 && row < W.rows ? a.qkv.bias[row] : 0.f;
+
+  float scale = 1.f;
+  if (a.embed.payload != nullptr) {
+    // The token id was written before this graph launch (by the host or the previous step's argmax), and the
+    // embedding is a weight, so the whole gather and the norm run before the wait.
+    const int64_t token = a.qkv.io->token;
+    float ss = 0.f;
+    for (int i = threadIdx.x; i < n; i += blockDim.x) {
+      const float v = i < W.cols ? detail::load_weight(a.embed, token, i) : 0.f;
+      x_s[smem_index(i)] = v;
+      ss += v * v;
+    }
+    const float total = detail::block_sum(ss, red);
+    const float inv_rms = 1.f / sqrtf(total / static_cast<float>(W.cols) + eps);
+    grid_dependency_wait();  // the previous step's kernels may still read x
+    trace.released();
+    for (int i = threadIdx.x; i < W.cols; i += blockDim.x) {
+      const float v = x_s[smem_index(i)];
+      if (blockIdx.x == 0) a.x_out[i] = v;
+      x_s[smem_index(i)] = v * inv_rms * norm_w[i];
+    }
+    __syncthreads();
+  } else {
+    grid_dependency_wait();
+    trace.released();
+    scale = stage_normed(x, norm_w, nw, eps, W.cols, n, x_s, red, PRE ? a.pre : PreAdd{});
+  }
+
+  const float acc = rd.finish(W, row, sub, x_s) * scale;
+
+  if (a.mode == NormOut::Plain) {
+    if (sub == 0 && row < W.rows) a.y[row] = acc;
+  } else if (a.mode == NormOut::SiluGlu) {
+    if (sub == 0) y_s[local] = acc;
+    __syncthreads();
+    const int u = unit0 + threadIdx.x;
+    if (threadIdx.x < units_per_block && u < units) {
+      const float g = y_s[threadIdx.x], up = y_s[threadIdx.x + units_per_block];
+      if (a.gelu) {  // the formula of glu_kernel (arch.cu) and the CPU reference
+        const float t = 0.7978845608028654f * g * (1.f + 0.044715f * g * g);
+        a.y[u] = 0.5f * g * (1.f + tanhf(t)) * up;
+      } else {
+        a.y[u] = g / (1.f + expf(-g)) * up;
+      }
+    }
+  } else {
+    if (sub == 0) y_s[local] = acc + bias;
+    __syncthreads();
+    if (stores_pair) {
+      const QkvTargets& t = a.qkv;
+      const bool gathered = t.neox && r0 < t.q_dim + t.kv_dim;  // a NeoX pair: rows i and i + head_dim/2
+      detail::store_qkv_pair_rotated(detail::qkv_pair_row(r0, t.neox, t.q_dim, t.kv_dim, t.head_dim), y_s[2 * pair],
+                                     y_s[2 * pair + 1], t.io->pos, cs, t.q_dim, t.kv_dim, t.head_dim, t.q_out,
+                                     t.k_cache, t.v_cache, gathered ? t.head_dim / 2 : 1);
+    }
+  }
+}
+
+template <typename B, int TPR, bool PRE>
+__global__ void __launch_bounds__(512) norm_matvec_kernel(DevMatrix W, const float* __restrict__ x,
+                                                          const float* __restrict__ norm_w, float eps,
+                                                          NormMatvecArgs a) {
+  norm_matvec_body<B, TPR, PRE, 1>(W, x, norm_w, eps, a);
+}
+
+// 16-lane rows in 256-thread blocks, five resident per SM (48 registers, 2 blocks a lane before the wait), for matrices
+// that one wave of norm_matvec_kernel does not cover (run_norm_matvec). Its own kernel, not a launch-bounds template
+// argument of the one above: `__launch_bounds__(512, 1)` there let ptxas take 85-111 registers instead of 64 and cost
+// SmolLM2-135M 7% (NOTES, "CUDA, session 14").
+template <typename B>
+__global__ void __launch_bounds__(256, 5) norm_matvec_kernel_5(DevMatrix W, const float* __restrict__ x,
+                                                               const float* __restrict__ norm_w, float eps,
+                                                               NormMatvecArgs a) {
+  norm_matvec_body<B, 16, false, 5>(W, x, norm_w, eps, a);
+}
+
+// ------------------------------------------------------------------ final norm + lm_head + argmax
+
+struct ArgmaxArgs {
+  bool prefetch_l2 = false;      // the rows of later passes go to L2 before the wait (when they fit there)
+  float* logits = nullptr;
+  ArgmaxScratch am;
+  ArgmaxResult* result = nullptr;
+  DecodeIO* io_next = nullptr;
+};
+
+// Few blocks, each looping over several row groups: the norm is staged and the argmax reduced once per block, not
+// once per 32 rows, and the next group's weights are loaded while the current one is summed.
+template <typename B, int TPR>
+__global__ void __launch_bounds__(256) norm_matvec_argmax_kernel(DevMatrix W, const float* __restrict__ x,
+                                                                 const float* __restrict__ norm_w, float eps,
+                                                                 ArgmaxArgs a) {
+  extern __shared__ float4 smem_dyn[];
+  float* x_s = reinterpret_cast<float*>(smem_dyn);
+  __shared__ float red[32];
+  __shared__ ArgmaxPartial am_red[32];
+  const int rows_per_pass = blockDim.x / TPR;
+  const int local = threadIdx.x / TPR, sub = threadIdx.x % TPR;
+  const int stride = gridDim.x * rows_per_pass;
+  int base = blockIdx.x * rows_per_pass;
+
+  KernelTrace trace(kTraceLmHead);
+  detail::launch_dependents();
+  RowDotB<B, TPR> rd;
+  rd.prefetch(W, base + local, sub);
+  NormPrefetch nw;
+  nw.load(norm_w, W.cols);
+  // The rows of the later passes go to L2 now, while the kernels before still run: the lm_head is the one matrix
+  // too large for its first pass to hide the rest of its reads.
+  if (a.prefetch_l2) {
+    const int pb = payload_bytes(W.type), sc = scale_count(W.type);
+    for (int g = base + stride; g < W.rows; g += stride) {
+      const int rows = min(rows_per_pass, W.rows - g);
+      const char* pay = reinterpret_cast<const char*>(W.payload) + static_cast<int64_t>(g) * W.nb * pb;
+      const int pay_bytes = rows * W.nb * pb;
+      for (int off = threadIdx.x * 128; off < pay_bytes; off += blockDim.x * 128) prefetch_l2(pay + off);
+      if (sc > 0) {
+        const char* scl = reinterpret_cast<const char*>(W.scales) + static_cast<int64_t>(g) * W.nb * sc * 2;
+        const int scl_bytes = rows * W.nb * sc * 2;
+        for (int off = threadIdx.x * 128; off < scl_bytes; off += blockDim.x * 128) prefetch_l2(scl + off);
+      }
+      const int aw = aux_words(W.type);
+      if (aw > 0) {
+        const char* aux = reinterpret_cast<const char*>(W.aux) + static_cast<int64_t>(g) * W.nb * aw * 4;
+        const int aux_bytes = rows * W.nb * aw * 4;
+        for (int off = threadIdx.x * 128; off < aux_bytes; off += blockDim.x * 128) prefetch_l2(aux + off);
+      }
+    }
+  }
+  grid_dependency_wait();
+  trace.released();
+  const float scale = stage_normed(x, norm_w, nw, eps, W.cols, W.nb * 32, x_s, red);
+
+  ArgmaxPartial best{0.f, kNoIndex};
+  for (; base < W.rows; base += stride) {  // block-uniform: every lane takes part in the group shuffles
+    RowDotB<B, TPR> next;
+    next.prefetch(W, base + stride + local, sub);
+    const int row = base + local;
+    const float acc = rd.finish(W, row, sub, x_s) * scale;
+    if (sub == 0 && row < W.rows) {
+      a.logits[row] = acc;
+      if (!isnan(acc) && detail::argmax_better(ArgmaxPartial{acc, static_cast<uint32_t>(row)}, best))
+        best = ArgmaxPartial{acc, static_cast<uint32_t>(row)};
+    }
+    rd = next;
+  }
+  best = detail::block_argmax(best, am_red);
+  detail::argmax_finish(best, a.am, a.result, a.io_next);
+}
+
+// ------------------------------------------------------------------ matvec + residual
+
+// TPR 64 (two warps per row, 512 threads) serves wide matrices such as the down projection (48 blocks per row):
+// each lane then sums at most one weight block after the wait instead of two. U: the weight blocks each lane loads
+// before the wait (launch_matvec_residual gives rows of more than two blocks a lane three).
+template <typename B, int TPR, int U = B::kUnroll>
+__global__ void __launch_bounds__(512) matvec_residual_kernel(DevMatrix W, const float* __restrict__ x,
+                                                              float* residual) {
+  extern __shared__ float4 smem_dyn[];
+  float* x_s = reinterpret_cast<float*>(smem_dyn);
+  __shared__ float half_sums[TPR > 32 ? 512 / 32 : 1];
+  const int rows_per_block = blockDim.x / TPR;
+  const int local = threadIdx.x / TPR, sub = threadIdx.x % TPR;
+  const int row = blockIdx.x * rows_per_block + local;
+
+  KernelTrace trace(W.nb > 32 ? kTraceDown : kTraceResidual);
+  detail::launch_dependents();
+  RowDotB<B, TPR, U> rd;
+  rd.prefetch(W, row, sub);
+  grid_dependency_wait();
+  trace.released();
+  // The residual row is loaded now, in the same L2 round trip as the activations, not after the dot product.
+  const float res = sub == 0 && row < W.rows ? __ldcg(residual + row) : 0.f;
+
+  // x in 16-byte loads, kStageVec per thread per round trip to L2: one round trip up to 8,192 columns at 512
+  // threads (the down projection's 4,864 took two with scalar loads; NOTES, "CUDA, session 14").
+  const int n = W.nb * 32;
+  const bool vec = (reinterpret_cast<uintptr_t>(x) & 15) == 0 && W.cols % 4 == 0;
+  for (int j0 = threadIdx.x; j0 < n / 4; j0 += kStageVec * blockDim.x) {
+    float4 v[kStageVec];
+#pragma unroll
+    for (int u = 0; u < kStageVec; ++u) {
+      const int j = j0 + u * blockDim.x, i = 4 * j;
+      if (vec) {
+        v[u] = i < W.cols ? __ldcg(reinterpret_cast<const float4*>(x) + j) : make_float4(0.f, 0.f, 0.f, 0.f);
+      } else {
+        v[u].x = i < W.cols ? __ldcg(x + i) : 0.f;
+        v[u].y = i + 1 < W.cols ? __ldcg(x + i + 1) : 0.f;
+        v[u].z = i + 2 < W.cols ? __ldcg(x + i + 2) : 0.f;
+        v[u].w = i + 3 < W.cols ? __ldcg(x + i + 3) : 0.f;
+      }
+    }
+#pragma unroll
+    for (int u = 0; u < kStageVec; ++u) {
+      const int j = j0 + u * blockDim.x;
+      if (j < n / 4) *reinterpret_cast<float4*>(x_s + smem_index(4 * j)) = v[u];
+    }
+  }
+  __syncthreads();
+  trace.mark(0);
+
+  float acc = rd.finish(W, row, sub, x_s);
+  if constexpr (TPR > 32) {
+    const int warp = threadIdx.x / 32;
+    if (threadIdx.x % 32 == 0) half_sums[warp] = acc;
+    __syncthreads();
+    if (sub == 0) acc = half_sums[warp] + half_sums[warp + 1];
+  }
+  trace.mark(1);
+  if (sub == 0 && row < W.rows) residual[row] = res + acc;
+}
+// ------------------------------------------------------------------ launch helpers
+
+namespace {
+
+struct Geometry {
+  int tpr, threads, grid;
+  size_t smem;
+};
+
+// Decode matvecs are latency-bound: after the programmatic wait a block stages x and each lane sums its weight
+// blocks, so a whole warp per row (each lane one or two 32-weight blocks at SmolLM2's widths) and 256 threads per
+// block (x staged in one batch of loads, eight warps to hide the shared-memory latency of the dot products) make
+// the dependent part shortest; the idle lanes of an 18-block row cost nothing that matters here.
+constexpr int kMatvecTpr = 32;
+Geometry matvec_geometry(const DevMatrix& W, int tpr = kMatvecTpr, int threads = 256) {
+  Geometry g;
+  g.tpr = tpr;
+  g.threads = threads;
+  const int rows_per_block = g.threads / g.tpr;
+  g.grid = (W.rows + rows_per_block - 1) / rows_per_block;
+  g.smem = static_cast<size_t>(W.nb) * kSmemBlockStride * sizeof(float);
+  return g;
+}
+
+// The lm_head streams 49k+ rows through a few resident blocks (norm_matvec_argmax_kernel): fewer lanes per row
+// keep more rows in flight per pass.
+Geometry lm_head_geometry(const DevMatrix& W) {
+  Geometry g;
+  g.tpr = W.nb <= 32 ? 8 : W.nb <= 64 ? 16 : 32;
+  g.threads = 256;
+  g.grid = 0;  // chosen from occupancy at launch
+  g.smem = static_cast<size_t>(W.nb) * kSmemBlockStride * sizeof(float);
+  return g;
+}
+
+// The one switch from a weight type to a kernel instantiation: Family::get<T>() names the kernel for type T.
+template <typename Family>
+typename Family::Fn kernel_for(GgmlType t) {
+  if (t == kWide8) return Family::template get<kWide8>();
+  switch (t) {
+    case GgmlType::Q4_0: return Family::template get<GgmlType::Q4_0>();
+    case GgmlType::Q4_1: return Family::template get<GgmlType::Q4_1>();
+    case GgmlType::Q8_0: return Family::template get<GgmlType::Q8_0>();
+    case GgmlType::Q5_0: return Family::template get<GgmlType::Q5_0>();
+    case GgmlType::Q5_1: return Family::template get<GgmlType::Q5_1>();
+    case GgmlType::Q4_K: return Family::template get<GgmlType::Q4_K>();
+    case GgmlType::Q5_K: return Family::template get<GgmlType::Q5_K>();
+    case GgmlType::Q6_K: return Family::template get<GgmlType::Q6_K>();
+    case GgmlType::F16: return Family::template get<GgmlType::F16>();
+    case GgmlType::BF16: return Family::template get<GgmlType::BF16>();
+    case GgmlType::F32: return Family::template get<GgmlType::F32>();
+    default: break;
+  }
+  throw EngineError(std::string("matvec: unsupported weight type ") + gpu_type_name(t));
+}
+
+template <bool PRE, int TPR>
+struct NormKernels {
+  using Fn = void (*)(DevMatrix, const float*, const float*, float, NormMatvecArgs);
+  template <GgmlType T>
+  static Fn get() { return norm_matvec_kernel<typename BlkSel<T>::type, TPR, PRE>; }
+};
+struct NormKernels5 {
+  using Fn = void (*)(DevMatrix, const float*, const float*, float, NormMatvecArgs);
+  template <GgmlType T>
+  static Fn get() { return norm_matvec_kernel_5<typename BlkSel<T>::type>; }
+};
+// U: weight blocks per lane loaded before the wait, at least the type's own kUnroll.
+template <int TPR, int U = 0>
+struct ResidualKernels {
+  using Fn = void (*)(DevMatrix, const float*, float*);
+  template <GgmlType T>
+  static Fn get() {
+    using B = typename BlkSel<T>::type;
+    return matvec_residual_kernel<B, TPR, (U > B::kUnroll ? U : B::kUnroll)>;
+  }
+};
+template <int TPR>
+struct ArgmaxKernels {
+  using Fn = void (*)(DevMatrix, const float*, const float*, float, ArgmaxArgs);
+  template <GgmlType T>
+  static Fn get() { return norm_matvec_argmax_kernel<typename BlkSel<T>::type, TPR>; }
+};
+
+template <typename K>
+K pick(int tpr, K k8, K k16, K k32) {
+  return tpr == 8 ? k8 : tpr == 16 ? k16 : k32;
+}
+
+template <typename K>
+void allow_smem(K kernel, size_t smem) {
+  detail::allow_dynamic_smem(kernel, smem);
+}
+
+template <int TPR>
+typename NormKernels<false, TPR>::Fn norm_kernel(const DevMatrix& W, bool pre) {
+  return pre ? kernel_for<NormKernels<true, TPR>>(W.type) : kernel_for<NormKernels<false, TPR>>(W.type);
+}
+
+// Rows that one wave of resident blocks of kernel k covers.
+template <typename K>
+int64_t rows_per_wave(K k, const Geometry& g) {
+  int device = 0, n_sms = 0, per_sm = 0;
+  CUDA_CHECK(cudaGetDevice(&device));
+  CUDA_CHECK(cudaDeviceGetAttribute(&n_sms, cudaDevAttrMultiProcessorCount, device));
+  allow_smem(k, g.smem);
+  CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, k, g.threads, g.smem));
+  return static_cast<int64_t>(std::max(per_sm, 1)) * n_sms * (g.threads / g.tpr);
+}
+
+void run_norm_matvec(const DevMatrix& W, const float* x, const float* norm_w, float eps, const NormMatvecArgs& a,
+                     cudaStream_t s) {
+  // A whole warp per row keeps the part after the wait shortest (each lane one or two weight blocks), as long as
+  // the rows fit about one wave of resident blocks: a later wave pays the launch, the wait, the staging and the
+  // reduction again with HBM idle. Larger matrices take half a warp per row, or a quarter, in 256-thread blocks.
+  // H100, us per token (NOTES, "CUDA, session 13"): Qwen2.5-0.5B's gate/up (9,728 rows, 2.3 waves at 32 lanes)
+  // 612 -> 528 at 16 lanes (1.15 waves; 8 lanes, 0.6 waves but four blocks a lane, 578); SmolLM2-1.7B's gate/up
+  // (16,384 rows) 1,003 -> 873 at 8 lanes (0.97 waves; 16 lanes, 1.9 waves, 907) and its QKV (6,144 rows, 1.45
+  // waves) -> 16 lanes +3%; the one-wave gate/up of Gemma 3 270M and SmolLM2-135M lose 4-20% at fewer lanes.
+  // SiluGlu at 32 lanes in 512 threads (16 rows per block): the gate/up matrix's 3072 rows as 192 blocks instead of
+  // 384, each staging and normalizing x once for twice the rows. Measured in the decode chain (H100): 402 -> 390 us
+  // per token; QKV at 512 threads was slower (391 -> 398) and O even, so they keep 256 (NOTES, "Fifth session").
+  const bool pre = a.pre.y != nullptr;
+  constexpr double kWaveSlack = 1.25;  // a last wave of a quarter of the SMs' blocks costs less than fewer lanes
+  Geometry g = matvec_geometry(W, kMatvecTpr, a.mode == NormOut::SiluGlu ? 512 : 256);
+  auto k = norm_kernel<kMatvecTpr>(W, pre);
+  if (W.rows > kWaveSlack * static_cast<double>(rows_per_wave(k, g))) {
+    g = matvec_geometry(W, 16, 256);
+    k = norm_kernel<16>(W, pre);
+    const int64_t wave16 = rows_per_wave(k, g);
+    // Past one wave of the 64-register kernel (4 blocks a SM), the 48-register instantiation (5 a SM, 2 blocks a
+    // lane before the wait) may still hold every row in one wave: Qwen2.5-0.5B's gate/up, 9,728 rows in 608 blocks
+    // against 528 resident. H100, Qwen2.5-0.5B shape: 510 -> 482 us per token, the gate/up's share of the chain
+    // 6.9 -> 5.4 us a layer (NOTES, "CUDA, session 14").
+    // (Quantized types only: the float blocks spill 150-300 bytes in 48 registers.)
+    const bool quantized = W.type != GgmlType::F32 && W.type != GgmlType::F16 && W.type != GgmlType::BF16;
+    const auto k5 = pre || !quantized ? k : kernel_for<NormKernels5>(W.type);
+    if (k5 != k && W.rows > wave16 && W.rows <= rows_per_wave(k5, g)) {
+      k = k5;
+    } else if (W.rows > kWaveSlack * static_cast<double>(wave16)) {
+      g = matvec_geometry(W, 8, 256);
+      k = norm_kernel<8>(W, pre);
+    }
+  }
+  allow_smem(k, g.smem);
+  detail::launch_programmatic(k, dim3(g.grid), dim3(g.threads), g.smem, s, W, x, norm_w, eps, a);
+}
+
+
+// The lm_head kernel's row groups (rows_per_pass rows each); its grid is at most this many blocks.
+constexpr int kArgmaxThreads = 256;
+int argmax_row_groups(const DevMatrix& W) {
+  const int rows_per_pass = kArgmaxThreads / lm_head_geometry(W).tpr;
+  return (W.rows + rows_per_pass - 1) / rows_per_pass;
+}
+
+}  // namespace
+
+int argmax_partials_needed(const DevMatrix& lm_head) {
+  const int g = argmax_row_groups(lm_head);
+  return g > kArgmaxMaxBlocks ? g : kArgmaxMaxBlocks;
+}
+
+static void check_pre_add(const PreAdd& pre, const float* x) {
+  if (pre.y != nullptr && (pre.w == nullptr || pre.x_next == nullptr || pre.x_next == x))
+    throw EngineError("norm matvec: a folded residual add needs its norm weights and a separate output buffer");
+}
+
+void launch_norm_matvec(const DevMatrix& W, const float* x, const float* norm_w, float eps, float* y,
+                        cudaStream_t s, const PreAdd& pre) {
+  check_pre_add(pre, x);
+  NormMatvecArgs a;
+  a.mode = NormOut::Plain;
+  a.y = y;
+  a.pre = pre;
+  run_norm_matvec(W, x, norm_w, eps, a, s);
+}
+
+void launch_norm_matvec_silu_glu(const DevMatrix& W, const float* x, const float* norm_w, float eps, float* act,
+                                 cudaStream_t s, Activation act_fn, const PreAdd& pre) {
+  // Every block takes units_per_block units of each half, so a grid of rows / rows-per-block blocks
+  // covers exactly the units when the halves are equal.
+  if (W.rows % 2 != 0) throw EngineError("gate/up matvec: the stacked matrix needs two equal halves");
+  check_pre_add(pre, x);
+  NormMatvecArgs a;
+  a.mode = NormOut::SiluGlu;
+  a.gelu = act_fn == Activation::GeluTanh;
+  a.pre = pre;
+  a.y = act;
+  run_norm_matvec(W, x, norm_w, eps, a, s);
+}
+
+void launch_norm_matvec_qkv(const DevMatrix& W, const float* x, const float* norm_w, float eps, const QkvTargets& t,
+                            cudaStream_t s) {
+  if (W.rows != t.q_dim + 2 * t.kv_dim || t.head_dim % 2 != 0) throw EngineError("qkv matvec: bad geometry");
+  NormMatvecArgs a;
+  a.mode = NormOut::Qkv;
+  a.qkv = t;
+  run_norm_matvec(W, x, norm_w, eps, a, s);
+}
+
+void launch_embed_norm_matvec_qkv(const DevMatrix& emb, float* x, const DevMatrix& W, const float* norm_w, float eps,
+                                  const QkvTargets& t, cudaStream_t s) {
+  if (W.rows != t.q_dim + 2 * t.kv_dim || t.head_dim % 2 != 0) throw EngineError("qkv matvec: bad geometry");
+  if (emb.cols != W.cols || norm_w == nullptr) throw EngineError("embedding + qkv matvec: bad geometry");
+  NormMatvecArgs a;
+  a.mode = NormOut::Qkv;
+  a.qkv = t;
+  a.embed = emb;
+  a.x_out = x;
+  run_norm_matvec(W, x, norm_w, eps, a, s);
+}
+
+void launch_norm_matvec_argmax(const DevMatrix& W, const float* x, const float* norm_w, float eps, float* logits,
+                               const ArgmaxScratch& scratch, ArgmaxResult* result, DecodeIO* io_next,
+                               cudaStream_t s) {
+  const Geometry g = lm_head_geometry(W);
+  const auto k = pick(g.tpr, kernel_for<ArgmaxKernels<8>>(W.type), kernel_for<ArgmaxKernels<16>>(W.type),
+                      kernel_for<ArgmaxKernels<32>>(W.type));
+  allow_smem(k, g.smem);
+  // As many blocks as fit on the GPU at once, spread so that every block takes the same number of row groups.
+  int device = 0, n_sms = 0, per_sm = 0;
+  CUDA_CHECK(cudaGetDevice(&device));
+  CUDA_CHECK(cudaDeviceGetAttribute(&n_sms, cudaDevAttrMultiProcessorCount, device));
+  CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, k, kArgmaxThreads, g.smem));
+  const int groups = argmax_row_groups(W);
+  const int resident = std::max(1, per_sm * n_sms);
+  const int passes = (groups + resident - 1) / resident;
+  const int grid = (groups + passes - 1) / passes;
+  if (grid > scratch.capacity) throw EngineError("argmax scratch too small");
+  ArgmaxArgs a;
+  // Prefetching the whole matrix to L2 pays only where it fits there with room to spare (SmolLM2's Q8_0 lm_head is
+  // 28 MB of the H100's 50 MB); a larger one would evict its own lines and the KV cache.
+  int l2_bytes = 0;
+  CUDA_CHECK(cudaDeviceGetAttribute(&l2_bytes, cudaDevAttrL2CacheSize, device));
+  const size_t matrix_bytes =
+      static_cast<size_t>(W.rows) * W.nb * gpu_block_bytes(W.type);
+  a.prefetch_l2 = matrix_bytes <= static_cast<size_t>(l2_bytes) * 3 / 5;
+  a.logits = logits;
+  a.am = scratch;
+  a.result = result;
+  a.io_next = io_next;
+  detail::launch_programmatic(k, dim3(grid), dim3(kArgmaxThreads), g.smem, s, W, x, norm_w, eps, a);
+}
+
+void launch_matvec_residual(const DevMatrix& W, const float* x, float* residual, cudaStream_t s) {
+  // More weight blocks per row than a warp has lanes: two warps per row (see the kernel). Rows of more than two
+  // blocks a lane (Qwen2.5-0.5B's down projection: 152 blocks over 64 lanes) load three a lane before the wait;
+  // with two, the third came from HBM after the activations (H100, Qwen2.5-0.5B shape: 513 -> 503 us per token;
+  // NOTES, "CUDA, session 14").
+  const bool wide = W.nb > kMatvecTpr, deep = W.nb > 2 * 2 * kMatvecTpr;
+  const Geometry g = wide ? matvec_geometry(W, 2 * kMatvecTpr, 512) : matvec_geometry(W);
+  const auto k = deep   ? kernel_for<ResidualKernels<2 * kMatvecTpr, 3>>(W.type)
+                 : wide ? kernel_for<ResidualKernels<2 * kMatvecTpr>>(W.type)
+                        : kernel_for<ResidualKernels<kMatvecTpr>>(W.type);
+  allow_smem(k, g.smem);
+  detail::launch_programmatic(k, dim3(g.grid), dim3(g.threads), g.smem, s, W, x, residual);
+}
+
+}  // namespace metalattn::cuda
