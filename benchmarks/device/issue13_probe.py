@@ -23,7 +23,8 @@ if what == "ttft":
             m.reset()
             t = time.perf_counter(); m.forward_prompt(ids[:n] if n <= 32 else np.arange(100, 100 + n, dtype=np.int32))
             ts.append((time.perf_counter() - t) * 1e3)
-        print(f"{what} PROMPT_MMA={os.environ.get('METALATTN_CUDA_PROMPT_MMA', '1')} n={n}: median {statistics.median(ts[5:]):.3f} ms, min {min(ts):.3f}")
+        mma = os.environ.get("METALATTN_CUDA_PROMPT_MMA", "1")
+        print(f"{what} PROMPT_MMA={mma} n={n}: median {statistics.median(ts[5:]):.3f} ms, min {min(ts):.3f}")
 elif what == "depth":
     p = "/tmp/s135.gguf"
     if not os.path.exists(p):

@@ -3,7 +3,8 @@
 # test_cuda_kernels (one sanitizer process per test and tool) and over the CUDA variants of the Python reliability
 # tests (threads, Ctrl-C, non-finite logits, close(), 100 load/generate/close cycles with device memory flat).
 # Under racecheck the tests run their quick mode (METALATTN_TEST_QUICK=1): the whole pass of 165 jobs took five
-# 10-minute calls on the H100 (RESULTS, "CUDA, session 16"). Run from the repo root on the device, with .devcarry carried:
+# 10-minute calls on the H100 (RESULTS, "CUDA, session 16"). Run from the repo root on the device, with .devcarry
+# carried:
 #   source .devcarry/setup.sh && JOBS=8 DEADLINE=540 TEST_TIMEOUT=540 bash benchmarks/device/sanitize.sh
 # then, if the 10-minute call cut it short, once more with JOBLIST=<the san_rerun.txt it wrote> (on a warm machine
 # the builds are reused). BIN and PY_WHEEL (built elsewhere from the same tree) save the builds (~3.5 min) per call.

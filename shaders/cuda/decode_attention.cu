@@ -388,8 +388,9 @@ void launch_attention_decode(const float* q, const float* k_cache, const float* 
   const int stage_rows = static_cast<int>(std::min<size_t>(room_rows, std::min(chunk_cap, kAttnSinglePassMax)));
   const size_t smem = attention_smem_bytes(heads_per_block, head_dim, chunk_cap, stage_rows);
   detail::allow_dynamic_smem(k, smem);
-  detail::launch_programmatic(k, dim3(n_heads / heads_per_block, p.max_splits), dim3(kAttnThreads), smem, s, q, k_cache, v_cache, io,
-         n_heads, n_kv_heads, heads_per_block, chunk_cap, stage_rows, p, out);
+  detail::launch_programmatic(k, dim3(n_heads / heads_per_block, p.max_splits), dim3(kAttnThreads), smem, s, q,
+                              k_cache, v_cache, io, n_heads, n_kv_heads, heads_per_block, chunk_cap, stage_rows, p,
+                              out);
 }
 
 void launch_attention_decode_short(const float* q, const float* k_cache, const float* v_cache, const DecodeIO* io,
@@ -401,7 +402,7 @@ void launch_attention_decode_short(const float* q, const float* k_cache, const f
   const size_t smem = (static_cast<size_t>(pos_cap) * (kShortAttnKStride + kShortAttnHd) + score_slots(pos_cap) +
                        kShortAttnHd + kShortAttnPvGroups * kShortAttnHd) * sizeof(float);
   detail::allow_dynamic_smem(attention_decode_short_kernel, smem);
-  detail::launch_programmatic(attention_decode_short_kernel, dim3(n_heads), dim3(kShortAttnThreads), smem, s, q, k_cache, v_cache, io,
-         n_heads, n_kv_heads, pos_cap, out);
+  detail::launch_programmatic(attention_decode_short_kernel, dim3(n_heads), dim3(kShortAttnThreads), smem, s, q,
+                              k_cache, v_cache, io, n_heads, n_kv_heads, pos_cap, out);
 }
 }  // namespace metalattn::cuda

@@ -84,7 +84,8 @@ __global__ void __launch_bounds__(256) argmax_kernel(const float* __restrict__ x
 }
 
 void launch_embed(const DevMatrix& emb, const DecodeIO* io, float* x, cudaStream_t s) {
-  detail::launch_programmatic(embed_kernel, dim3(1), dim3(256), 0, s, emb, io, static_cast<const int32_t*>(nullptr), x);
+  detail::launch_programmatic(embed_kernel, dim3(1), dim3(256), 0, s, emb, io, static_cast<const int32_t*>(nullptr),
+                              x);
 }
 
 void launch_embed_rows(const DevMatrix& emb, const int32_t* tokens, int n, float* x, cudaStream_t s) {
