@@ -2,7 +2,9 @@
 
 Prefill (ppN): time of one forward_prompt over N tokens from an empty cache -> N / seconds.
 Decode (tgN): after a 32-token prompt, N greedy steps (forward_token_greedy: argmax on the device, 8 bytes back)
--> N / seconds. Each figure is the median over --iterations runs after one warm-up run, with min and max.
+-> N / seconds. Decode at depth D (tgN @ dD, --depths): the same N steps after a D-token prompt (untimed), so the
+attention reads D cached positions per step; the table also gives each depth's time per token over the shallowest's.
+Each figure is the median over --iterations runs after one warm-up run, with min and max.
 """
 
 from __future__ import annotations
@@ -43,8 +45,28 @@ def weight_bytes_per_token(model) -> int:
     return total
 
 
+def _decode_rates(model, prompt: np.ndarray, gen_length: int, iterations: int, label: str, progress: bool):
+    """tok/s of gen_length greedy steps after `prompt`, and the prompt's own time (ms), one list entry per timed run
+    (the first run warms up and is dropped)."""
+    rates, prompt_ms = [], []
+    for it in range(iterations + 1):
+        model.reset()
+        t = time.perf_counter()
+        token = model.forward_prompt(prompt)
+        t1 = time.perf_counter()
+        for _ in range(gen_length):
+            token = model.forward_token_greedy(token)
+        t2 = time.perf_counter()
+        if it > 0:
+            rates.append(gen_length / (t2 - t1))
+            prompt_ms.append((t1 - t) * 1e3)
+        if progress:
+            print(f"\r  {label}: run {it}/{iterations}", end="", file=sys.stderr, flush=True)
+    return rates, prompt_ms
+
+
 def run_bench(model, prompt_lengths: Sequence[int] = (32, 128, 512), gen_length: int = 128, iterations: int = 5,
-              progress: bool = True) -> dict:
+              progress: bool = True, depths: Sequence[int] = ()) -> dict:
     vocab = model.vocab_size
     result = {
         "model": model.path.name,
@@ -82,20 +104,7 @@ def run_bench(model, prompt_lengths: Sequence[int] = (32, 128, 512), gen_length:
         if DECODE_PROMPT + gen_length > model.n_ctx:
             raise ValueError(f"32 + {gen_length} tokens do not fit the context of {model.n_ctx}")
         prompt = _random_tokens(DECODE_PROMPT, vocab, seed=1)
-        rates, ttft = [], []
-        for it in range(iterations + 1):
-            model.reset()
-            t = time.perf_counter()
-            token = model.forward_prompt(prompt)
-            t1 = time.perf_counter()
-            for _ in range(gen_length):
-                token = model.forward_token_greedy(token)
-            t2 = time.perf_counter()
-            if it > 0:
-                rates.append(gen_length / (t2 - t1))
-                ttft.append((t1 - t) * 1e3)
-            if progress:
-                print(f"\r  tg{gen_length}: run {it}/{iterations}", end="", file=sys.stderr, flush=True)
+        rates, ttft = _decode_rates(model, prompt, gen_length, iterations, f"tg{gen_length}", progress)
         per_token = weight_bytes_per_token(model)
         result["decode"] = {"n_prompt": DECODE_PROMPT, "n_gen": gen_length, "tokens_per_second": _summary(rates),
                             "time_to_first_token_ms": _summary(ttft), "weight_bytes_per_token": per_token}
@@ -107,6 +116,21 @@ def run_bench(model, prompt_lengths: Sequence[int] = (32, 128, 512), gen_length:
             result["decode"]["fraction_of_bandwidth_floor"] = result["decode"]["tokens_per_second"]["median"] / floor
         if model._engine.kernels_per_token:
             result["decode"]["kernels_per_token"] = model._engine.kernels_per_token
+    if depths:
+        if gen_length <= 0:
+            raise ValueError("--depths needs decode steps to time (--gen-length > 0)")
+        result["decode_at_depth"] = []
+        for depth in sorted(depths):
+            if depth < 1 or depth + gen_length > model.n_ctx:
+                raise ValueError(f"depth {depth} + {gen_length} decode tokens do not fit the context of "
+                                 f"{model.n_ctx} (-c sets it)")
+            rates, _ = _decode_rates(model, _random_tokens(depth, vocab, seed=depth), gen_length, iterations,
+                                     f"tg{gen_length} @ d{depth}", progress)
+            result["decode_at_depth"].append({"depth": depth, "n_gen": gen_length, "tokens_per_second": _summary(rates),
+                                              "us_per_token": _summary([1e6 / r for r in rates])})
+        base = result["decode_at_depth"][0]["us_per_token"]["median"]
+        for d in result["decode_at_depth"]:
+            d["time_ratio_to_shallowest"] = d["us_per_token"]["median"] / base
     if progress:
         print("\r" + " " * 40 + "\r", end="", file=sys.stderr, flush=True)
     result["memory"] = model.memory_info()
@@ -134,6 +158,10 @@ def format_table(r: dict) -> str:
         s = d["tokens_per_second"]
         rows.append((f"tg{d['n_gen']} (after pp{d['n_prompt']})", f"{s['median']:.1f}", f"{s['min']:.1f}",
                      f"{s['max']:.1f}", f"{1e3 / s['median']:.3f}"))
+    for x in r.get("decode_at_depth") or []:
+        s = x["tokens_per_second"]
+        rows.append((f"tg{x['n_gen']} @ d{x['depth']}", f"{s['median']:.1f}", f"{s['min']:.1f}", f"{s['max']:.1f}",
+                     f"{1e3 / s['median']:.3f}"))
     widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
     line = "| " + " | ".join(h.ljust(w) for h, w in zip(rows[0], widths)) + " |"
     sep = "|" + "|".join("-" * (w + 2) for w in widths) + "|"
@@ -149,6 +177,11 @@ def format_table(r: dict) -> str:
                          f"{d['bandwidth_floor_tokens_per_second']:.0f} tok/s)")
         if "kernels_per_token" in d:
             lines.append(f"kernels per token: {d['kernels_per_token']}")
+    depths = r.get("decode_at_depth") or []
+    if depths:
+        lines.append("decode at depth: " + ", ".join(
+            f"d{x['depth']} {x['us_per_token']['median']:.1f} us/token ({x['time_ratio_to_shallowest']:.2f}x)"
+            for x in depths))
     return "\n".join(lines)
 
 

@@ -84,13 +84,19 @@ def cmd_bench(args) -> int:
         lengths = [int(x) for x in args.prompt_lengths.split(",") if x.strip()]
     except ValueError:
         raise SystemExit(f"--prompt-lengths must be comma-separated integers, got {args.prompt_lengths!r}")
-    if any(n <= 0 for n in lengths) or args.iterations <= 0 or args.gen_length < 0:
-        raise SystemExit("prompt lengths and --iterations must be positive, --gen-length >= 0")
+    try:
+        depths = [int(x) for x in (args.depths or "").split(",") if x.strip()]
+    except ValueError:
+        raise SystemExit(f"--depths must be comma-separated integers, got {args.depths!r}")
+    if any(n <= 0 for n in lengths + depths) or args.iterations <= 0 or args.gen_length < 0:
+        raise SystemExit("prompt lengths, depths and --iterations must be positive, --gen-length >= 0")
+    if depths and args.gen_length == 0:
+        raise SystemExit("--depths times decode steps: give --gen-length > 0")
     if args.n_ctx is None:
-        args.n_ctx = max(lengths + [32 + args.gen_length]) + 1
+        args.n_ctx = max(lengths + [32 + args.gen_length] + [d + args.gen_length for d in depths]) + 1
     model = _load(args)
     print(f"benchmarking {model.path.name} on {model.device} ...", file=sys.stderr)
-    result = run_bench(model, lengths, args.gen_length, args.iterations, progress=not args.quiet)
+    result = run_bench(model, lengths, args.gen_length, args.iterations, progress=not args.quiet, depths=depths)
     print(to_json(result) if args.json else format_table(result))
     return 0
 
@@ -236,6 +242,8 @@ def build_parser() -> argparse.ArgumentParser:
     _add_model_args(b)
     b.add_argument("--prompt-lengths", default="32,128,512", help="comma-separated prefill lengths (default 32,128,512)")
     b.add_argument("--gen-length", type=int, default=128, help="decode tokens after a 32-token prompt (default 128)")
+    b.add_argument("--depths", default="", help="comma-separated context depths: decode --gen-length tokens after "
+                   "a prompt of each depth, and each depth's time per token over the shallowest's (e.g. 32,8000)")
     b.add_argument("--iterations", type=int, default=5, help="timed runs per test, after one warm-up (default 5)")
     b.add_argument("--json", action="store_true", help="print JSON instead of the table")
     b.add_argument("-q", "--quiet", action="store_true", help="no progress on stderr")

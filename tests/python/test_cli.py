@@ -46,6 +46,29 @@ def test_bench_json_reports_prefill_and_decode(synthetic_factory):
     assert "pp8" in table and "tg4" in table
 
 
+def test_bench_decode_at_depth(synthetic_factory):
+    path = synthetic_factory(quant="q4_0", seed=23)
+    p = cli("bench", "-m", path, "-d", "cpu", "--prompt-lengths", "8", "--gen-length", "4", "--iterations", "2",
+            "--depths", "40,8", "--json", "-q")
+    r = json.loads(p.stdout)
+    rows = r["decode_at_depth"]
+    assert [x["depth"] for x in rows] == [8, 40] and all(x["n_gen"] == 4 for x in rows)
+    for x in rows:
+        s, us = x["tokens_per_second"], x["us_per_token"]
+        assert 0 < s["min"] <= s["median"] <= s["max"] and s["runs"] == 2
+        assert abs(us["median"] * s["median"] - 1e6) < 1e-3 * 1e6  # the same runs, per token
+    assert rows[0]["time_ratio_to_shallowest"] == 1.0 and rows[1]["time_ratio_to_shallowest"] > 0
+    table = cli("bench", "-m", path, "-d", "cpu", "--prompt-lengths", "8", "--gen-length", "4", "--iterations", "1",
+                "--depths", "16", "-q").stdout
+    assert "tg4 @ d16" in table and "decode at depth: d16" in table
+    # A depth past the context the user set: a clear message, no traceback.
+    p = cli("bench", "-m", path, "-d", "cpu", "--prompt-lengths", "8", "--gen-length", "4", "--iterations", "1",
+            "--depths", "100", "-c", "64", "-q", check=False)
+    assert p.returncode == 1 and "depth 100" in p.stderr and "Traceback" not in p.stderr
+    p = cli("bench", "-m", path, "-d", "cpu", "--depths", "x", check=False)
+    assert p.returncode != 0 and "--depths" in p.stderr and "Traceback" not in p.stderr
+
+
 def test_info_and_quantize_and_perplexity(synthetic_factory, tmp_path):
     path = synthetic_factory(quant="q4_1", embd_quant="q8_0", seed=22)
     info = cli("info", "-m", path).stdout
