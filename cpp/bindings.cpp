@@ -175,6 +175,7 @@ NB_MODULE(_core, m) {
   m.def("cuda_device_count", &metalattn::cuda_device_count, "Number of usable CUDA devices (0 without CUDA).");
   m.def("cpu_isa", [] { return std::string(metalattn::cpu::isa_name(metalattn::cpu::selected_isa())); },
         "The CPU kernel path in use: avx512, avx2 or scalar (METALATTN_CPU_ISA forces one).");
+  m.def("cuda_device_name", &metalattn::cuda_device_name, "The current GPU's name (empty without CUDA or a device).");
   m.def("cuda_device_memory_used", &metalattn::cuda_device_memory_used,
         "Bytes of device memory in use on the current GPU (0 without CUDA).");
   m.def("cuda_copy_bandwidth", [] {

@@ -33,6 +33,17 @@ int cuda_device_count() {
   return n;
 }
 
+std::string cuda_device_name() {
+  if (cuda_device_count() <= 0) return {};
+  int dev = 0;
+  cudaDeviceProp prop{};
+  if (cudaGetDevice(&dev) != cudaSuccess || cudaGetDeviceProperties(&prop, dev) != cudaSuccess) {
+    cudaGetLastError();
+    return {};
+  }
+  return prop.name;
+}
+
 size_t cuda_device_memory_used() {
   if (cuda_device_count() <= 0) return 0;
   size_t free_b = 0, total_b = 0;

@@ -80,6 +80,7 @@ def run_bench(model, prompt_lengths: Sequence[int] = (32, 128, 512), gen_length:
     }
     from . import _core
 
+    result["hardware"] = _hardware_name(model.device)
     if model.device == "cpu":
         result["cpu_isa"] = _core.cpu_isa()
         result["threads"] = getattr(model, "n_threads", None)
@@ -137,6 +138,22 @@ def run_bench(model, prompt_lengths: Sequence[int] = (32, 128, 512), gen_length:
     return result
 
 
+def _hardware_name(device: str) -> str:
+    """The GPU's name on CUDA, the CPU's model name on the CPU (Linux /proc/cpuinfo, else what platform knows)."""
+    from . import _core
+
+    if device == "cuda":
+        return _core.cuda_device_name()
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8", errors="replace") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
 def _bandwidth(model) -> Optional[float]:
     from . import _core
 
@@ -166,7 +183,8 @@ def format_table(r: dict) -> str:
     line = "| " + " | ".join(h.ljust(w) for h, w in zip(rows[0], widths)) + " |"
     sep = "|" + "|".join("-" * (w + 2) for w in widths) + "|"
     body = ["| " + " | ".join(c.rjust(w) for c, w in zip(row, widths)) + " |" for row in rows[1:]]
-    head = f"{r['model']} on {r['device']}" + (f" ({r['cpu_isa']})" if r.get("cpu_isa") else "")
+    detail = ", ".join(x for x in (r.get("cpu_isa"), r.get("hardware")) if x)
+    head = f"{r['model']} on {r['device']}" + (f" ({detail})" if detail else "")
     lines = [head, line, sep, *body]
     if d:
         lines.append(f"time to first token (pp{d['n_prompt']}): {d['time_to_first_token_ms']['median']:.3f} ms")

@@ -38,6 +38,7 @@ def test_bench_json_reports_prefill_and_decode(synthetic_factory):
     for x in r["prefill"]:
         s = x["tokens_per_second"]
         assert 0 < s["min"] <= s["median"] <= s["max"] and s["runs"] == 2
+    assert r["hardware"]  # the CPU's (or GPU's) name, so a result file says what it ran on
     d = r["decode"]
     assert d["n_gen"] == 8 and d["tokens_per_second"]["median"] > 0
     assert 0 < d["fraction_of_bandwidth_floor"]

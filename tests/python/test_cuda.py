@@ -324,3 +324,8 @@ def test_quant_types_load_on_auto_device(quant_models):
     for case, path in quant_models.items():
         m = metalattn.load(path, device="auto", n_ctx=64)
         assert m.device == "cuda", case
+
+
+def test_device_name_is_reported():
+    name = _core.cuda_device_name()
+    assert isinstance(name, str) and name  # e.g. "NVIDIA H100 80GB HBM3"; bench's JSON carries it as "hardware"

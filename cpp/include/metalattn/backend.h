@@ -54,6 +54,8 @@ std::unique_ptr<Backend> make_cpu_backend(const ModelSpec& spec, const ModelWeig
 bool cuda_compiled();
 int cuda_device_count();  // 0 when not compiled or no device
 std::unique_ptr<Backend> make_cuda_backend(const ModelSpec& spec, const ModelWeights& w, bool debug);
+// The current GPU's name (e.g. "NVIDIA H100 80GB HBM3"); empty without CUDA or a device.
+std::string cuda_device_name();
 // Device memory in use on the current GPU (total - free), for leak checks; 0 without CUDA.
 size_t cuda_device_memory_used();
 // Device-to-device copy bandwidth in bytes/s (bytes read + written), the yardstick of the decode floor.
