@@ -145,10 +145,13 @@ double graph_time_us(cudaStream_t s, F body, int reps = 200) {
 
 // Per kernel kind: median time from the previous kernel's exit to this kernel's release from its programmatic
 // wait (the chain hand-over), and from release to exit (the work after the wait), over several decode steps.
-void print_decode_trace(Backend& be, const std::vector<int32_t>& prompt, int n_layers) {
+void print_decode_trace(Backend& be, const std::vector<int32_t>& prompt, int n_layers, int n_ctx) {
   const char* names[kTraceKinds] = {"norm+gate/up", "norm+qkv", "matvec+residual", "attention", "lm_head+argmax",
                                     "down+residual"};
-  for (int pos : {32, 160, 1000}) {
+  // Positions past 1000 only where the context holds them and the 24 steps after (bench_cuda 8192 trace: the
+  // depth of issue 13's 8,000-position target).
+  for (int pos : {32, 160, 1000, 4000, 8000}) {
+    if (pos + 24 > n_ctx || pos > static_cast<int>(prompt.size())) continue;
     ArgmaxResult r = be.forward_prompt(prompt.data(), pos, 0, nullptr, nullptr);
     for (int i = 0; i < 3; ++i) r = be.forward_token_greedy(static_cast<int32_t>(r.token), pos + i);  // warm-up
     std::vector<std::vector<double>> handover(kTraceKinds), work(kTraceKinds), enter_early(kTraceKinds),
@@ -368,12 +371,12 @@ int main(int argc, char** argv) {
                 mi.scratch / 1048576.0);
 
     std::uniform_int_distribution<int> tok(0, s.vocab - 1);
-    std::vector<int32_t> prompt(2048);
+    std::vector<int32_t> prompt(std::max(2048, s.n_ctx - 32));
     for (auto& t : prompt) t = tok(g_rng);
 
     // bench_cuda <n_ctx> trace (a -DMETALATTN_TRACE build): where one decode step's time goes in the kernel chain.
     if (argc > 2 && std::strcmp(argv[2], "trace") == 0) {
-      print_decode_trace(*be, prompt, s.n_layers);
+      print_decode_trace(*be, prompt, s.n_layers, s.n_ctx);
       return 0;
     }
 

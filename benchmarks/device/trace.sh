@@ -2,10 +2,11 @@
 # Where one decode step's time goes inside the kernel chain: builds bench_cuda with -DMETALATTN_TRACE (block 0 of
 # each decode kernel stamps %globaltimer at entry, after its programmatic wait, at marks inside, and at exit) and
 # prints per-kernel medians at a few positions. Usage (repo root, .devcarry carried):
-#   source .devcarry/setup.sh && bash benchmarks/device/trace.sh
+#   source .devcarry/setup.sh && bash benchmarks/device/trace.sh [N_CTX]
+# N_CTX (default 2048) of 8192 adds positions 4000 and 8000 to the trace (issue 13's depth target).
 cd "$(dirname "$0")/../.."
 B=/tmp/btrace
 ( cmake -S . -B $B -G Ninja -DMETALATTN_BUILD_PYTHON=OFF -DMETALATTN_BUILD_TESTS=ON -DMETALATTN_CUDA=ON \
     -DCMAKE_CUDA_ARCHITECTURES=90 -DCMAKE_CUDA_FLAGS=-DMETALATTN_TRACE \
   && cmake --build $B -j16 --target bench_cuda ) > ${OUT:-/tmp}/build_trace.log 2>&1 || { tail -30 ${OUT:-/tmp}/build_trace.log; exit 1; }
-timeout 200 $B/bench_cuda 2048 trace
+timeout 300 $B/bench_cuda "${1:-2048}" trace
