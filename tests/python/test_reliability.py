@@ -69,6 +69,9 @@ def _fast_thread_switches():
 
 # benchmarks/device/sanitize.sh runs these tests under compute-sanitizer with METALATTN_UNDER_SANITIZER=<tool>.
 _SANITIZER = os.environ.get("METALATTN_UNDER_SANITIZER", "")
+# racecheck runs the work another 10-100x slower than the other tools: the tests below then take smaller sizes (the
+# same kernels), and it holds device memory of its own.
+_RACECHECK = _SANITIZER == "racecheck"
 
 
 def _run_threads(target, n):
@@ -100,8 +103,7 @@ def test_threads_generating_on_one_model_match_single_threaded(small, device):
     assert len(set(expected)) > 4  # the prompts give different texts, so interleaving would show
     results = {}
 
-    # Under racecheck (10-100x slower than the other tools) one round instead of three: the same kernels.
-    reps = 1 if _SANITIZER == "racecheck" else 3
+    reps = 1 if _RACECHECK else 3
 
     def worker(i):
         for rep in range(reps):
@@ -240,8 +242,7 @@ def _interrupt_somewhere(call, first_delay=0.01, deadline=20.0):
 def test_keyboard_interrupt_leaves_the_model_usable(wide, device):
     assert threading.current_thread() is threading.main_thread()
     fresh = _load(wide, device)
-    # Under racecheck (10-100x slower) a 200-token prompt is long enough to be hit.
-    n_ids = 200 if _SANITIZER == "racecheck" else 1000
+    n_ids = 200 if _RACECHECK else 1000  # long enough to be hit, under racecheck too
     ids = np.array(fresh.tokenize(" ".join(PROMPTS) * 8)[:n_ids], dtype=np.int32)
     want_text = fresh.generate(PROMPTS[0], max_tokens=16)
     fresh.reset()  # check() below runs the prompt from position 0
@@ -435,7 +436,7 @@ def test_load_generate_close_cycles_leave_resources_flat(small, device):
     gc.collect()
     before = _proc_counts(small)
     dev_before = _core.cuda_device_memory_used() if device == "cuda" else 0
-    _cycles(small, device, 20 if _SANITIZER == "racecheck" else 100)  # racecheck: the kernels, not the counts
+    _cycles(small, device, 20 if _RACECHECK else 100)
     gc.collect()
     after = _proc_counts(small)
     assert after["file_maps"] == 0 and before["file_maps"] == 0
@@ -447,7 +448,7 @@ def test_load_generate_close_cycles_leave_resources_flat(small, device):
     # Descriptors and mappings count under every tool, device memory under memcheck and synccheck.
     if not _SANITIZER:
         assert after["rss"] - before["rss"] < 16 << 20, (before, after)
-    if device == "cuda" and _SANITIZER != "racecheck":
+    if device == "cuda" and not _RACECHECK:
         assert _core.cuda_device_memory_used() - dev_before <= 4 << 20
 
 
