@@ -1,5 +1,5 @@
-"""The measuring half of benchmarks/device/ab_decode.sh: `write MODELS` writes the synthetic presets (n_ctx 4096) to
-/tmp; `run MODELS` times tg128 after PLEN prompt tokens (6 rounds in one process, the first dropped, median) for the
+"""The measuring half of benchmarks/device/ab_decode.sh: `write MODELS` writes the synthetic presets (n_ctx 4096, or
+$N_CTX: /tmp/ab_NAME_NCTX.gguf) to /tmp; `run MODELS` times tg128 after PLEN prompt tokens (6 rounds in one process, the first dropped, median) for the
 packages in /tmp/ab_siteA and /tmp/ab_siteB, alternated REPS times; `one PATH` is one such process."""
 import os
 import statistics
@@ -12,7 +12,8 @@ PRESETS = {"qwen2": "QWEN25_05B", "gemma3": "GEMMA3_270M", "s135m": "SMOLLM2_135
 
 
 def path_of(name):
-    return f"/tmp/ab_{name}.gguf"
+    ctx = os.environ.get("N_CTX", "4096")
+    return f"/tmp/ab_{name}.gguf" if ctx == "4096" else f"/tmp/ab_{name}_{ctx}.gguf"
 
 
 def one(path):
@@ -46,7 +47,8 @@ def main():
         for n in names:
             if not os.path.exists(path_of(n)):
                 t = time.time()
-                mt.write_synthetic_gguf(path_of(n), **{**getattr(mt, PRESETS[n]), "n_ctx": 4096})
+                n_ctx = int(os.environ.get("N_CTX", "4096"))  # other than 4096: the file name says it
+                mt.write_synthetic_gguf(path_of(n), **{**getattr(mt, PRESETS[n]), "n_ctx": n_ctx})
                 print(f"wrote {path_of(n)} in {time.time() - t:.0f} s", flush=True)
         return
     best = {}
