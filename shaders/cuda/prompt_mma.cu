@@ -8,10 +8,12 @@
 // for its predecessor.
 //
 // Geometry: a block owns one 16-row tile of W (one MMA m16 tile; two for the wide gate/up projection) for all
-// tokens; its 8 warps split the 32-column weight blocks of K (warp w takes blocks w, w+8, ...) and sum their
-// partial tiles through shared memory at the end. Every block stages the whole activation matrix X (m tokens x K)
-// in shared memory once (in chunks of kMmaChunkCols columns where 32 tokens of it do not fit, as at SmolLM2-1.7B's
-// widths): that staging, not the MMAs, is most of a block's time, so many warps share it.
+// tokens; its warps (16 at one tile, 8 at two: mma_warps) split the 32-column weight blocks of K (warp w takes blocks
+// w, w + W, ...) and sum their partial tiles through shared memory at the end. Every block stages the whole
+// activation matrix X (m tokens x K) in shared memory once (in chunks of kMmaChunkCols columns where 32 tokens of it
+// do not fit, as at SmolLM2-1.7B's widths). One block fills an SM (X's shared memory, or at two tiles the registers),
+// and the kernel is bound by the latency of each warp's chain of loads, dequantization and MMAs, not by bytes (ncu:
+// the L2 at 1.7-2.5 TB/s; benchmarks/NOTES.md, session 17): more warps a block is what made it faster.
 //
 // Numerics: the weights enter the MMA exactly (integer quants as fp16, the per-block scale d applied in fp32 after
 // the block's MMAs, the Q4_1 minimum m times the block's activation sum); an activation travels as fp16 hi + lo
@@ -39,8 +41,10 @@ namespace {
 
 using namespace mma;  // the weight blocks (mma_weights.cuh)
 
-constexpr int kMmaWarps = 8;
-constexpr int kMmaThreads = kMmaWarps * 32;
+// Warps per block: 16 at one row tile a block (~86 registers a thread, so 16 warps fit the register file, and one
+// block per SM is all that X's shared memory allows), 8 at two row tiles (~172 registers). The kernels are bound by
+// latency at one block per SM (ncu, benchmarks/NOTES.md, session 17), so every warp the SM can hold counts.
+__host__ __device__ constexpr int mma_warps(int rt) { return rt == 1 ? 16 : 8; }
 constexpr int kMmaTileRows = 16;
 constexpr int kMmaMaxTiles = kPromptMmaMaxTokens / 8;  // n-tiles of 8 tokens
 
@@ -68,8 +72,14 @@ __device__ __forceinline__ float slot_sum(uint4 s) {
 __host__ __device__ inline int slot_stride(int K) { return K / 4 + 4; }
 
 // K is staged in chunks of kMmaChunkCols columns where the whole of X does not fit in kMmaSmemCap (SmolLM2-1.7B:
-// K 2048 and 8192 at 32 tokens). A chunk holds at least the blocks every warp loads before the wait.
-constexpr int kMmaChunkCols = kMmaWarps * kMmaPrefetch * 32;
+// K 2048 and 8192 at 32 tokens). A chunk holds at least the blocks every warp loads before the wait (mma_prefetch).
+constexpr int kMmaChunkCols = 8 * kMmaPrefetch * 32;
+// Weight blocks a warp loads before the programmatic wait: the type's own depth, fewer where 16 warps would take
+// them past the first chunk.
+template <typename WB, int W>
+constexpr int mma_prefetch() {
+  return WB::kPrefetch < kMmaChunkCols / 32 / W ? WB::kPrefetch : kMmaChunkCols / 32 / W;
+}
 constexpr int kMmaSmemCap = 227 * 1024;  // the H100's opt-in shared memory per block
 
 // Shared memory of one block: X (8 * n_tiles token rows of 16-byte slots: fp32 quads for an rmsnorm'ed input, [hi|lo]
@@ -85,10 +95,10 @@ struct MmaSmem {
     const int rows = 8 * n_tiles;
     chunk_cols = cols;
     x_bytes = rows * slot_stride(cols) * 16;
-    const int red_bytes = kMmaWarps * row_tiles * kMmaTileRows * (rows + 1) * 4;
+    const int red_bytes = mma_warps(row_tiles) * row_tiles * kMmaTileRows * (rows + 1) * 4;
     norm_off = x_bytes > red_bytes ? x_bytes : red_bytes;
     ss_off = norm_off + cols * 4;
-    rms_off = ss_off + kMmaWarps * rows * 4;
+    rms_off = ss_off + mma_warps(row_tiles) * rows * 4;
     total = rms_off + rows * 4;
   }
 };
@@ -102,14 +112,14 @@ struct MmaSmem {
 // instructions in the down projection).
 // One chunk: the columns [col0, col0 + cols) of K (chunk_cols wide in shared memory; the last chunk may be narrower),
 // and with norm_s set (a later chunk of a normed input) the chunk's norm weights too.
-template <bool kNormed>
+template <bool kNormed, int W>
 __device__ void stage_x(const PromptMmaArgs& a, int K, int chunk_cols, int col0, int cols, int n_rows, uint4* x_s,
                         float* norm_s = nullptr) {
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const int slots = cols / 4, stride = slot_stride(chunk_cols), n = a.n;
   const float* const x = a.x;
   const __half* const x_slots = a.x_slots;
-  for (int t = warp; t < n_rows; t += kMmaWarps)
+  for (int t = warp; t < n_rows; t += W)
     for (int s = lane; s < slots; s += 32) {
       uint4* dst = &x_s[t * stride + s];
       if (t >= n) *dst = make_uint4(0u, 0u, 0u, 0u);
@@ -118,7 +128,7 @@ __device__ void stage_x(const PromptMmaArgs& a, int K, int chunk_cols, int col0,
     }
   if (kNormed && norm_s != nullptr) {
     const float* const norm_w = a.norm_w;
-    for (int i = threadIdx.x; i < slots; i += kMmaThreads) detail::cp_async16(norm_s + 4 * i, norm_w + col0 + 4 * i);
+    for (int i = threadIdx.x; i < slots; i += 32 * W) detail::cp_async16(norm_s + 4 * i, norm_w + col0 + 4 * i);
   }
   detail::cp_async_wait_all();
   __syncthreads();  // also publishes the norm weights, copied by other threads
@@ -143,7 +153,8 @@ __device__ __forceinline__ int tile_row(const PromptMmaArgs& a, int tile, int r)
 // That and the argument reloads stage_x now avoids made the first version of this kernel slower than its
 // predecessor (H100 pp1 0.57 -> 0.77 ms); with both fixed, pp1 is 0.43 ms.
 template <typename WB, int RT, bool kNormed, int NT>
-__global__ void __launch_bounds__(kMmaThreads) prompt_mma_kernel(const PromptMmaArgs a) {
+__global__ void __launch_bounds__(32 * mma_warps(RT), 1) prompt_mma_kernel(const PromptMmaArgs a) {
+  constexpr int W = mma_warps(RT), kThreads = 32 * W;
   extern __shared__ __align__(16) unsigned char mma_smem[];
   const int K = a.W.cols, nb = a.W.nb;
   constexpr int n_tiles = NT, n_rows = 8 * NT;
@@ -172,8 +183,8 @@ __global__ void __launch_bounds__(kMmaThreads) prompt_mma_kernel(const PromptMma
 
   // Before the wait: this warp's first weight blocks, and the norm weights (neither depends on earlier kernels).
   detail::launch_dependents();
-  const int my_blocks = (nb - warp + kMmaWarps - 1) / kMmaWarps;
-  constexpr int kPre = WB::kPrefetch;
+  const int my_blocks = (nb - warp + W - 1) / W;
+  constexpr int kPre = mma_prefetch<WB, W>();
   WB pre[kPre][RT];
 #pragma unroll
   for (int j = 0; j < kPre; ++j)
@@ -181,17 +192,17 @@ __global__ void __launch_bounds__(kMmaThreads) prompt_mma_kernel(const PromptMma
     for (int rt = 0; rt < RT; ++rt)
       if (j < my_blocks) {
         int64_t b[2];
-        blocks_at(rt, warp + j * kMmaWarps, b);
+        blocks_at(rt, warp + j * W, b);
         pre[j][rt].load(a.W, b, c);
       }
   const int Kc = lay.chunk_cols, chunk_blocks = Kc / 32;  // K itself unless X must be staged in chunks
   if constexpr (kNormed) {
     const float* const norm_w = a.norm_w;  // in a register: see stage_x
-    for (int i = threadIdx.x; i < Kc / 4; i += kMmaThreads) detail::cp_async16(norm_s + 4 * i, norm_w + 4 * i);
+    for (int i = threadIdx.x; i < Kc / 4; i += kThreads) detail::cp_async16(norm_s + 4 * i, norm_w + 4 * i);
   }
   detail::grid_dependency_wait();
 
-  stage_x<kNormed>(a, K, Kc, 0, min(K, Kc), n_rows, x_s);
+  stage_x<kNormed, W>(a, K, Kc, 0, min(K, Kc), n_rows, x_s);
 
   float acc[RT][kMmaMaxTiles][4];
 #pragma unroll
@@ -259,25 +270,25 @@ __global__ void __launch_bounds__(kMmaThreads) prompt_mma_kernel(const PromptMma
     }
     if constexpr (!WB::kStepScales) apply(0);
   };
-  // The prefetched blocks all lie in the first chunk (chunk_blocks >= kMmaWarps * kPre).
+  // The prefetched blocks all lie in the first chunk (chunk_blocks >= W * kPre).
 #pragma unroll
   for (int j = 0; j < kPre; ++j)
-    if (j < my_blocks) do_block(pre[j], warp + j * kMmaWarps, 0);
+    if (j < my_blocks) do_block(pre[j], warp + j * W, 0);
   int j = kPre;  // K beyond kPre blocks per warp: loaded here, chunk by chunk
   for (int blk0 = 0; blk0 < nb; blk0 += chunk_blocks) {
     if (blk0 > 0) {
       __syncthreads();  // every warp is done with the previous chunk
-      stage_x<kNormed>(a, K, Kc, 32 * blk0, min(K - 32 * blk0, Kc), n_rows, x_s, kNormed ? norm_s : nullptr);
+      stage_x<kNormed, W>(a, K, Kc, 32 * blk0, min(K - 32 * blk0, Kc), n_rows, x_s, kNormed ? norm_s : nullptr);
     }
-    for (; j < my_blocks && warp + j * kMmaWarps < blk0 + chunk_blocks; ++j) {
+    for (; j < my_blocks && warp + j * W < blk0 + chunk_blocks; ++j) {
       WB wb[RT];
 #pragma unroll
       for (int rt = 0; rt < RT; ++rt) {
         int64_t b[2];
-        blocks_at(rt, warp + j * kMmaWarps, b);
+        blocks_at(rt, warp + j * W, b);
         wb[rt].load(a.W, b, c);
       }
-      do_block(wb, warp + j * kMmaWarps, blk0);
+      do_block(wb, warp + j * W, blk0);
     }
   }
 
@@ -311,18 +322,18 @@ __global__ void __launch_bounds__(kMmaThreads) prompt_mma_kernel(const PromptMma
     }
   if (kNormed && threadIdx.x < n_rows) {  // 1/rms of token threadIdx.x (the projection is linear: applied to the outputs)
     float sq = 0.f;
-    for (int w = 0; w < kMmaWarps; ++w) sq += ss_s[w * n_rows + threadIdx.x];
+    for (int w = 0; w < W; ++w) sq += ss_s[w * n_rows + threadIdx.x];
     rms_s[threadIdx.x] = 1.f / sqrtf(sq / static_cast<float>(K) + a.eps);
   }
   __syncthreads();
   auto tile_sum = [&](int r, int t) {  // r: row of the block's RT * 16
     float v = 0.f;
-    for (int w = 0; w < kMmaWarps; ++w) v += red[(w * kRows + r) * red_ld + t];
+    for (int w = 0; w < W; ++w) v += red[(w * kRows + r) * red_ld + t];
     return kNormed ? v * rms_s[t] : v;
   };
   if (a.out_kind == PromptMmaOut::SiluHalf) {
     // Column j = 8 * tile + r of h = silu(gate) * up, in the slot layout the down projection reads.
-    for (int i = threadIdx.x; i < a.n * 8 * RT; i += kMmaThreads) {
+    for (int i = threadIdx.x; i < a.n * 8 * RT; i += kThreads) {
       const int t = i / (8 * RT), q = i % (8 * RT), rt = q / 8, r = q % 8;
       const int j = 8 * (blockIdx.x * RT + rt) + r;
       if (j >= a.d_ff) continue;
@@ -331,7 +342,7 @@ __global__ void __launch_bounds__(kMmaThreads) prompt_mma_kernel(const PromptMma
     }
     return;
   }
-  for (int i = threadIdx.x; i < a.n * kRows; i += kMmaThreads) {
+  for (int i = threadIdx.x; i < a.n * kRows; i += kThreads) {
     const int t = i / kRows, r = i % kRows;
     const int row = blockIdx.x * kRows + r;
     if (row >= a.W.rows) continue;
@@ -355,8 +366,8 @@ void launch_typed(const PromptMmaArgs& a, cudaStream_t s) {
   const int tiles = row_tiles(a);
   auto* kernel = a.x != nullptr ? prompt_mma_kernel<WB, RT, true, NT> : prompt_mma_kernel<WB, RT, false, NT>;
   detail::allow_dynamic_smem(kernel, static_cast<size_t>(lay.total));
-  detail::launch_programmatic(kernel, dim3((tiles + RT - 1) / RT), dim3(kMmaThreads), static_cast<size_t>(lay.total),
-                              s, a);
+  detail::launch_programmatic(kernel, dim3((tiles + RT - 1) / RT), dim3(32 * mma_warps(RT)),
+                              static_cast<size_t>(lay.total), s, a);
 }
 
 template <typename WB, int RT>
