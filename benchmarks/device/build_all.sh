@@ -10,6 +10,10 @@ mkdir -p "$OUT"
 _t0=$(date +%s)
 _cf=(-G Ninja -DMETALATTN_BUILD_PYTHON=OFF -DMETALATTN_BUILD_TESTS=ON -DMETALATTN_CUDA=ON -DCMAKE_CUDA_ARCHITECTURES=90)
 _jobs=$(( $(nproc) / 2 ))
+# A warm machine may hold these build folders from a configure with another generator, which cmake refuses.
+for _d in /tmp/b /tmp/btrace; do
+  [ ! -f "$_d/CMakeCache.txt" ] || grep -q "^CMAKE_GENERATOR:INTERNAL=Ninja$" "$_d/CMakeCache.txt" || rm -rf "$_d"
+done
 ( python3 -m pip install -q --no-build-isolation --no-deps --target /tmp/site . > "$OUT/pip.log" 2>&1 \
   || { echo "package build failed"; tail -20 "$OUT/pip.log"; exit 1; } ) &
 _p1=$!
