@@ -553,8 +553,9 @@ bool prompt_mma_supported(GgmlType type, int cols, int d_ff_or_zero) {
       if (type != kWide8) return false;
   }
   if (cols % 32 != 0 || d_ff_or_zero % 8 != 0) return false;
-  const MmaSmem lay(cols, kMmaMaxTiles, 2);
-  return lay.total <= device_smem_optin() && lay.total <= kMmaSmemCap;
+  // Either row-tile count may be launched (row_tiles_per_block); their layouts differ in the warps' reduction space.
+  const int total = std::max(MmaSmem(cols, kMmaMaxTiles, 1).total, MmaSmem(cols, kMmaMaxTiles, 2).total);
+  return total <= device_smem_optin() && total <= kMmaSmemCap;
 }
 
 void launch_prompt_mma(const PromptMmaArgs& a, cudaStream_t s) {
