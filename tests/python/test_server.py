@@ -345,16 +345,35 @@ def test_concurrent_clients_get_their_own_answers(server, ref):
     assert len(results) == 36 and all(got == exp for got, exp in results)
 
 
+SLOW_CTX = 16384
+
+
 @pytest.fixture(scope="module")
 def slow_server(tmp_path_factory):
-    """A bigger synthetic model (~4 ms/token here) so that a long generation is still running when the client
-    leaves."""
+    """A bigger synthetic model and a long context, so that a generation is still running when the client leaves.
+    Its decode rate differs tenfold between machines (0.36 ms a token on a 2-core EPYC, ~4 ms on slower ones), so
+    the tests size their generations from `tokens_per_s`, measured here on the engine (the server's rate is lower)."""
     path = testing.write_synthetic_gguf(tmp_path_factory.mktemp("slow") / "slow.gguf", n_layers=8, d_model=512,
-                                        d_ff=1024, n_heads=8, n_kv_heads=4, vocab_size=512, n_ctx=4096)
-    model = metalattn.load(str(path), device="cpu")
+                                        d_ff=1024, n_heads=8, n_kv_heads=4, vocab_size=512, n_ctx=SLOW_CTX)
+    model = metalattn.load(str(path), device="cpu", n_ctx=SLOW_CTX)
+    # Greedy text of random weights reaches the end-of-generation id after a few hundred tokens for some prompts;
+    # these tests are about stopping generations that would otherwise run on, so this model has none.
+    model.tokenizer.eot_ids = frozenset()
+    tok = model.forward_prompt([1, 2, 3])
+    t0 = time.perf_counter()
+    for _ in range(200):
+        tok = model.forward_token_greedy(tok)
+    rate = 200 / (time.perf_counter() - t0)
+    model.reset()
     st = ServerThread(create_app(model, model_id="slow")).start()
+    st.tokens_per_s = rate
     yield st
     st.stop()
+
+
+def _tokens_for(server, seconds, floor):
+    """max_tokens for a generation of at least `seconds` on this machine (and at least `floor`), within the context."""
+    return min(SLOW_CTX - 64, max(floor, int(server.tokens_per_s * seconds)))
 
 
 def _wait_idle(url, timeout=5.0):
@@ -371,7 +390,8 @@ def _wait_idle(url, timeout=5.0):
 def test_client_disconnect_frees_the_slot(slow_server, stream):
     url = slow_server.url
     before = httpx.get(url + "/health", timeout=TIMEOUT).json()["cancelled"]
-    body = {"model": "slow", "prompt": "the cat", "max_tokens": 3000, "temperature": 0, "stream": stream}
+    n_max = _tokens_for(slow_server, 12.0, 3000)  # ~12 s of generation
+    body = {"model": "slow", "prompt": "the cat", "max_tokens": n_max, "temperature": 0, "stream": stream}
     if stream:
         with httpx.stream("POST", url + "/v1/completions", json=body, timeout=TIMEOUT) as r:
             lines = r.iter_lines()
@@ -385,8 +405,8 @@ def test_client_disconnect_frees_the_slot(slow_server, stream):
     h, _ = _wait_idle(url)
     waited = time.monotonic() - t0
     assert h["cancelled"] == before + 1
-    assert h["last_cancelled_tokens"] < 1000  # 3000 tokens take ~12 s; it stopped long before
-    assert waited < 2.0
+    assert h["last_cancelled_tokens"] < n_max // 3  # n_max tokens take ~12 s; it stopped long before
+    assert waited < 2.0  # ... and within 2 s of the client leaving
     # the next request is served at once
     r = httpx.post(url + "/v1/completions", json=dict(body, max_tokens=4, stream=False), timeout=TIMEOUT)
     assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 4
@@ -396,7 +416,9 @@ def test_queued_request_whose_client_left_never_runs(slow_server):
     """A request waiting behind another one and abandoned is dropped without generating."""
     url = slow_server.url
     h0 = httpx.get(url + "/health", timeout=TIMEOUT).json()
-    long_body = {"model": "slow", "prompt": "a", "max_tokens": 400, "temperature": 0}
+    # At least 0.8 s of generation at the shallow rate (more as the context grows): still running when the second
+    # request gives up after 0.3 s.
+    long_body = {"model": "slow", "prompt": "a", "max_tokens": _tokens_for(slow_server, 0.8, 400), "temperature": 0}
     done = {}
 
     def first():
