@@ -19,6 +19,9 @@ METALATTN_TRACE_UNIT(decode_attention)
 constexpr int kMaxGroup = 8;  // query heads per KV head the decode attention supports
 constexpr int kAttnThreads = kAttnSinglePassMax;  // also: the block holds up to 256 rows in registers
 constexpr int kAttnWarps = kAttnThreads / 32;
+static_assert(kMaxAttnSplits <= 32, "the split combine reads the splits' (m, l) a lane each");
+using AttnKernel = void (*)(const float*, const float*, const float*, const DecodeIO*, int, int, int, int,
+                            AttnScratch, float*);
 
 // Shared memory of one attention block: the staged V rows of the chunk, q of its heads, the scores of the chunk,
 // per-warp P.V partial sums.
@@ -32,32 +35,34 @@ inline size_t attention_smem_bytes(int heads_per_block, int head_dim, int chunk_
 using detail::cp_async16;
 using detail::cp_async_wait_all;
 
-// One block per (heads_per_block query heads of one KV head, split); splits = attn_splits(pos + 1), blocks past it
-// exit at once. Cache rows before pos were written by earlier steps, so before the programmatic wait each thread
-// loads its K row into registers and the block copies the chunk's V rows (the first stage_rows of them) into shared
-// memory: after the wait only q and row pos come from L2, in one round trip. Scores: a thread per position (16-byte
-// loads, no shuffles); P.V: warps over positions, lanes over float2 columns.
-template <int HD>
+// One block per (HPB query heads of one KV head, split); splits = attn_splits(pos + 1), blocks past it exit at once.
+// HPB is a template parameter: with a run-time head count every per-head loop ran (predicated off) for kMaxGroup
+// heads, 8/3 of the instructions SmolLM2's 3-head groups need (session 18, NOTES). Cache rows before pos were
+// written by earlier steps, so before the programmatic wait each thread loads its K row into registers and the block
+// copies the chunk's V rows (the first stage_rows of them) into shared memory: after the wait only q and row pos come
+// from L2, in one round trip. Scores: a thread per position (16-byte loads, no shuffles); P.V: warps over positions,
+// lanes over float2 columns.
+template <int HD, int HPB>
 __global__ void __launch_bounds__(kAttnThreads) attention_decode_kernel(const float* q, const float* k_cache,
                                                                         const float* v_cache,
                                                                         const DecodeIO* io, int n_heads,
-                                                                        int n_kv_heads, int heads_per_block,
-                                                                        int chunk_cap, int stage_rows,
+                                                                        int n_kv_heads, int chunk_cap, int stage_rows,
                                                                         AttnScratch p, float* __restrict__ out) {
   constexpr int kHd4 = HD / 4, kPairs = HD / 2, kPairsPerLane = (kPairs + 31) / 32;
   KernelTrace trace(kTraceAttention);
   detail::launch_dependents();
   extern __shared__ float4 smem_dyn[];
-  const int hpb = heads_per_block, kv_dim = n_kv_heads * HD;
+  const int kv_dim = n_kv_heads * HD;
   float* v_s = reinterpret_cast<float*>(smem_dyn);  // [stage_rows][HD]
-  float* q_s = v_s + stage_rows * HD;                // [hpb][HD]
-  float* sc = q_s + hpb * HD;                        // [hpb][chunk_cap] scores, then probabilities
-  float* part = sc + hpb * chunk_cap;                // [kAttnWarps][hpb][HD]
-  __shared__ float m_s[kMaxGroup], l_s[kMaxGroup];
+  float* q_s = v_s + stage_rows * HD;                // [HPB][HD]
+  float* sc = q_s + HPB * HD;                        // [HPB][chunk_cap] scores, then probabilities
+  float* part = sc + HPB * chunk_cap;                // [kAttnWarps][HPB][HD]
+  __shared__ float m_s[HPB], l_s[HPB];
+  __shared__ float w_s[HPB][kMaxAttnSplits];  // the combine's weight e^(m_s - M) / den of each split
   __shared__ bool is_last;
 
   const int head_block = blockIdx.x, split = blockIdx.y;
-  const int head0 = head_block * hpb, kvh = head0 / (n_heads / n_kv_heads);
+  const int head0 = head_block * HPB, kvh = head0 / (n_heads / n_kv_heads);
   const int pos = io->pos, n_pos = pos + 1;  // io was written before this graph launch
   const int n_splits = attn_splits(n_pos, p.max_splits);
   if (split >= n_splits) return;
@@ -94,7 +99,7 @@ __global__ void __launch_bounds__(kAttnThreads) attention_decode_kernel(const fl
   if (pos - start < n_staged && threadIdx.x < kHd4)  // row pos is staged too (the last row of the last chunk)
     reinterpret_cast<float4*>(v_s + (pos - start) * HD)[threadIdx.x] =
         __ldcg(reinterpret_cast<const float4*>(v_head + static_cast<int64_t>(pos) * kv_dim) + threadIdx.x);
-  for (int i = threadIdx.x; i < hpb * HD; i += blockDim.x) q_s[i] = __ldcg(q + static_cast<int64_t>(head0) * HD + i);
+  for (int i = threadIdx.x; i < HPB * HD; i += blockDim.x) q_s[i] = __ldcg(q + static_cast<int64_t>(head0) * HD + i);
   cp_async_wait_all();
   __syncthreads();
   trace.mark(0);
@@ -108,28 +113,25 @@ __global__ void __launch_bounds__(kAttnThreads) attention_decode_kernel(const fl
       for (int c = 0; c < kHd4; ++c) k_own[c] = __ldcg(k4 + c);
     }
     // Two accumulators per head halve the dependent FMA chain (the latency, not the FMA count, is the cost here).
-    float acc[kMaxGroup][2];
+    float acc[HPB][2];
 #pragma unroll
-    for (int g = 0; g < kMaxGroup; ++g) acc[g][0] = acc[g][1] = 0.f;
+    for (int g = 0; g < HPB; ++g) acc[g][0] = acc[g][1] = 0.f;
 #pragma unroll
     for (int c = 0; c < kHd4; ++c) {
       const float4 k = k_own[c];
 #pragma unroll
-      for (int g = 0; g < kMaxGroup; ++g) {
-        if (g < hpb) {
-          const float4 qq = q4[g * kHd4 + c];
-          acc[g][c & 1] += qq.x * k.x + qq.y * k.y + qq.z * k.z + qq.w * k.w;
-        }
+      for (int g = 0; g < HPB; ++g) {
+        const float4 qq = q4[g * kHd4 + c];
+        acc[g][c & 1] += qq.x * k.x + qq.y * k.y + qq.z * k.z + qq.w * k.w;
       }
     }
 #pragma unroll
-    for (int g = 0; g < kMaxGroup; ++g)
-      if (g < hpb) sc[g * chunk_cap + t] = (acc[g][0] + acc[g][1]) * scale;
+    for (int g = 0; g < HPB; ++g) sc[g * chunk_cap + t] = (acc[g][0] + acc[g][1]) * scale;
   }
   __syncthreads();
   trace.mark(1);
 
-  for (int g = warp; g < hpb; g += kAttnWarps) {
+  for (int g = warp; g < HPB; g += kAttnWarps) {
     float* sg = sc + g * chunk_cap;
     float m = -INFINITY;
     for (int t = lane; t < len; t += 32) m = fmaxf(m, sg[t]);
@@ -150,46 +152,45 @@ __global__ void __launch_bounds__(kAttnThreads) attention_decode_kernel(const fl
   trace.mark(2);
 
   // P.V: warp w takes positions w, w + kAttnWarps, ...; lane owns float2 columns lane, lane + 32. Staged rows come
-  // from shared memory, the rest (long chunks of a one-split capacity only) from L2.
-  float2 o[kMaxGroup][kPairsPerLane];
+  // from shared memory, the rest (long chunks of a one-split capacity only) from L2, in a loop of their own so the
+  // staged loop's loads are shared-memory loads.
+  float2 o[HPB][kPairsPerLane];
 #pragma unroll
-  for (int g = 0; g < kMaxGroup; ++g)
+  for (int g = 0; g < HPB; ++g)
 #pragma unroll
     for (int c = 0; c < kPairsPerLane; ++c) o[g][c] = make_float2(0.f, 0.f);
-#pragma unroll 4
-  for (int t = warp; t < len; t += kAttnWarps) {
-    const bool staged = t < n_staged;
-    const float2* v2 = staged ? reinterpret_cast<const float2*>(v_s + t * HD)
-                              : reinterpret_cast<const float2*>(v_head + static_cast<int64_t>(start + t) * kv_dim);
+  auto accumulate = [&](int t, const float2* v2, bool from_l2) {
 #pragma unroll
     for (int c = 0; c < kPairsPerLane; ++c) {
       if (lane + 32 * c < kPairs) {
-        const float2 v = staged ? v2[lane + 32 * c] : __ldcg(v2 + lane + 32 * c);
+        const float2 v = from_l2 ? __ldcg(v2 + lane + 32 * c) : v2[lane + 32 * c];
 #pragma unroll
-        for (int g = 0; g < kMaxGroup; ++g) {
-          if (g < hpb) {
-            const float pg = sc[g * chunk_cap + t];
-            o[g][c].x += pg * v.x;
-            o[g][c].y += pg * v.y;
-          }
+        for (int g = 0; g < HPB; ++g) {
+          const float pg = sc[g * chunk_cap + t];
+          o[g][c].x += pg * v.x;
+          o[g][c].y += pg * v.y;
         }
       }
     }
-  }
+  };
+  int t = warp;
+#pragma unroll 4
+  for (; t < n_staged; t += kAttnWarps) accumulate(t, reinterpret_cast<const float2*>(v_s + t * HD), false);
+  for (; t < len; t += kAttnWarps)
+    accumulate(t, reinterpret_cast<const float2*>(v_head + static_cast<int64_t>(start + t) * kv_dim), true);
 #pragma unroll
-  for (int g = 0; g < kMaxGroup; ++g)
+  for (int g = 0; g < HPB; ++g)
 #pragma unroll
     for (int c = 0; c < kPairsPerLane; ++c)
-      if (g < hpb && lane + 32 * c < kPairs)
-        reinterpret_cast<float2*>(part + (warp * hpb + g) * HD)[lane + 32 * c] = o[g][c];
+      if (lane + 32 * c < kPairs) reinterpret_cast<float2*>(part + (warp * HPB + g) * HD)[lane + 32 * c] = o[g][c];
   __syncthreads();
   trace.mark(3);
 
   if (n_splits == 1) {
-    for (int i = threadIdx.x; i < hpb * HD; i += blockDim.x) {
+    for (int i = threadIdx.x; i < HPB * HD; i += blockDim.x) {
       float sum = 0.f;
 #pragma unroll
-      for (int w = 0; w < kAttnWarps; ++w) sum += part[w * hpb * HD + i];
+      for (int w = 0; w < kAttnWarps; ++w) sum += part[w * HPB * HD + i];
       out[static_cast<int64_t>(head0) * HD + i] = sum / l_s[i / HD];
     }
     return;
@@ -197,14 +198,14 @@ __global__ void __launch_bounds__(kAttnThreads) attention_decode_kernel(const fl
 
   // Split: post this chunk's partial; the last block of this head block combines all of them:
   // o = sum_s o_s e^(m_s - M) / sum_s l_s e^(m_s - M), M = max_s m_s.
-  for (int i = threadIdx.x; i < hpb * HD; i += blockDim.x) {
+  for (int i = threadIdx.x; i < HPB * HD; i += blockDim.x) {
     float sum = 0.f;
 #pragma unroll
-    for (int w = 0; w < kAttnWarps; ++w) sum += part[w * hpb * HD + i];
+    for (int w = 0; w < kAttnWarps; ++w) sum += part[w * HPB * HD + i];
     const int g = i / HD, d = i % HD;
     p.o[(static_cast<int64_t>(head0 + g) * p.max_splits + split) * HD + d] = sum;
   }
-  if (threadIdx.x < hpb) {
+  if (threadIdx.x < HPB) {
     float* ml = p.ml + (static_cast<int64_t>(head0 + threadIdx.x) * p.max_splits + split) * 2;
     ml[0] = m_s[threadIdx.x];
     ml[1] = l_s[threadIdx.x];
@@ -215,19 +216,25 @@ __global__ void __launch_bounds__(kAttnThreads) attention_decode_kernel(const fl
   __syncthreads();
   if (!is_last) return;
   __threadfence();
-  for (int i = threadIdx.x; i < hpb * HD; i += blockDim.x) {
+  // The splits' (m, l) in one round trip: warp g reads head g's, a lane per split; the weights go to shared memory.
+  for (int g = warp; g < HPB; g += kAttnWarps) {
+    const float* ml = p.ml + static_cast<int64_t>(head0 + g) * p.max_splits * 2;
+    const float2 ml_s = lane < n_splits ? __ldcg(reinterpret_cast<const float2*>(ml) + lane) : make_float2(-INFINITY, 0.f);
+    const float m = detail::warp_max(ml_s.x);
+    const float w = lane < n_splits ? expf(ml_s.x - m) : 0.f;
+    const float den = detail::warp_sum(ml_s.y * w);
+    if (lane < n_splits) w_s[g][lane] = w / den;
+  }
+  __syncthreads();
+  // Then every partial element at once: the loads of all splits are independent, so they are in flight together.
+  for (int i = threadIdx.x; i < HPB * HD; i += blockDim.x) {
     const int g = i / HD, d = i % HD;
     const int64_t head = head0 + g;
-    const float* ml = p.ml + head * p.max_splits * 2;
-    float m = -INFINITY;
-    for (int s = 0; s < n_splits; ++s) m = fmaxf(m, __ldcg(ml + 2 * s));
-    float num = 0.f, den = 0.f;
-    for (int s = 0; s < n_splits; ++s) {
-      const float w = expf(__ldcg(ml + 2 * s) - m);
-      den += __ldcg(ml + 2 * s + 1) * w;
-      num += __ldcg(p.o + (head * p.max_splits + s) * HD + d) * w;
-    }
-    out[head * HD + d] = num / den;
+    const float* po = p.o + head * p.max_splits * HD + d;
+    float num = 0.f;
+#pragma unroll 8
+    for (int s = 0; s < n_splits; ++s) num += __ldcg(po + static_cast<int64_t>(s) * HD) * w_s[g][s];
+    out[head * HD + d] = num;
   }
   if (threadIdx.x == 0) p.counters[head_block] = 0u;  // re-armed for the next launch
 }
@@ -357,6 +364,17 @@ __global__ void __launch_bounds__(kShortAttnThreads) attention_decode_short_kern
   const float o = attend_head64(q_s, k_s, v_s, n_pos, sc, pv, &sum_exp);
   if (tid < HD) out[head * HD + tid] = o;
 }
+// The instantiation for head_dim hd and hpb heads a block (hpb in {1, 2, 3, 4, 8}), or null.
+template <int HD>
+AttnKernel attention_kernel_for_heads(int hpb) {
+  return hpb == 1   ? attention_decode_kernel<HD, 1>
+         : hpb == 2 ? attention_decode_kernel<HD, 2>
+         : hpb == 3 ? attention_decode_kernel<HD, 3>
+         : hpb == 4 ? attention_decode_kernel<HD, 4>
+         : hpb == 8 ? attention_decode_kernel<HD, 8>
+                    : nullptr;
+}
+
 void launch_attention_decode(const float* q, const float* k_cache, const float* v_cache, const DecodeIO* io,
                              int n_heads, int n_kv_heads, int head_dim, int n_ctx, const AttnScratch& p, float* out,
                              cudaStream_t s, int heads_per_block) {
@@ -366,12 +384,14 @@ void launch_attention_decode(const float* q, const float* k_cache, const float* 
   if (heads_per_block == 0) heads_per_block = kAttnDefaultHeadsPerBlock;
   if (heads_per_block < 1 || group % heads_per_block != 0)
     throw EngineError("attention: heads per block must divide the query heads per KV head");
-  using AttnKernel = void (*)(const float*, const float*, const float*, const DecodeIO*, int, int, int, int, int,
-                              AttnScratch, float*);
-  AttnKernel k = head_dim == 32    ? attention_decode_kernel<32>
-                 : head_dim == 64  ? attention_decode_kernel<64>
-                 : head_dim == 96  ? attention_decode_kernel<96>
-                 : head_dim == 128 ? attention_decode_kernel<128>
+  // Instantiated head counts: a request between them (5, 6 or 7) runs the largest instantiated divisor of it.
+  const int requested = heads_per_block;
+  while (attention_kernel_for_heads<64>(heads_per_block) == nullptr || requested % heads_per_block != 0)
+    --heads_per_block;
+  AttnKernel k = head_dim == 32    ? attention_kernel_for_heads<32>(heads_per_block)
+                 : head_dim == 64  ? attention_kernel_for_heads<64>(heads_per_block)
+                 : head_dim == 96  ? attention_kernel_for_heads<96>(heads_per_block)
+                 : head_dim == 128 ? attention_kernel_for_heads<128>(heads_per_block)
                                    : nullptr;
   if (k == nullptr) throw EngineError("decode attention needs head_dim 32, 64, 96 or 128");
   const int chunk_cap = attn_chunk_cap(n_ctx, p.max_splits);
@@ -381,7 +401,7 @@ void launch_attention_decode(const float* q, const float* k_cache, const float* 
   CUDA_CHECK(cudaGetDevice(&dev));
   CUDA_CHECK(cudaDeviceGetAttribute(&smem_optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, dev));
   const size_t fixed = attention_smem_bytes(heads_per_block, head_dim, chunk_cap, 0);
-  const size_t static_smem = 1024;  // m_s, l_s, is_last and slack
+  const size_t static_smem = 2048;  // m_s, l_s, w_s, is_last and slack
   if (fixed + static_smem > static_cast<size_t>(smem_optin))
     throw EngineError("attention: context too long for shared memory");
   const size_t room_rows = (static_cast<size_t>(smem_optin) - fixed - static_smem) / (head_dim * sizeof(float));
@@ -389,8 +409,7 @@ void launch_attention_decode(const float* q, const float* k_cache, const float* 
   const size_t smem = attention_smem_bytes(heads_per_block, head_dim, chunk_cap, stage_rows);
   detail::allow_dynamic_smem(k, smem);
   detail::launch_programmatic(k, dim3(n_heads / heads_per_block, p.max_splits), dim3(kAttnThreads), smem, s, q,
-                              k_cache, v_cache, io, n_heads, n_kv_heads, heads_per_block, chunk_cap, stage_rows, p,
-                              out);
+                              k_cache, v_cache, io, n_heads, n_kv_heads, chunk_cap, stage_rows, p, out);
 }
 
 void launch_attention_decode_short(const float* q, const float* k_cache, const float* v_cache, const DecodeIO* io,

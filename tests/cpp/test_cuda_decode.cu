@@ -149,9 +149,14 @@ TEST(CudaFused, DecodeAttentionSinglePassAndSplit) {
   REQUIRE_GPU();
   const bool quick = quick_mode();
   struct Shape {
-    int n_heads, n_kv, hd;
+    int n_heads, n_kv, hd, n_ctx;
   };
-  const std::vector<Shape> shapes = quick ? std::vector<Shape>{{9, 3, 64}} : std::vector<Shape>{{9, 3, 64}, {8, 2, 128}};
+  // Head counts a block: group 3 (1, 3), 4 (1, 2, 4), 8 (1, 2, 4, 8) and 6 (6 runs the 3-head instantiation). The
+  // group of 8 has a context of 4,096: one split of 8,192 positions for 8 heads is more scores than shared memory
+  // holds (the launcher refuses it, below).
+  const std::vector<Shape> shapes =
+      quick ? std::vector<Shape>{{9, 3, 64, 8192}}
+            : std::vector<Shape>{{9, 3, 64, 8192}, {8, 2, 128, 8192}, {8, 1, 32, 4096}, {12, 2, 96, 8192}};
   const std::vector<int> split_caps = quick ? std::vector<int>{1, kMaxAttnSplits} : std::vector<int>{1, 7, kMaxAttnSplits};
   const std::vector<int> positions =
       quick ? std::vector<int>{2, 129, kAttnSinglePassMax + 1, 4097}
@@ -159,7 +164,7 @@ TEST(CudaFused, DecodeAttentionSinglePassAndSplit) {
                                8191, 8192};
   for (const Shape sh : shapes) {
     const int n_heads = sh.n_heads, n_kv = sh.n_kv, hd = sh.hd, q_dim = n_heads * hd, kv_dim = n_kv * hd;
-    const int n_ctx = 8192, group = n_heads / n_kv;
+    const int n_ctx = sh.n_ctx, group = n_heads / n_kv;
     const std::vector<float> kc = random_vec(static_cast<size_t>(n_ctx) * kv_dim, -2.f, 2.f);
     const std::vector<float> vc = random_vec(static_cast<size_t>(n_ctx) * kv_dim);
     DevBuf<float> dk(kc), dv(vc), out(q_dim);
@@ -175,6 +180,7 @@ TEST(CudaFused, DecodeAttentionSinglePassAndSplit) {
         p.ml = pml.p;
         p.counters = counters.p;
         for (int n_pos : positions) {
+          if (n_pos > n_ctx) continue;
           SCOPED_TRACE("heads " + std::to_string(n_heads) + "/" + std::to_string(n_kv) + " hd " + std::to_string(hd) +
                        " heads per block " + std::to_string(heads_per_block) + " max splits " +
                        std::to_string(max_splits) + " n_pos " + std::to_string(n_pos) + " splits " +
@@ -198,6 +204,14 @@ TEST(CudaFused, DecodeAttentionSinglePassAndSplit) {
                                          nullptr, group + 1),
                  EngineError)
         << "heads per block must divide the group";
+    if (group == 8) {
+      AttnScratch one_split;
+      one_split.max_splits = 1;
+      EXPECT_THROW(launch_attention_decode(dk.p, dk.p, dv.p, nullptr, n_heads, n_kv, hd, 8192, one_split, out.p,
+                                           nullptr, group),
+                   EngineError)
+          << "8 heads' scores of one 8,192-position split do not fit in shared memory";
+    }
   }
   // The split rule itself: one pass up to kAttnSinglePassMax, then chunks of kAttnMinChunk up to the capacity.
   EXPECT_EQ(attn_splits(1, 32), 1);
