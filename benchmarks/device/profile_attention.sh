@@ -30,18 +30,5 @@ PY
   timeout 280 ncu --csv --cache-control none --clock-control none --graph-profiling node -k regex:attention_decode \
     --launch-skip "$skip" --launch-count 2 --metrics gpu__time_duration.sum,dram__bytes_read.sum,lts__t_bytes.sum,smsp__inst_executed.sum,regex:smsp__average_warps_issue_stalled_.*_per_issue_active\.ratio \
     python3 /tmp/attn_once.py > "$OUT/ncu_attn_stalls_$d.csv" 2> "$OUT/ncu_attn_stalls_$d.err"
-  python3 - "$OUT/ncu_attn_stalls_$d.csv" <<'PY'
-import collections, csv, sys
-rows = list(csv.DictReader([l for l in open(sys.argv[1]) if l.startswith('"')]))
-k = collections.OrderedDict()
-for r in rows:
-    k.setdefault(r["ID"], {"grid": r["Grid Size"]})[r["Metric Name"]] = float(r["Metric Value"].replace(",", "") or 0)
-for i, m in k.items():
-    st = {n.split("stalled_")[1].split("_per_issue")[0]: v for n, v in m.items() if "stalled_" in n}
-    top = sorted(st.items(), key=lambda x: -x[1])[:7]
-    t_us = m["gpu__time_duration.sum"] / 1e3
-    print(f"grid {m['grid']:>12} {t_us:6.1f} us  DRAM {m['dram__bytes_read.sum'] / 1e6:6.2f} MB "
-          f"({m['dram__bytes_read.sum'] / 1e6 / t_us:5.2f} TB/s)  L2 {m['lts__t_bytes.sum'] / 1e6:6.2f} MB  "
-          f"inst {m['smsp__inst_executed.sum'] / 1e6:5.2f} M  " + " ".join(f"{n} {v:.2f}" for n, v in top))
-PY
+  python3 "$(dirname "$0")/ncu_stalls.py" "$OUT/ncu_attn_stalls_$d.csv"
 done

@@ -69,17 +69,6 @@ PY
     timeout 240 ncu --csv --cache-control none --clock-control none --graph-profiling node -k regex:prompt_mma \
       --launch-skip 192 --launch-count 4 --metrics gpu__time_duration.sum,smsp__inst_executed.sum,regex:smsp__average_warps_issue_stalled_.*_per_issue_active\.ratio \
       python3 /tmp/prompt_once.py > "$OUT/ncu_stalls_$n.csv" 2> "$OUT/ncu_stalls_$n.err"
-    python3 - "$OUT/ncu_stalls_$n.csv" <<'PY'
-import collections, csv, sys
-rows = list(csv.DictReader([l for l in open(sys.argv[1]) if l.startswith('"')]))
-k = collections.OrderedDict()
-for r in rows:
-    k.setdefault(r["ID"], {"grid": r["Grid Size"]})[r["Metric Name"]] = float(r["Metric Value"].replace(",", "") or 0)
-for i, m in k.items():
-    st = {n.split("stalled_")[1].split("_per_issue")[0]: v for n, v in m.items() if "stalled_" in n}
-    top = sorted(st.items(), key=lambda x: -x[1])[:7]
-    print(f"grid {m['grid']:>12} {m['gpu__time_duration.sum'] / 1e3:6.1f} us  inst {m['smsp__inst_executed.sum'] / 1e6:6.2f} M  "
-          + " ".join(f"{n} {v:.2f}" for n, v in top))
-PY
+    python3 "$(dirname "$0")/ncu_stalls.py" "$OUT/ncu_stalls_$n.csv"
   fi
 done
