@@ -86,6 +86,17 @@ class CpuBackend final : public Backend {
     if (s_.head_dim % 16 != 0) throw EngineError("cpu backend: head_dim must be a multiple of 16");
     attend_ = cpu::attend_fns(isa_, s_.n_heads / s_.n_kv_heads);
     scores_.resize(static_cast<size_t>(pool_.size()) * kQueryTile * (s_.n_heads / s_.n_kv_heads) * k_cap_);
+    {
+      // Attention pieces: a decoding row's (every KV head's, every piece's) outputs, or per thread one tile's; and
+      // per thread the running outputs they are folded into.
+      const size_t pieces = static_cast<size_t>(k_cap_) / cpu::kAttentionPiece + 1;
+      const size_t rows = std::max(pieces * s_.n_heads, static_cast<size_t>(pool_.size()) * kQueryTile *
+                                                            (s_.n_heads / s_.n_kv_heads));
+      piece_out_.resize(rows * s_.head_dim);
+      piece_ml_.resize(rows * 2);
+      run_out_.resize(static_cast<size_t>(pool_.size()) * kQueryTile * (s_.n_heads / s_.n_kv_heads) * s_.head_dim);
+      run_ml_.resize(static_cast<size_t>(pool_.size()) * kQueryTile * (s_.n_heads / s_.n_kv_heads) * 2);
+    }
     // One cos/sin table per distinct (base, scale) among the layers (Gemma 3 has two), shared by the layers using it.
     for (int l = 0; l < s_.n_layers; ++l) {
       const LayerSpec ls = s_.layer(l);
@@ -281,7 +292,8 @@ class CpuBackend final : public Backend {
     m.weights = lane_bytes_ + slot_bytes_;  // the repacked rows; the GGUF weights themselves are read from the mmap
     m.kv_cache = 2 * cache_elems_ * sizeof(float);
     m.scratch = (x_.size() + xn_.size() + q_.size() + k_.size() + v_.size() + att_.size() + tmp_.size() + gate_.size() +
-                 up_.size() + logits_.size() + scores_.size() + batch_logits_.size()) * sizeof(float) +
+                 up_.size() + logits_.size() + scores_.size() + batch_logits_.size() + piece_out_.size() +
+                 piece_ml_.size() + run_out_.size() + run_ml_.size()) * sizeof(float) +
                 xq_.size() * sizeof(block_q16_act);
     for (const RopeTable& t : rope_tables_) m.scratch += (t.cos.size() + t.sin.size()) * sizeof(float);
     return m;
@@ -456,39 +468,43 @@ class CpuBackend final : public Backend {
               kt[i];
         std::memcpy(v_layer(row_slot_[t], l) + static_cast<size_t>(pos) * kvd + k0, vt + k0, (k1 - k0) * sizeof(float));
       };
-      // A batch (every row in its own slot) prepares each (row, KV head) inside its attention job; rows of one slot
-      // (a prompt chunk) read each other's K and V, so they are all prepared first.
-      const bool own_slots = rows_in_own_slots(n);
-      if (!own_slots)
-        for (int t = 0; t < n; ++t) prepare(t, 0, s_.n_kv_heads);
-      // One job per (tile, KV head): a tile is up to kQueryTile rows of one slot at consecutive positions (prompt
-      // rows; a batch has one row per slot), and the query heads sharing the KV head run together.
-      tiles_.clear();
-      for (int t = 0; t < n;) {
-        int c = 1;
-        while (c < kQueryTile && t + c < n && row_slot_[t + c] == row_slot_[t] && row_pos_[t + c] == row_pos_[t] + c) ++c;
-        tiles_.push_back({t, c});
-        t += c;
-      }
-      const int jobs = static_cast<int>(tiles_.size()) * s_.n_kv_heads;
-      std::atomic<int> next_job{0};
-      pool_.parallel([&](int ti, int) {
-        float* scores = scores_.data() + static_cast<size_t>(ti) * kQueryTile * group * k_cap_;
-        for (int j; (j = next_job.fetch_add(1, std::memory_order_relaxed)) < jobs;) {
-          const int kvh = j % s_.n_kv_heads;
-          const Tile tile = tiles_[j / s_.n_kv_heads];
-          if (own_slots) prepare(tile.row, kvh, kvh + 1);
-          const float* kt = k_layer(row_slot_[tile.row], l) + static_cast<size_t>(kvh) * hd * k_cap_;
-          const float* vc = v_layer(row_slot_[tile.row], l);
-          for (int t = tile.row; t < tile.row + tile.count;) {
-            const bool whole = t + kQueryTile <= tile.row + tile.count;
-            (whole ? attend_.tile : attend_.one)(&q_[t * qd + kvh * group * hd], qd, kt, k_cap_, vc + kvh * hd, kvd,
-                                                 row_pos_[t] + 1, hd, ls.window, attn_scale_, scores, k_cap_,
-                                                 &att_[t * qd + kvh * group * hd], qd);
-            t += whole ? kQueryTile : 1;
-          }
+      if (n == 1) {
+        attend_decode_row(l, ls.window, [&] { prepare(0, 0, s_.n_kv_heads); });
+      } else {
+        // A batch (every row in its own slot) prepares each (row, KV head) inside its attention job; rows of one slot
+        // (a prompt chunk) read each other's K and V, so they are all prepared first.
+        const bool own_slots = rows_in_own_slots(n);
+        if (!own_slots)
+          for (int t = 0; t < n; ++t) prepare(t, 0, s_.n_kv_heads);
+        // One job per (tile, KV head): a tile is up to kQueryTile rows of one slot at consecutive positions (prompt
+        // rows; a batch has one row per slot), and the query heads sharing the KV head run together, piece by piece.
+        tiles_.clear();
+        for (int t = 0; t < n;) {
+          int c = 1;
+          while (c < kQueryTile && t + c < n && row_slot_[t + c] == row_slot_[t] && row_pos_[t + c] == row_pos_[t] + c)
+            ++c;
+          tiles_.push_back({t, c});
+          t += c;
         }
-      });
+        const int jobs = static_cast<int>(tiles_.size()) * s_.n_kv_heads;
+        std::atomic<int> next_job{0};
+        pool_.parallel([&](int ti, int) {
+          float* scores = scores_.data() + static_cast<size_t>(ti) * kQueryTile * group * k_cap_;
+          for (int j; (j = next_job.fetch_add(1, std::memory_order_relaxed)) < jobs;) {
+            const int kvh = j % s_.n_kv_heads;
+            const Tile tile = tiles_[j / s_.n_kv_heads];
+            if (own_slots) prepare(tile.row, kvh, kvh + 1);
+            const float* kt = k_layer(row_slot_[tile.row], l) + static_cast<size_t>(kvh) * hd * k_cap_;
+            const float* vc = v_layer(row_slot_[tile.row], l) + kvh * hd;
+            for (int t = tile.row; t < tile.row + tile.count;) {
+              const int T = t + kQueryTile <= tile.row + tile.count ? kQueryTile : 1;
+              attend_rows(ti, T, &q_[t * qd + kvh * group * hd], kt, vc, row_pos_[t] + 1, ls.window, scores,
+                          &att_[t * qd + kvh * group * hd]);
+              t += T;
+            }
+          }
+        });
+      }
       const block_q16_act* aq = quantize_if_needed(att_.data(), n, qd, {&L.wo});
       {
         const WeightView* lo = lane_of(LL.wo, n);
@@ -545,7 +561,79 @@ class CpuBackend final : public Backend {
     return true;
   }
 
-  // Layer l of slot s: K [kv_head][k_cap / 16][head_dim][16] (transposed by blocks, see attend_group), V [n_ctx][kv_dim].
+  // The attention pieces (cpu::kAttentionPiece positions each, from position 0) that rows at positions n_pos0 - 1 ..
+  // n_last - 1 see, [first, end): a sliding window leaves out the pieces wholly before it.
+  std::pair<int, int> attention_pieces(int n_pos0, int n_last, int window) const {
+    const int lo = window > 0 ? std::max(0, n_pos0 - window) : 0;
+    return {lo / cpu::kAttentionPiece, (n_last - 1) / cpu::kAttentionPiece + 1};
+  }
+
+  // T rows at consecutive positions (the first at n_pos0 - 1) of one KV head's query heads (q, row stride q_dim), piece
+  // after piece with thread ti's scratch: each piece's outputs are folded into the running ones, then divided into
+  // out (row stride q_dim).
+  void attend_rows(int ti, int T, const float* q, const float* kt, const float* vc, int n_pos0, int window,
+                   float* scores, float* out) {
+    const int hd = s_.head_dim, group = s_.n_heads / s_.n_kv_heads, qd = s_.q_dim(), kvd = s_.kv_dim();
+    const size_t per_thread = static_cast<size_t>(kQueryTile) * group;
+    float *run_o = &run_out_[ti * per_thread * hd], *run_ml = &run_ml_[ti * per_thread * 2];
+    float *piece_o = &piece_out_[ti * per_thread * hd], *piece_ml = &piece_ml_[ti * per_thread * 2];
+    for (int r = 0; r < T * group; ++r) {
+      std::fill_n(run_o + r * hd, hd, 0.f);
+      run_ml[2 * r] = -INFINITY;
+      run_ml[2 * r + 1] = 0.f;
+    }
+    const auto [first, end] = attention_pieces(n_pos0, n_pos0 + T - 1, window);
+    for (int k = first; k < end; ++k) {
+      (T == 1 ? attend_.one : attend_.tile)(q, qd, kt, k_cap_, vc, kvd, n_pos0, window, k * cpu::kAttentionPiece,
+                                            (k + 1) * cpu::kAttentionPiece, hd, attn_scale_, scores, k_cap_, piece_o,
+                                            group * hd, piece_ml);
+      for (int r = 0; r < T * group; ++r)
+        cpu::attention_fold(run_o + r * hd, run_ml + 2 * r, piece_o + r * hd, piece_ml + 2 * r, hd);
+    }
+    for (int t = 0; t < T; ++t)
+      for (int h = 0; h < group; ++h)
+        cpu::attention_finish(run_o + (t * group + h) * hd, run_ml + 2 * (t * group + h), hd, out + t * qd + h * hd);
+  }
+
+  // Layer l's attention of the single decoding row 0: one job a (KV head, piece), so that a long context spreads over
+  // the threads whatever the KV heads (SmolLM2's 3 on 2 threads left one thread idle for a third of the attention,
+  // most of a decode step at depth); prepare() writes the row's K and V first. The pieces' outputs are then folded in
+  // order, as attend_rows folds them, so the values are those of every other path.
+  template <class Prepare>
+  void attend_decode_row(int l, int window, Prepare&& prepare) {
+    const int hd = s_.head_dim, group = s_.n_heads / s_.n_kv_heads, kvd = s_.kv_dim();
+    prepare();
+    const int n_pos = row_pos_[0] + 1;
+    const auto [first, end] = attention_pieces(n_pos, n_pos, window);
+    const int n_pieces = end - first, jobs = s_.n_kv_heads * n_pieces;
+    std::atomic<int> next_job{0};
+    pool_.parallel([&](int ti, int) {
+      float* scores = scores_.data() + static_cast<size_t>(ti) * kQueryTile * group * k_cap_;
+      for (int j; (j = next_job.fetch_add(1, std::memory_order_relaxed)) < jobs;) {
+        const int kvh = j / n_pieces, k = first + j % n_pieces;
+        attend_.one(&q_[kvh * group * hd], 0, k_layer(row_slot_[0], l) + static_cast<size_t>(kvh) * hd * k_cap_,
+                    k_cap_, v_layer(row_slot_[0], l) + kvh * hd, kvd, n_pos, window, k * cpu::kAttentionPiece,
+                    (k + 1) * cpu::kAttentionPiece, hd, attn_scale_, scores, k_cap_,
+                    &piece_out_[static_cast<size_t>(j) * group * hd], group * hd,
+                    &piece_ml_[static_cast<size_t>(j) * group * 2]);
+      }
+    });
+    float* run_o = run_out_.data();
+    float* run_ml = run_ml_.data();
+    for (int kvh = 0; kvh < s_.n_kv_heads; ++kvh)
+      for (int h = 0; h < group; ++h) {
+        std::fill_n(run_o, hd, 0.f);
+        run_ml[0] = -INFINITY;
+        run_ml[1] = 0.f;
+        for (int i = 0; i < n_pieces; ++i) {
+          const size_t r = (static_cast<size_t>(kvh) * n_pieces + i) * group + h;
+          cpu::attention_fold(run_o, run_ml, &piece_out_[r * hd], &piece_ml_[r * 2], hd);
+        }
+        cpu::attention_finish(run_o, run_ml, hd, &att_[(kvh * group + h) * hd]);
+      }
+  }
+
+  // Layer l of slot s: K [kv_head][k_cap / 16][head_dim][16] (transposed by blocks, see attend_scores), V [n_ctx][kv_dim].
   float* k_layer(int slot, int l) const {
     return k_cache_.get() + (static_cast<size_t>(slot) * s_.n_layers + l) * k_cap_ * s_.kv_dim();
   }
@@ -578,6 +666,9 @@ class CpuBackend final : public Backend {
   std::vector<char> seen_slot_;
   int scratch_tokens_ = 0;
   std::vector<float> x_, xn_, q_, k_, v_, att_, tmp_, gate_, up_, logits_, scores_, batch_logits_;
+  // Attention pieces' outputs and (max, sum of exp): attend_decode_row's [KV head][piece][query head] or attend_rows'
+  // per thread [kQueryTile x group]; the running (folded) ones per thread.
+  std::vector<float> piece_out_, piece_ml_, run_out_, run_ml_;
   std::vector<RopeTable> rope_tables_;
   std::vector<int> layer_rope_;  // index into rope_tables_ per layer
   std::vector<block_q16_act> xq_;

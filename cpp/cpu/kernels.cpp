@@ -190,6 +190,20 @@ AttendFns attend_fns(Isa isa, int group) {
   }
 }
 
+void attention_fold(float* o, float* ml, const float* o_i, const float* ml_i, int head_dim) {
+  const float m = std::max(ml[0], ml_i[0]);
+  if (m == -INFINITY) return;  // neither has seen a position
+  const float a = std::exp(ml[0] - m), b = std::exp(ml_i[0] - m);  // exp(-inf) = 0
+  for (int c = 0; c < head_dim; ++c) o[c] = o[c] * a + o_i[c] * b;
+  ml[0] = m;
+  ml[1] = ml[1] * a + ml_i[1] * b;
+}
+
+void attention_finish(const float* o, const float* ml, int head_dim, float* out) {
+  const float inv = 1.f / ml[1];
+  for (int c = 0; c < head_dim; ++c) out[c] = o[c] * inv;
+}
+
 bool lane_rows_supported(Isa isa, GgmlType type) {
 #ifdef METALATTN_X86
   return isa == Isa::Avx2 && type == GgmlType::Q4_0 && isa_supported(isa);

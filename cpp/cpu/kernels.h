@@ -78,17 +78,27 @@ void matmul_slot_rows(Isa isa, const WeightView& packed, const block_q16_act* Xq
 void glu(Isa isa, bool gelu, float* gate, const float* up, int64_t n);
 // ref::argmax, vectorised (every logit NaN throws NonFiniteLogits, as ref does).
 ArgmaxResult argmax_logits(Isa isa, const float* x, int n);
-// Attention of the query heads that share one KV head over the backend's cache layout (vec_ops.h, attend_group):
-// `one` for a single query token, `tile` for kQueryTile consecutive prompt tokens.
+// Attention of the query heads that share one KV head over the backend's cache layout, one piece of the context at a
+// time (vec_ops.h, attend_piece): `one` for a single query token, `tile` for kQueryTile consecutive prompt tokens.
+// Each piece leaves per (token, head) an unnormalized output and its (max, sum of exp); attention_fold merges the
+// pieces in order and attention_finish divides. Pieces are the same on every path (kAttentionPiece positions from
+// position 0), so a prompt, token-by-token decode, a batch and any thread count give the same values.
 constexpr int kQueryTile = 4;
+constexpr int kAttentionPiece = 512;
 using AttendFn = void (*)(const float* q, int q_stride, const float* k_t, int k_cap, const float* v, int v_stride,
-                          int n_pos0, int head_dim, int window, float scale, float* scores, int scores_stride,
-                          float* out, int out_stride);
+                          int n_pos0, int window, int from, int to, int head_dim, float scale, float* scores,
+                          int scores_stride, float* out, int out_stride, float* ml);
 struct AttendFns {
   AttendFn one = nullptr;
   AttendFn tile = nullptr;
 };
 // group: query heads per KV head, 1 to 8 (EngineError otherwise).
 AttendFns attend_fns(Isa isa, int group);
+// Merges one piece (o_i: head_dim unnormalized outputs; ml_i: its max and sum of exp) into the running (o, ml) of a
+// (token, head), which start as 0 and (-inf, 0): o = o e^(m - M) + o_i e^(m_i - M), l likewise, M = max(m, m_i).
+// Compiled once (not per ISA), so every path rounds alike.
+void attention_fold(float* o, float* ml, const float* o_i, const float* ml_i, int head_dim);
+// out = o / l of a folded (o, ml); a token that saw no position (l = 0) cannot happen (it sees its own).
+void attention_finish(const float* o, const float* ml, int head_dim, float* out);
 
 }  // namespace metalattn::cpu

@@ -142,18 +142,16 @@ __attribute__((always_inline)) inline V load_v(const float* p) {
 template <class V>
 __attribute__((always_inline)) inline void store_v(float* p, V v) { std::memcpy(p, &v, sizeof(v)); }
 
+// Scores of T tokens x G heads for the cache positions [from, to): whole 16-position blocks from from's block on
+// (also past `to` inside the last block, while the block lies inside k_cap: those scores are never used, and every
+// score then comes from the same vector code whatever the tile or split, so a prompt matches token-by-token decode),
+// then single positions. Token t, head h's scores at scores + (t * G + h) * scores_stride + position.
 template <int G, int T, class V>
-METALATTN_BODY void attend_group(const float* q, int q_stride, const float* k_t, int k_cap, const float* v,
-                                 int v_stride, int n_pos0, int head_dim, int window, float scale, float* scores,
-                                 int scores_stride, float* out, int out_stride) {
+METALATTN_BODY void attend_scores(const float* q, int q_stride, const float* k_t, int k_cap, int from, int to,
+                                  int head_dim, float scale, float* scores, int scores_stride) {
   constexpr int W = sizeof(V) / sizeof(float);  // 16, or 8: a 16-position block in two halves
-  const int n_all = n_pos0 + T - 1;  // positions the last token of the tile sees
-  // First position any token of the tile sees; scores start at the 16-aligned block holding it.
-  const int lo0 = window > 0 ? std::max(0, n_pos0 - window) : 0;
-  const int start = lo0 / 16 * 16;
-  // Whole 16-position blocks, also past n_all (those scores are never used): every score then comes from the same
-  // vector code whatever the tile, so a prompt matches token-by-token decode exactly.
-  int full = (n_all + 15) / 16 * 16;
+  const int start = from / 16 * 16;
+  int full = (to + 15) / 16 * 16;
   if (full > k_cap) full -= 16;
   for (int t0 = start; t0 < full; t0 += 16)
     for (int w0 = 0; w0 < 16; w0 += W) {
@@ -167,28 +165,27 @@ METALATTN_BODY void attend_group(const float* q, int q_stride, const float* k_t,
       for (int t = 0; t < T; ++t)
         for (int h = 0; h < G; ++h) store_v<V>(scores + (t * G + h) * scores_stride + t0 + w0, acc[t][h] * scale);
     }
-  for (int p = std::max(full, start); p < n_all; ++p)
+  for (int p = std::max(full, start); p < to; ++p)
     for (int t = 0; t < T; ++t)
       for (int h = 0; h < G; ++h) {
         float sum = 0.f;
         for (int j = 0; j < head_dim; ++j)
-          sum += q[t * q_stride + h * head_dim + j] * k_t[static_cast<int64_t>(p / 16) * 16 * head_dim + 16 * j + p % 16];
+          sum += q[t * q_stride + h * head_dim + j] *
+                 k_t[static_cast<int64_t>(p / 16) * 16 * head_dim + 16 * j + p % 16];
         scores[(t * G + h) * scores_stride + p] = sum * scale;
       }
-  for (int t = 0; t < T; ++t)
-    for (int h = 0; h < G; ++h) {
-      float* sc = scores + (t * G + h) * scores_stride;
-      const int n = n_pos0 + t;
-      const int lo = window > 0 ? std::max(0, n - window) : 0;  // this token's first visible position
-      const float mx = row_max<V>(sc + lo, n - lo);
-      const float inv = 1.f / exp_shifted_sum(sc + lo, n - lo, mx);
-      for (int p = lo; p < n; ++p) sc[p] *= inv;
-      for (int p = start; p < lo; ++p) sc[p] = 0.f;
-      for (int p = n; p < n_all; ++p) sc[p] = 0.f;
-    }
+}
+
+// out (token t, head h at out + t * out_stride + h * head_dim) = sum over positions [from, to) of the weights in
+// scores (as attend_scores lays them out) times the V rows: each 16-float slice of a row is loaded once and added
+// into every (token, head) output.
+template <int G, int T, class V>
+METALATTN_BODY void attend_values(const float* v, int v_stride, const float* scores, int scores_stride, int from,
+                                  int to, int head_dim, float* out, int out_stride) {
+  constexpr int W = sizeof(V) / sizeof(float);
   for (int c = 0; c < head_dim; c += W) {
     V acc[T][G] = {};
-    for (int p = start; p < n_all; ++p) {
+    for (int p = from; p < to; ++p) {
       const V vr = load_v<V>(v + static_cast<int64_t>(p) * v_stride + c);
       for (int t = 0; t < T; ++t)
         for (int h = 0; h < G; ++h) acc[t][h] += scores[(t * G + h) * scores_stride + p] * vr;
@@ -198,13 +195,54 @@ METALATTN_BODY void attend_group(const float* q, int q_stride, const float* k_t,
   }
 }
 
-// Address-taken instantiations of attend_group (compiled with the including file's ISA flags) and the pair the
+// Attention of T tokens over one piece of the cache, positions [from, to) (the backend cuts the context into
+// pieces of kAttentionPiece positions: attention_fold merges them, the same way on every path). Token t sees
+// [lo_t, n_pos0 + t) with lo_t = 0, or with a sliding window (window > 0) the last `window` positions up to its own.
+// Per (token t, head h): out (at out + t * out_stride + h * head_dim) gets the unnormalized sum of e^(s - m) V over
+// what the token sees of the piece, ml[2 (t G + h)] the largest score m and ml[2 (t G + h) + 1] the sum of e^(s - m)
+// (-inf and 0, with out 0, when it sees none of it). Positions a token must not see (the later tokens of its own
+// tile, whose K/V are already in the cache) get weight 0. The values of one (token, head) do not depend on T: decode
+// (T = 1) and a prompt's tiles compute them alike.
+template <int G, int T, class V>
+METALATTN_BODY void attend_piece(const float* q, int q_stride, const float* k_t, int k_cap, const float* v,
+                                 int v_stride, int n_pos0, int window, int from, int to, int head_dim, float scale,
+                                 float* scores, int scores_stride, float* out, int out_stride, float* ml) {
+  const int lo0 = window > 0 ? std::max(0, n_pos0 - window) : 0;
+  const int begin = std::max(from, lo0), end = std::min(to, n_pos0 + T - 1);  // what any token of the tile sees
+  const int start = begin / 16 * 16;
+  if (begin < end) attend_scores<G, T, V>(q, q_stride, k_t, k_cap, begin, end, head_dim, scale, scores, scores_stride);
+  for (int t = 0; t < T; ++t)
+    for (int h = 0; h < G; ++h) {
+      float* sc = scores + (t * G + h) * scores_stride;
+      const int n = n_pos0 + t;
+      const int a = std::max(begin, window > 0 ? std::max(0, n - window) : 0), b = std::min(end, n);
+      float* m = ml + 2 * (t * G + h);
+      if (a < b) {
+        m[0] = row_max<V>(sc + a, b - a);
+        m[1] = exp_shifted_sum(sc + a, b - a, m[0]);
+      } else {
+        m[0] = -INFINITY;
+        m[1] = 0.f;
+      }
+      for (int p = start; p < std::min(a, end); ++p) sc[p] = 0.f;
+      for (int p = std::max(b, start); p < end; ++p) sc[p] = 0.f;
+    }
+  if (begin < end) {
+    attend_values<G, T, V>(v, v_stride, scores, scores_stride, start, end, head_dim, out, out_stride);
+  } else {
+    for (int t = 0; t < T; ++t)
+      for (int h = 0; h < G; ++h) std::fill_n(out + t * out_stride + h * head_dim, head_dim, 0.f);
+  }
+}
+
+// Address-taken instantiations of attend_piece (compiled with the including file's ISA flags) and the pair the
 // backend calls for a GQA group of `group` query heads.
 template <int G, int T, class V>
 void attend(const float* q, int q_stride, const float* k_t, int k_cap, const float* v, int v_stride, int n_pos0,
-            int head_dim, int window, float scale, float* scores, int scores_stride, float* out, int out_stride) {
-  attend_group<G, T, V>(q, q_stride, k_t, k_cap, v, v_stride, n_pos0, head_dim, window, scale, scores, scores_stride,
-                        out, out_stride);
+            int window, int from, int to, int head_dim, float scale, float* scores, int scores_stride, float* out,
+            int out_stride, float* ml) {
+  attend_piece<G, T, V>(q, q_stride, k_t, k_cap, v, v_stride, n_pos0, window, from, to, head_dim, scale, scores,
+                        scores_stride, out, out_stride, ml);
 }
 template <class V>
 AttendFns attend_fns_with(int group) {

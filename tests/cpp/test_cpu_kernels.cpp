@@ -780,6 +780,111 @@ TEST(Dispatch, IsaEnvOverride) {
   EXPECT_EQ(selected_isa(), best_isa());
 }
 
+// ---------------------------------------------------------------- attention of a GQA group
+
+// One KV head's cache in the backend's layout: K transposed in blocks of 16 positions (k_t[p / 16][j][p % 16]), V
+// row-major (row stride head_dim); the rows as plain [n_pos][head_dim] matrices for the reference.
+struct HeadCache {
+  int k_cap;
+  std::vector<float> k_rows, v_rows, k_t;
+};
+HeadCache random_head_cache(int n_pos, int head_dim, std::mt19937& rng) {
+  std::uniform_real_distribution<float> u(-2.f, 2.f);
+  HeadCache c;
+  c.k_cap = (n_pos + 15) / 16 * 16 + 16;
+  c.k_rows.resize(static_cast<size_t>(n_pos) * head_dim);
+  c.v_rows.resize(static_cast<size_t>(c.k_cap) * head_dim, kPoison);  // rows past n_pos must not be read
+  c.k_t.assign(static_cast<size_t>(c.k_cap) * head_dim, 0.f);  // (K past n_pos may be read, its scores unused)
+  for (int p = 0; p < n_pos; ++p)
+    for (int j = 0; j < head_dim; ++j) {
+      c.k_rows[static_cast<size_t>(p) * head_dim + j] = u(rng);
+      c.v_rows[static_cast<size_t>(p) * head_dim + j] = u(rng);
+      c.k_t[static_cast<size_t>(p / 16) * 16 * head_dim + 16 * j + p % 16] = c.k_rows[static_cast<size_t>(p) * head_dim + j];
+    }
+  return c;
+}
+
+// Attention piece by piece (AttendFns on [k P, (k + 1) P), P = kAttentionPiece, folded with attention_fold and
+// divided with attention_finish, as the backend does) against the float reference over the visible positions, on every
+// ISA, for group sizes 1-8, head_dim 64 / 128 / 256, with and without a sliding window; and a prompt tile's rows (T =
+// kQueryTile) bit for bit equal to the same rows decoded one at a time.
+TEST(Attention, PiecesFoldToTheReferenceAndTilesEqualSingleRows) {
+  std::mt19937 rng(31);
+  std::uniform_real_distribution<float> u(-1.f, 1.f);
+  constexpr int P = kAttentionPiece, T = kQueryTile;
+  for (Isa isa : supported_isas())
+    for (int group : {1, 3, 4, 8})
+      for (int head_dim : {64, 128, 256})
+        for (int n_last : {5, 300, 600, 1029})  // the tile's rows see n_last - T + 1 .. n_last positions
+          for (int window : {0, 200}) {
+            SCOPED_TRACE(std::string(isa_name(isa)) + " group " + std::to_string(group) + " head_dim " +
+                         std::to_string(head_dim) + " n_last " + std::to_string(n_last) + " window " +
+                         std::to_string(window));
+            const HeadCache c = random_head_cache(n_last, head_dim, rng);
+            const int n_pos0 = n_last - T + 1;
+            std::vector<float> q(static_cast<size_t>(T) * group * head_dim);  // row stride group * head_dim
+            for (float& x : q) x = u(rng);
+            const float scale = 1.f / std::sqrt(static_cast<float>(head_dim));
+            const AttendFns fns = attend_fns(isa, group);
+            std::vector<float> scores(static_cast<size_t>(T) * group * c.k_cap);
+            const int row = group * head_dim;
+            // rows[T_used][t]: row t's outputs from tiles of T_used rows (1: each row alone).
+            std::vector<float> rows[2];
+            for (int pass = 0; pass < 2; ++pass) {
+              const int tile = pass == 0 ? 1 : T;
+              rows[pass].assign(static_cast<size_t>(T) * row, kPoison);
+              for (int t0 = 0; t0 < T; t0 += tile) {
+                std::vector<float> run_o(static_cast<size_t>(tile) * row, 0.f), run_ml(tile * group * 2);
+                for (int r = 0; r < tile * group; ++r) run_ml[2 * r] = -INFINITY, run_ml[2 * r + 1] = 0.f;
+                std::vector<float> o(static_cast<size_t>(tile) * row, kPoison), ml(tile * group * 2, kPoison);
+                const int n0 = n_pos0 + t0, lo = window > 0 ? std::max(0, n0 - window) : 0;
+                for (int k = lo / P; k <= (n0 + tile - 2) / P; ++k) {
+                  (tile == 1 ? fns.one : fns.tile)(&q[static_cast<size_t>(t0) * row], row, c.k_t.data(), c.k_cap,
+                                                   c.v_rows.data(), head_dim, n0, window, k * P, (k + 1) * P, head_dim,
+                                                   scale, scores.data(), c.k_cap, o.data(), row, ml.data());
+                  for (int r = 0; r < tile * group; ++r)
+                    attention_fold(&run_o[static_cast<size_t>(r) * head_dim], &run_ml[2 * r],
+                                   &o[static_cast<size_t>(r) * head_dim], &ml[2 * r], head_dim);
+                }
+                for (int r = 0; r < tile * group; ++r)
+                  attention_finish(&run_o[static_cast<size_t>(r) * head_dim], &run_ml[2 * r], head_dim,
+                                   &rows[pass][static_cast<size_t>(t0) * row + static_cast<size_t>(r) * head_dim]);
+              }
+            }
+            for (int t = 0; t < T; ++t) {
+              const int n = n_pos0 + t, lo = window > 0 ? std::max(0, n - window) : 0;
+              std::vector<float> expect(row);
+              ref::attention(&q[static_cast<size_t>(t) * row], c.k_rows.data() + static_cast<size_t>(lo) * head_dim,
+                             c.v_rows.data() + static_cast<size_t>(lo) * head_dim, group, 1, head_dim, n - lo,
+                             expect.data());
+              for (int k = 0; k < row; ++k) {
+                const size_t i = static_cast<size_t>(t) * row + k;
+                ASSERT_NEAR(rows[0][i], expect[k], 2e-5f) << "row " << t << " element " << k;
+                ASSERT_TRUE(same_bits(rows[1][i], rows[0][i])) << "tile row " << t << " element " << k;
+              }
+            }
+          }
+}
+
+// Folding: a piece that saw nothing (-inf, 0) changes nothing; two pieces fold to the softmax of both.
+TEST(Attention, FoldOfEmptyAndOfTwoPieces) {
+  std::vector<float> o{0.f, 0.f}, ml{-INFINITY, 0.f};
+  const std::vector<float> none_o{0.f, 0.f}, none_ml{-INFINITY, 0.f};
+  attention_fold(o.data(), ml.data(), none_o.data(), none_ml.data(), 2);
+  EXPECT_EQ(ml[0], -INFINITY);
+  // Piece a: one position, score 1, value (1, 2); piece b: one position, score 3, value (5, -1).
+  const std::vector<float> a_o{1.f, 2.f}, a_ml{1.f, 1.f}, b_o{5.f, -1.f}, b_ml{3.f, 1.f};
+  attention_fold(o.data(), ml.data(), a_o.data(), a_ml.data(), 2);
+  attention_fold(o.data(), ml.data(), none_o.data(), none_ml.data(), 2);
+  attention_fold(o.data(), ml.data(), b_o.data(), b_ml.data(), 2);
+  std::vector<float> out(2);
+  attention_finish(o.data(), ml.data(), 2, out.data());
+  const double wa = std::exp(1.0) / (std::exp(1.0) + std::exp(3.0)), wb = 1.0 - wa;
+  EXPECT_NEAR(out[0], wa * 1 + wb * 5, 1e-6);
+  EXPECT_NEAR(out[1], wa * 2 + wb * -1, 1e-6);
+  EXPECT_EQ(ml[0], 3.f);
+}
+
 // ---------------------------------------------------------------- thread pool
 
 TEST(ThreadPool, EveryIndexExactlyOncePerRun) {

@@ -80,6 +80,28 @@ def test_forward_prompt_matches_token_by_token(synthetic_factory, monkeypatch, i
     assert rel_l2(a, b) <= 1e-5
 
 
+@pytest.mark.parametrize("isa", isas())
+@pytest.mark.parametrize("arch", ["llama", "gemma3"])
+def test_decode_attention_pieces_equal_on_any_thread_count_and_match_reference(synthetic_factory, monkeypatch, isa,
+                                                                                arch):
+    # Attention runs in pieces of 512 positions folded in order on every path; a decoding row's pieces are spread
+    # over the threads. Past 512 positions (two pieces), 1 and 2 threads must give the same logits bit for bit, and
+    # both the float64 reference's. Gemma 3's windowed layers (window 600) start inside the first piece.
+    kw = dict(arch="gemma3", head_dim=32, n_heads=4, n_kv_heads=1, n_layers=3, sliding_window=600, swa_pattern=3) \
+        if arch == "gemma3" else dict(n_heads=6, n_kv_heads=2, d_model=96)
+    path = synthetic_factory(quant="q8_0", n_ctx=1024, seed=8, **kw)
+    tokens = list(np.random.default_rng(2).integers(0, 512, size=700))
+    logits = {}
+    for threads in (1, 2):
+        model = load_cpu(path, isa, monkeypatch, n_ctx=1024, n_threads=threads)
+        for t in tokens[:-1]:
+            model.forward_token_greedy(t)
+        logits[threads] = model.forward_token(tokens[-1])
+    assert np.array_equal(logits[2], logits[1])
+    ref = reference_forward(model.gguf, tokens)[-1]
+    assert rel_l2(logits[2], ref) <= (SCALAR_REL_L2 if isa == "scalar" else SIMD_REL_L2)
+
+
 def test_all_logits_match_per_token(synthetic_factory, monkeypatch):
     path = synthetic_factory(quant="q8_0", seed=6)
     model = load_cpu(path, "scalar", monkeypatch)
