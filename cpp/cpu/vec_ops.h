@@ -177,22 +177,51 @@ METALATTN_BODY void attend_scores(const float* q, int q_stride, const float* k_t
 }
 
 // out (token t, head h at out + t * out_stride + h * head_dim) = sum over positions [from, to) of the weights in
-// scores (as attend_scores lays them out) times the V rows: each 16-float slice of a row is loaded once and added
-// into every (token, head) output.
+// scores (as attend_scores lays them out) times the V rows, NC vectors of columns per pass over the rows: each loaded
+// slice of a row is added into every (token, head) output. Each output adds the positions in the same order whatever
+// NC, so the values do not depend on it.
+template <int G, int T, int NC, class V>
+METALATTN_BODY void attend_values_cols(const float* v, int v_stride, const float* scores, int scores_stride, int from,
+                                       int to, int head_dim, float* out, int out_stride) {
+  constexpr int W = sizeof(V) / sizeof(float);
+  for (int c = 0; c < head_dim; c += NC * W) {
+    V acc[T][G][NC] = {};
+    for (int p = from; p < to; ++p) {
+      const float* row = v + static_cast<int64_t>(p) * v_stride + c;
+      for (int k = 0; k < NC; ++k) {
+        const V vr = load_v<V>(row + k * W);
+        for (int t = 0; t < T; ++t)
+          for (int h = 0; h < G; ++h) acc[t][h][k] += scores[(t * G + h) * scores_stride + p] * vr;
+      }
+    }
+    for (int t = 0; t < T; ++t)
+      for (int h = 0; h < G; ++h)
+        for (int k = 0; k < NC; ++k) store_v<V>(out + t * out_stride + h * head_dim + c + k * W, acc[t][h][k]);
+  }
+}
+
+// A single token (decode) takes as many column vectors a pass as keep its G x NC accumulators within half the
+// vector registers (16 of AVX-512's 32, 8 of AVX2's 16): SmolLM2's 64-wide heads (G 3) in one pass over the V rows on
+// AVX-512 instead of four, two on AVX2 instead of eight. A prompt tile's T x G accumulators take one vector a pass.
 template <int G, int T, class V>
 METALATTN_BODY void attend_values(const float* v, int v_stride, const float* scores, int scores_stride, int from,
                                   int to, int head_dim, float* out, int out_stride) {
-  constexpr int W = sizeof(V) / sizeof(float);
-  for (int c = 0; c < head_dim; c += W) {
-    V acc[T][G] = {};
-    for (int p = from; p < to; ++p) {
-      const V vr = load_v<V>(v + static_cast<int64_t>(p) * v_stride + c);
-      for (int t = 0; t < T; ++t)
-        for (int h = 0; h < G; ++h) acc[t][h] += scores[(t * G + h) * scores_stride + p] * vr;
-    }
-    for (int t = 0; t < T; ++t)
-      for (int h = 0; h < G; ++h) store_v<V>(out + t * out_stride + h * head_dim + c, acc[t][h]);
+  constexpr int W = sizeof(V) / sizeof(float), kBudget = W == 16 ? 16 : 8;
+  constexpr int kNc = T > 1 ? 1 : kBudget / G >= 8 ? 8 : kBudget / G >= 4 ? 4 : kBudget / G >= 2 ? 2 : 1;
+  const int cols = head_dim / W;
+  if constexpr (kNc >= 8) {
+    if (cols % 8 == 0)
+      return attend_values_cols<G, T, 8, V>(v, v_stride, scores, scores_stride, from, to, head_dim, out, out_stride);
   }
+  if constexpr (kNc >= 4) {
+    if (cols % 4 == 0)
+      return attend_values_cols<G, T, 4, V>(v, v_stride, scores, scores_stride, from, to, head_dim, out, out_stride);
+  }
+  if constexpr (kNc >= 2) {
+    if (cols % 2 == 0)
+      return attend_values_cols<G, T, 2, V>(v, v_stride, scores, scores_stride, from, to, head_dim, out, out_stride);
+  }
+  attend_values_cols<G, T, 1, V>(v, v_stride, scores, scores_stride, from, to, head_dim, out, out_stride);
 }
 
 // Attention of T tokens over one piece of the cache, positions [from, to) (the backend cuts the context into
