@@ -466,7 +466,9 @@ class CpuBackend final : public Backend {
         for (int i = k0; i < k1; ++i)  // KV head i / hd, dim i % hd, in the 16-position block of pos
           kc[static_cast<size_t>(i / hd) * hd * k_cap_ + static_cast<size_t>(pos / 16) * 16 * hd + 16 * (i % hd) + pos % 16] =
               kt[i];
-        std::memcpy(v_layer(row_slot_[t], l) + static_cast<size_t>(pos) * kvd + k0, vt + k0, (k1 - k0) * sizeof(float));
+        for (int h = h0; h < h1; ++h)  // KV head h's row pos
+          std::memcpy(v_layer(row_slot_[t], l) + (static_cast<size_t>(h) * k_cap_ + pos) * hd, vt + h * hd,
+                      hd * sizeof(float));
       };
       if (n == 1) {
         attend_decode_row(l, ls.window, [&] { prepare(0, 0, s_.n_kv_heads); });
@@ -495,7 +497,7 @@ class CpuBackend final : public Backend {
             const Tile tile = tiles_[j / s_.n_kv_heads];
             if (own_slots) prepare(tile.row, kvh, kvh + 1);
             const float* kt = k_layer(row_slot_[tile.row], l) + static_cast<size_t>(kvh) * hd * k_cap_;
-            const float* vc = v_layer(row_slot_[tile.row], l) + kvh * hd;
+            const float* vc = v_layer(row_slot_[tile.row], l) + static_cast<size_t>(kvh) * hd * k_cap_;
             for (int t = tile.row; t < tile.row + tile.count;) {
               const int T = t + kQueryTile <= tile.row + tile.count ? kQueryTile : 1;
               attend_rows(ti, T, &q_[t * qd + kvh * group * hd], kt, vc, row_pos_[t] + 1, ls.window, scores,
@@ -573,7 +575,7 @@ class CpuBackend final : public Backend {
   // out (row stride q_dim).
   void attend_rows(int ti, int T, const float* q, const float* kt, const float* vc, int n_pos0, int window,
                    float* scores, float* out) {
-    const int hd = s_.head_dim, group = s_.n_heads / s_.n_kv_heads, qd = s_.q_dim(), kvd = s_.kv_dim();
+    const int hd = s_.head_dim, group = s_.n_heads / s_.n_kv_heads, qd = s_.q_dim();
     const size_t per_thread = static_cast<size_t>(kQueryTile) * group;
     float *run_o = &run_out_[ti * per_thread * hd], *run_ml = &run_ml_[ti * per_thread * 2];
     float *piece_o = &piece_out_[ti * per_thread * hd], *piece_ml = &piece_ml_[ti * per_thread * 2];
@@ -584,7 +586,7 @@ class CpuBackend final : public Backend {
     }
     const auto [first, end] = attention_pieces(n_pos0, n_pos0 + T - 1, window);
     for (int k = first; k < end; ++k) {
-      (T == 1 ? attend_.one : attend_.tile)(q, qd, kt, k_cap_, vc, kvd, n_pos0, window, k * cpu::kAttentionPiece,
+      (T == 1 ? attend_.one : attend_.tile)(q, qd, kt, k_cap_, vc, hd, n_pos0, window, k * cpu::kAttentionPiece,
                                             (k + 1) * cpu::kAttentionPiece, hd, attn_scale_, scores, k_cap_, piece_o,
                                             group * hd, piece_ml);
       for (int r = 0; r < T * group; ++r)
@@ -601,7 +603,7 @@ class CpuBackend final : public Backend {
   // order, as attend_rows folds them, so the values are those of every other path.
   template <class Prepare>
   void attend_decode_row(int l, int window, Prepare&& prepare) {
-    const int hd = s_.head_dim, group = s_.n_heads / s_.n_kv_heads, kvd = s_.kv_dim();
+    const int hd = s_.head_dim, group = s_.n_heads / s_.n_kv_heads;
     prepare();
     const int n_pos = row_pos_[0] + 1;
     const auto [first, end] = attention_pieces(n_pos, n_pos, window);
@@ -612,7 +614,8 @@ class CpuBackend final : public Backend {
       for (int j; (j = next_job.fetch_add(1, std::memory_order_relaxed)) < jobs;) {
         const int kvh = j / n_pieces, k = first + j % n_pieces;
         attend_.one(&q_[kvh * group * hd], 0, k_layer(row_slot_[0], l) + static_cast<size_t>(kvh) * hd * k_cap_,
-                    k_cap_, v_layer(row_slot_[0], l) + kvh * hd, kvd, n_pos, window, k * cpu::kAttentionPiece,
+                    k_cap_, v_layer(row_slot_[0], l) + static_cast<size_t>(kvh) * hd * k_cap_, hd, n_pos, window,
+                    k * cpu::kAttentionPiece,
                     (k + 1) * cpu::kAttentionPiece, hd, attn_scale_, scores, k_cap_,
                     &piece_out_[static_cast<size_t>(j) * group * hd], group * hd,
                     &piece_ml_[static_cast<size_t>(j) * group * 2]);
@@ -633,7 +636,9 @@ class CpuBackend final : public Backend {
       }
   }
 
-  // Layer l of slot s: K [kv_head][k_cap / 16][head_dim][16] (transposed by blocks, see attend_scores), V [n_ctx][kv_dim].
+  // Layer l of slot s: K [kv_head][k_cap / 16][head_dim][16] (transposed by blocks, see attend_scores), V
+  // [kv_head][k_cap][head_dim] (a head's rows contiguous: the P.V streams them; rows of all heads interleaved, at a
+  // stride of kv_dim, were measured slower, NOTES "CPU, session 18").
   float* k_layer(int slot, int l) const {
     return k_cache_.get() + (static_cast<size_t>(slot) * s_.n_layers + l) * k_cap_ * s_.kv_dim();
   }
