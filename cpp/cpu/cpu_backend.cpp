@@ -85,17 +85,17 @@ class CpuBackend final : public Backend {
     make_slot_rows();
     if (s_.head_dim % 16 != 0) throw EngineError("cpu backend: head_dim must be a multiple of 16");
     attend_ = cpu::attend_fns(isa_, s_.n_heads / s_.n_kv_heads);
-    scores_.resize(static_cast<size_t>(pool_.size()) * kQueryTile * (s_.n_heads / s_.n_kv_heads) * k_cap_);
     {
-      // Attention pieces: a decoding row's (every KV head's, every piece's) outputs, or per thread one tile's; and
-      // per thread the running outputs they are folded into.
-      const size_t pieces = static_cast<size_t>(k_cap_) / cpu::kAttentionPiece + 1;
-      const size_t rows = std::max(pieces * s_.n_heads, static_cast<size_t>(pool_.size()) * kQueryTile *
-                                                            (s_.n_heads / s_.n_kv_heads));
-      piece_out_.resize(rows * s_.head_dim);
-      piece_ml_.resize(rows * 2);
-      run_out_.resize(static_cast<size_t>(pool_.size()) * kQueryTile * (s_.n_heads / s_.n_kv_heads) * s_.head_dim);
-      run_ml_.resize(static_cast<size_t>(pool_.size()) * kQueryTile * (s_.n_heads / s_.n_kv_heads) * 2);
+      // Per thread: one tile's scores (rows of k_cap), and its (token, head) rows' running outputs. The pieces'
+      // outputs: a decoding row's, every KV head's and piece's, or per thread one tile's.
+      const size_t tile_rows = static_cast<size_t>(pool_.size()) * kQueryTile * (s_.n_heads / s_.n_kv_heads);
+      const size_t piece_rows =
+          std::max((static_cast<size_t>(k_cap_) / cpu::kAttentionPiece + 1) * s_.n_heads, tile_rows);
+      scores_.resize(tile_rows * k_cap_);
+      run_out_.resize(tile_rows * s_.head_dim);
+      run_ml_.resize(tile_rows * 2);
+      piece_out_.resize(piece_rows * s_.head_dim);
+      piece_ml_.resize(piece_rows * 2);
     }
     // One cos/sin table per distinct (base, scale) among the layers (Gemma 3 has two), shared by the layers using it.
     for (int l = 0; l < s_.n_layers; ++l) {
@@ -579,11 +579,7 @@ class CpuBackend final : public Backend {
     const size_t per_thread = static_cast<size_t>(kQueryTile) * group;
     float *run_o = &run_out_[ti * per_thread * hd], *run_ml = &run_ml_[ti * per_thread * 2];
     float *piece_o = &piece_out_[ti * per_thread * hd], *piece_ml = &piece_ml_[ti * per_thread * 2];
-    for (int r = 0; r < T * group; ++r) {
-      std::fill_n(run_o + r * hd, hd, 0.f);
-      run_ml[2 * r] = -INFINITY;
-      run_ml[2 * r + 1] = 0.f;
-    }
+    for (int r = 0; r < T * group; ++r) cpu::attention_begin(run_o + r * hd, run_ml + 2 * r, hd);
     const auto [first, end] = attention_pieces(n_pos0, n_pos0 + T - 1, window);
     for (int k = first; k < end; ++k) {
       (T == 1 ? attend_.one : attend_.tile)(q, qd, kt, k_cap_, vc, hd, n_pos0, window, k * cpu::kAttentionPiece,
@@ -613,11 +609,10 @@ class CpuBackend final : public Backend {
       float* scores = scores_.data() + static_cast<size_t>(ti) * kQueryTile * group * k_cap_;
       for (int j; (j = next_job.fetch_add(1, std::memory_order_relaxed)) < jobs;) {
         const int kvh = j / n_pieces, k = first + j % n_pieces;
-        attend_.one(&q_[kvh * group * hd], 0, k_layer(row_slot_[0], l) + static_cast<size_t>(kvh) * hd * k_cap_,
-                    k_cap_, v_layer(row_slot_[0], l) + static_cast<size_t>(kvh) * hd * k_cap_, hd, n_pos, window,
-                    k * cpu::kAttentionPiece,
-                    (k + 1) * cpu::kAttentionPiece, hd, attn_scale_, scores, k_cap_,
-                    &piece_out_[static_cast<size_t>(j) * group * hd], group * hd,
+        const size_t head = static_cast<size_t>(kvh) * hd * k_cap_;  // the KV head's K and V
+        attend_.one(&q_[kvh * group * hd], 0, k_layer(row_slot_[0], l) + head, k_cap_, v_layer(row_slot_[0], l) + head,
+                    hd, n_pos, window, k * cpu::kAttentionPiece, (k + 1) * cpu::kAttentionPiece, hd, attn_scale_,
+                    scores, k_cap_, &piece_out_[static_cast<size_t>(j) * group * hd], group * hd,
                     &piece_ml_[static_cast<size_t>(j) * group * 2]);
       }
     });
@@ -625,9 +620,7 @@ class CpuBackend final : public Backend {
     float* run_ml = run_ml_.data();
     for (int kvh = 0; kvh < s_.n_kv_heads; ++kvh)
       for (int h = 0; h < group; ++h) {
-        std::fill_n(run_o, hd, 0.f);
-        run_ml[0] = -INFINITY;
-        run_ml[1] = 0.f;
+        cpu::attention_begin(run_o, run_ml, hd);
         for (int i = 0; i < n_pieces; ++i) {
           const size_t r = (static_cast<size_t>(kvh) * n_pieces + i) * group + h;
           cpu::attention_fold(run_o, run_ml, &piece_out_[r * hd], &piece_ml_[r * 2], hd);

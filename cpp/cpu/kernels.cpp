@@ -190,6 +190,12 @@ AttendFns attend_fns(Isa isa, int group) {
   }
 }
 
+void attention_begin(float* o, float* ml, int head_dim) {
+  std::fill_n(o, head_dim, 0.f);
+  ml[0] = -INFINITY;
+  ml[1] = 0.f;
+}
+
 void attention_fold(float* o, float* ml, const float* o_i, const float* ml_i, int head_dim) {
   const float m = std::max(ml[0], ml_i[0]);
   if (m == -INFINITY) return;  // neither has seen a position

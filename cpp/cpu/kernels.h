@@ -94,9 +94,11 @@ struct AttendFns {
 };
 // group: query heads per KV head, 1 to 8 (EngineError otherwise).
 AttendFns attend_fns(Isa isa, int group);
-// Merges one piece (o_i: head_dim unnormalized outputs; ml_i: its max and sum of exp) into the running (o, ml) of a
-// (token, head), which start as 0 and (-inf, 0): o = o e^(m - M) + o_i e^(m_i - M), l likewise, M = max(m, m_i).
-// Compiled once (not per ISA), so every path rounds alike.
+// The running (o, ml) of a (token, head) before its first piece: o = 0, (max, sum) = (-inf, 0).
+void attention_begin(float* o, float* ml, int head_dim);
+// Merges one piece (o_i: head_dim unnormalized outputs; ml_i: its max and sum of exp) into the running (o, ml):
+// o = o e^(m - M) + o_i e^(m_i - M), l likewise, M = max(m, m_i). Compiled once (not per ISA), so every path rounds
+// alike.
 void attention_fold(float* o, float* ml, const float* o_i, const float* ml_i, int head_dim);
 // out = o / l of a folded (o, ml); a token that saw no position (l = 0) cannot happen (it sees its own).
 void attention_finish(const float* o, const float* ml, int head_dim, float* out);

@@ -72,8 +72,9 @@ __device__ __forceinline__ float slot_sum(uint4 s) {
 __host__ __device__ inline int slot_stride(int K) { return K / 4 + 4; }
 
 // K is staged in chunks of kMmaChunkCols columns where the whole of X does not fit in kMmaSmemCap (SmolLM2-1.7B:
-// K 2048 and 8192 at 32 tokens). A chunk holds at least the blocks every warp loads before the wait (mma_prefetch).
-constexpr int kMmaChunkCols = 8 * kMmaPrefetch * 32;
+// K 2048 and 8192 at 32 tokens). A chunk holds at least the blocks every warp loads before the wait: kMmaPrefetch
+// each for the 8 warps of a two-tile block, fewer each for the 16 of a one-tile block (mma_prefetch).
+constexpr int kMmaChunkCols = mma_warps(2) * kMmaPrefetch * 32;
 // Weight blocks a warp loads before the programmatic wait: the type's own depth, fewer where 16 warps would take
 // them past the first chunk.
 template <typename WB, int W>

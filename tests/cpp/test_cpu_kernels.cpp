@@ -834,8 +834,9 @@ TEST(Attention, PiecesFoldToTheReferenceAndTilesEqualSingleRows) {
               const int tile = pass == 0 ? 1 : T;
               rows[pass].assign(static_cast<size_t>(T) * row, kPoison);
               for (int t0 = 0; t0 < T; t0 += tile) {
-                std::vector<float> run_o(static_cast<size_t>(tile) * row, 0.f), run_ml(tile * group * 2);
-                for (int r = 0; r < tile * group; ++r) run_ml[2 * r] = -INFINITY, run_ml[2 * r + 1] = 0.f;
+                std::vector<float> run_o(static_cast<size_t>(tile) * row), run_ml(tile * group * 2);
+                for (int r = 0; r < tile * group; ++r)
+                  attention_begin(&run_o[static_cast<size_t>(r) * head_dim], &run_ml[2 * r], head_dim);
                 std::vector<float> o(static_cast<size_t>(tile) * row, kPoison), ml(tile * group * 2, kPoison);
                 const int n0 = n_pos0 + t0, lo = window > 0 ? std::max(0, n0 - window) : 0;
                 for (int k = lo / P; k <= (n0 + tile - 2) / P; ++k) {
@@ -868,7 +869,10 @@ TEST(Attention, PiecesFoldToTheReferenceAndTilesEqualSingleRows) {
 
 // Folding: a piece that saw nothing (-inf, 0) changes nothing; two pieces fold to the softmax of both.
 TEST(Attention, FoldOfEmptyAndOfTwoPieces) {
-  std::vector<float> o{0.f, 0.f}, ml{-INFINITY, 0.f};
+  std::vector<float> o{kPoison, kPoison}, ml{kPoison, kPoison};
+  attention_begin(o.data(), ml.data(), 2);
+  EXPECT_EQ(o, (std::vector<float>{0.f, 0.f}));
+  EXPECT_EQ(ml[1], 0.f);
   const std::vector<float> none_o{0.f, 0.f}, none_ml{-INFINITY, 0.f};
   attention_fold(o.data(), ml.data(), none_o.data(), none_ml.data(), 2);
   EXPECT_EQ(ml[0], -INFINITY);
