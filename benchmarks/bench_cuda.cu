@@ -512,8 +512,8 @@ int main(int argc, char** argv) {
       float* q = static_cast<float*>(dalloc(576 * 4));
       float* gate_up = static_cast<float*>(dalloc(3072 * 4));
       float* logits = static_cast<float*>(dalloc(49152 * 4));
-      float* kc = static_cast<float*>(dalloc(static_cast<size_t>(s.n_ctx) * 192 * 4));
-      float* vc = static_cast<float*>(dalloc(static_cast<size_t>(s.n_ctx) * 192 * 4));
+      __half* kc = static_cast<__half*>(dalloc(static_cast<size_t>(s.n_ctx) * 192 * sizeof(__half)));
+      __half* vc = static_cast<__half*>(dalloc(static_cast<size_t>(s.n_ctx) * 192 * sizeof(__half)));
       float2* rope = static_cast<float2*>(dalloc(static_cast<size_t>(s.n_ctx) * 32 * 8));
       AttnScratch ap;
       ap.max_splits = attn_max_splits(s.n_ctx, 3, prop.multiProcessorCount);
@@ -538,7 +538,7 @@ int main(int argc, char** argv) {
       const double t_qkv = graph_time_us(sm, [&] { launch_norm_matvec_qkv(qkv, x, nw, 1e-5f, tg, sm); });
       const double t_att = graph_time_us(sm, [&] { launch_attention_decode(q, kc, vc, io, 9, 3, 64, s.n_ctx, ap, attn_out, sm); });
       const double t_att_short = graph_time_us(sm, [&] {
-        launch_attention_decode_short(q, kc, vc, io, 9, 3, 64, std::min(s.n_ctx, kAttnSinglePassMax), attn_out, sm);
+        launch_attention_decode_short(q, kc, vc, io, 9, 3, 64, std::min(s.n_ctx, kShortAttnMaxPos), attn_out, sm);
       });
       const double t_o = graph_time_us(sm, [&] { launch_matvec_residual(o, attn_out, q, sm); });
       const double t_gu = graph_time_us(sm, [&] { launch_norm_matvec_silu_glu(gu, x, nw, 1e-5f, gate_up, sm); });

@@ -74,11 +74,11 @@ class CpuBackend final : public Backend {
     // calloc: pages of slots and positions never written are never touched (a server's idle slots cost no RSS).
     k_cap_ = (s_.n_ctx + 15) / 16 * 16;
     cache_elems_ = static_cast<size_t>(s_.n_seq) * s_.n_layers * k_cap_ * s_.kv_dim();
-    k_cache_.reset(static_cast<float*>(std::calloc(cache_elems_, sizeof(float))));
-    v_cache_.reset(static_cast<float*>(std::calloc(cache_elems_, sizeof(float))));
+    k_cache_.reset(static_cast<uint16_t*>(std::calloc(cache_elems_, sizeof(uint16_t))));
+    v_cache_.reset(static_cast<uint16_t*>(std::calloc(cache_elems_, sizeof(uint16_t))));
     if (!k_cache_ || !v_cache_)
       throw EngineError("cpu backend: cannot allocate the KV cache (" +
-                        std::to_string(2 * cache_elems_ * sizeof(float) >> 20) + " MiB for " +
+                        std::to_string(2 * cache_elems_ * sizeof(uint16_t) >> 20) + " MiB for " +
                         std::to_string(s_.n_seq) + " x " + std::to_string(s_.n_ctx) + " positions)");
     ensure_scratch(1);
     make_lane_rows();
@@ -290,7 +290,7 @@ class CpuBackend final : public Backend {
   MemoryInfo memory_info() const override {
     MemoryInfo m;
     m.weights = lane_bytes_ + slot_bytes_;  // the repacked rows; the GGUF weights themselves are read from the mmap
-    m.kv_cache = 2 * cache_elems_ * sizeof(float);
+    m.kv_cache = 2 * cache_elems_ * sizeof(uint16_t);  // K and V, fp16
     m.scratch = (x_.size() + xn_.size() + q_.size() + k_.size() + v_.size() + att_.size() + tmp_.size() + gate_.size() +
                  up_.size() + logits_.size() + scores_.size() + batch_logits_.size() + piece_out_.size() +
                  piece_ml_.size() + run_out_.size() + run_ml_.size()) * sizeof(float) +
@@ -444,7 +444,8 @@ class CpuBackend final : public Backend {
       const RopeTable& rt = rope_tables_[layer_rope_[l]];
       const LayerSpec ls = s_.layer(l);
       const int group = s_.n_heads / s_.n_kv_heads;
-      // Row t's KV heads [h0, h1) and their query heads: biases, q/k norms, RoPE, then K and V into the row's slot.
+      // Row t's KV heads [h0, h1) and their query heads: biases, q/k norms, RoPE, then K and V into the row's slot,
+      // each value rounded to fp16 (float_to_fp16_rne: the CUDA backend's __float2half_rn).
       auto prepare = [&](int t, int h0, int h1) {
         float *qt = &q_[t * qd], *kt = &k_[t * kvd], *vt = &v_[t * kvd];
         const int q0 = h0 * group * hd, q1 = h1 * group * hd, k0 = h0 * hd, k1 = h1 * hd;
@@ -462,13 +463,14 @@ class CpuBackend final : public Backend {
         const float* sn = &rt.sin[static_cast<size_t>(pos) * (hd / 2)];
         rope_from_table(qt + q0, (h1 - h0) * group, hd, s_.rope_style, cs, sn);
         rope_from_table(kt + k0, h1 - h0, hd, s_.rope_style, cs, sn);
-        float* kc = k_layer(row_slot_[t], l);
+        uint16_t* kc = k_layer(row_slot_[t], l);
         for (int i = k0; i < k1; ++i)  // KV head i / hd, dim i % hd, in the 16-position block of pos
           kc[static_cast<size_t>(i / hd) * hd * k_cap_ + static_cast<size_t>(pos / 16) * 16 * hd + 16 * (i % hd) + pos % 16] =
-              kt[i];
-        for (int h = h0; h < h1; ++h)  // KV head h's row pos
-          std::memcpy(v_layer(row_slot_[t], l) + (static_cast<size_t>(h) * k_cap_ + pos) * hd, vt + h * hd,
-                      hd * sizeof(float));
+              float_to_fp16_rne(kt[i]);
+        for (int h = h0; h < h1; ++h) {  // KV head h's row pos
+          uint16_t* vc = v_layer(row_slot_[t], l) + (static_cast<size_t>(h) * k_cap_ + pos) * hd;
+          for (int j = 0; j < hd; ++j) vc[j] = float_to_fp16_rne(vt[h * hd + j]);
+        }
       };
       if (n == 1) {
         attend_decode_row(l, ls.window, [&] { prepare(0, 0, s_.n_kv_heads); });
@@ -496,8 +498,8 @@ class CpuBackend final : public Backend {
             const int kvh = j % s_.n_kv_heads;
             const Tile tile = tiles_[j / s_.n_kv_heads];
             if (own_slots) prepare(tile.row, kvh, kvh + 1);
-            const float* kt = k_layer(row_slot_[tile.row], l) + static_cast<size_t>(kvh) * hd * k_cap_;
-            const float* vc = v_layer(row_slot_[tile.row], l) + static_cast<size_t>(kvh) * hd * k_cap_;
+            const uint16_t* kt = k_layer(row_slot_[tile.row], l) + static_cast<size_t>(kvh) * hd * k_cap_;
+            const uint16_t* vc = v_layer(row_slot_[tile.row], l) + static_cast<size_t>(kvh) * hd * k_cap_;
             for (int t = tile.row; t < tile.row + tile.count;) {
               const int T = t + kQueryTile <= tile.row + tile.count ? kQueryTile : 1;
               attend_rows(ti, T, &q_[t * qd + kvh * group * hd], kt, vc, row_pos_[t] + 1, ls.window, scores,
@@ -573,7 +575,7 @@ class CpuBackend final : public Backend {
   // T rows at consecutive positions (the first at n_pos0 - 1) of one KV head's query heads (q, row stride q_dim), piece
   // after piece with thread ti's scratch: each piece's outputs are folded into the running ones, then divided into
   // out (row stride q_dim).
-  void attend_rows(int ti, int T, const float* q, const float* kt, const float* vc, int n_pos0, int window,
+  void attend_rows(int ti, int T, const float* q, const uint16_t* kt, const uint16_t* vc, int n_pos0, int window,
                    float* scores, float* out) {
     const int hd = s_.head_dim, group = s_.n_heads / s_.n_kv_heads, qd = s_.q_dim();
     const size_t per_thread = static_cast<size_t>(kQueryTile) * group;
@@ -629,18 +631,18 @@ class CpuBackend final : public Backend {
       }
   }
 
-  // Layer l of slot s: K [kv_head][k_cap / 16][head_dim][16] (transposed by blocks, see attend_scores), V
-  // [kv_head][k_cap][head_dim] (a head's rows contiguous: the P.V streams them; rows of all heads interleaved, at a
-  // stride of kv_dim, were measured slower, NOTES "CPU, session 18").
-  float* k_layer(int slot, int l) const {
+  // Layer l of slot s, fp16 (IEEE half bits): K [kv_head][k_cap / 16][head_dim][16] (transposed by blocks, see
+  // attend_scores), V [kv_head][k_cap][head_dim] (a head's rows contiguous: the P.V streams them; rows of all heads
+  // interleaved, at a stride of kv_dim, were measured slower, NOTES "CPU, session 18").
+  uint16_t* k_layer(int slot, int l) const {
     return k_cache_.get() + (static_cast<size_t>(slot) * s_.n_layers + l) * k_cap_ * s_.kv_dim();
   }
-  float* v_layer(int slot, int l) const {
+  uint16_t* v_layer(int slot, int l) const {
     return v_cache_.get() + (static_cast<size_t>(slot) * s_.n_layers + l) * k_cap_ * s_.kv_dim();
   }
 
-  struct FreeDeleter {
-    void operator()(float* p) const { std::free(p); }
+  struct HalfFreeDeleter {
+    void operator()(uint16_t* p) const { std::free(p); }
   };
   struct Tile {
     int row, count;
@@ -657,8 +659,8 @@ class CpuBackend final : public Backend {
   Isa isa_;
   cpu::ThreadPool pool_;
   size_t k_cap_ = 0;        // positions per (slot, layer) in the caches: n_ctx rounded up to 16
-  size_t cache_elems_ = 0;  // per cache (K or V): n_seq x n_layers x k_cap_ x kv_dim floats
-  std::unique_ptr<float[], FreeDeleter> k_cache_, v_cache_;
+  size_t cache_elems_ = 0;  // per cache (K or V): n_seq x n_layers x k_cap_ x kv_dim halves
+  std::unique_ptr<uint16_t[], HalfFreeDeleter> k_cache_, v_cache_;
   std::vector<int32_t> row_slot_, row_pos_;  // run_chunk's rows
   std::vector<Tile> tiles_;
   std::vector<char> seen_slot_;

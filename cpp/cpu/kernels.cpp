@@ -1,5 +1,9 @@
 #include "kernels.h"
 
+#if defined(__F16C__) || defined(__AVX512F__)
+#include <immintrin.h>  // vec_ops.h widens the fp16 K/V cache with F16C where the baseline build has it
+#endif
+
 #include <algorithm>
 #include <cmath>
 #include <cstdlib>

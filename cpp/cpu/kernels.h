@@ -85,9 +85,10 @@ ArgmaxResult argmax_logits(Isa isa, const float* x, int n);
 // position 0), so a prompt, token-by-token decode, a batch and any thread count give the same values.
 constexpr int kQueryTile = 4;
 constexpr int kAttentionPiece = 512;
-using AttendFn = void (*)(const float* q, int q_stride, const float* k_t, int k_cap, const float* v, int v_stride,
-                          int n_pos0, int window, int from, int to, int head_dim, float scale, float* scores,
-                          int scores_stride, float* out, int out_stride, float* ml);
+// k_t and v: one KV head's fp16 caches (IEEE half bits; K transposed in blocks of 16 positions, V row-major).
+using AttendFn = void (*)(const float* q, int q_stride, const uint16_t* k_t, int k_cap, const uint16_t* v,
+                          int v_stride, int n_pos0, int window, int from, int to, int head_dim, float scale,
+                          float* scores, int scores_stride, float* out, int out_stride, float* ml);
 struct AttendFns {
   AttendFn one = nullptr;
   AttendFn tile = nullptr;

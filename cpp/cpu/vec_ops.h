@@ -5,7 +5,7 @@
 // by the backend's ISA as it does the matvec kernels, so METALATTN_CPU_ISA=avx2 runs AVX2 code everywhere, also on
 // an AVX-512 CPU. Every body is always inlined into its ISA's entry point.
 // No include guard, and no includes: the including file includes <algorithm>, <cmath>, <cstring>, kernels.h and
-// reference.h first.
+// reference.h first (and <immintrin.h> where it compiles with F16C or AVX-512).
 
 // exp(x), branch-free so loops over it vectorise: 2^t = 2^round(t) * 2^f with |f| <= 1/2 and a degree-6 Taylor
 // polynomial for 2^f (relative error ~1e-7). Inputs are clamped to [-87, 88], where float exp is normal: t = x log2(e)
@@ -114,10 +114,12 @@ METALATTN_BODY ArgmaxResult argmax_body(const float* x, int n) {
 // Attention for the G query heads that share one KV head (a GQA group) and T consecutive query tokens (token t
 // sees positions [0, n_pos0 + t)), written with GCC vector types (16 floats: one AVX-512 register, two AVX2 ones)
 // so the G x T accumulators stay in registers and every K and V load serves all of them.
+// K and V are cached as IEEE fp16 (the backend rounds each value once, float_to_fp16_rne, as it appends it; the loads
+// here widen them exactly, load_half_v): half the bytes the attention streams at depth. Everything else is float.
 // The K cache of a KV head is stored transposed in blocks of 16 positions (k_cap / 16 blocks of head_dim x 16
-// floats: 4 KiB for head_dim 64): scores of 16 positions accumulate in one vector per (token, head) over head_dim,
+// halves: 2 KiB for head_dim 64): scores of 16 positions accumulate in one vector per (token, head) over head_dim,
 // with no horizontal sums, and 16 positions' keys share one page (a plain transpose put every dim row on its own).
-// Scores are written for whole blocks, so each scores row holds k_cap floats. V stays row-major: each 16-float slice
+// Scores are written for whole blocks, so each scores row holds k_cap floats. V stays row-major: each 16-value slice
 // of a position's row is loaded once and added into every (token, head) output. Positions a token must not see
 // (the later tokens of its own tile, whose K/V are already in the cache) get probability 0. k_cap: positions the
 // head's K holds, a multiple of 16.
@@ -142,12 +144,27 @@ __attribute__((always_inline)) inline V load_v(const float* p) {
 template <class V>
 __attribute__((always_inline)) inline void store_v(float* p, V v) { std::memcpy(p, &v, sizeof(v)); }
 
+// One vector of the fp16 K/V cache as floats (the conversion is exact, so every ISA reads the same values): AVX-512
+// vcvtph2ps of 16 halves, F16C's of 8 (AVX2), else fp16_to_float one value at a time (the scalar build).
+template <class V>
+__attribute__((always_inline)) inline V load_half_v(const uint16_t* p) {
+#if defined(__AVX512F__)
+  if constexpr (sizeof(V) == 64) return (V)_mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+#endif
+#if defined(__F16C__)
+  if constexpr (sizeof(V) == 32) return (V)_mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+#endif
+  V v;
+  for (int j = 0; j < static_cast<int>(sizeof(V) / sizeof(float)); ++j) v[j] = fp16_to_float(p[j]);
+  return v;
+}
+
 // Scores of T tokens x G heads for the cache positions [from, to): whole 16-position blocks from from's block on
 // (also past `to` inside the last block, while the block lies inside k_cap: those scores are never used, and every
 // score then comes from the same vector code whatever the tile or split, so a prompt matches token-by-token decode),
 // then single positions. Token t, head h's scores at scores + (t * G + h) * scores_stride + position.
 template <int G, int T, class V>
-METALATTN_BODY void attend_scores(const float* q, int q_stride, const float* k_t, int k_cap, int from, int to,
+METALATTN_BODY void attend_scores(const float* q, int q_stride, const uint16_t* k_t, int k_cap, int from, int to,
                                   int head_dim, float scale, float* scores, int scores_stride) {
   constexpr int W = sizeof(V) / sizeof(float);  // 16, or 8: a 16-position block in two halves
   const int start = from / 16 * 16;
@@ -156,9 +173,9 @@ METALATTN_BODY void attend_scores(const float* q, int q_stride, const float* k_t
   for (int t0 = start; t0 < full; t0 += 16)
     for (int w0 = 0; w0 < 16; w0 += W) {
       V acc[T][G] = {};
-      const float* kb = k_t + static_cast<int64_t>(t0) * head_dim + w0;  // block t0 / 16: head_dim x 16 floats
+      const uint16_t* kb = k_t + static_cast<int64_t>(t0) * head_dim + w0;  // block t0 / 16: head_dim x 16 halves
       for (int j = 0; j < head_dim; ++j) {
-        const V kr = load_v<V>(kb + 16 * j);
+        const V kr = load_half_v<V>(kb + 16 * j);
         for (int t = 0; t < T; ++t)
           for (int h = 0; h < G; ++h) acc[t][h] += q[t * q_stride + h * head_dim + j] * kr;
       }
@@ -171,7 +188,7 @@ METALATTN_BODY void attend_scores(const float* q, int q_stride, const float* k_t
         float sum = 0.f;
         for (int j = 0; j < head_dim; ++j)
           sum += q[t * q_stride + h * head_dim + j] *
-                 k_t[static_cast<int64_t>(p / 16) * 16 * head_dim + 16 * j + p % 16];
+                 fp16_to_float(k_t[static_cast<int64_t>(p / 16) * 16 * head_dim + 16 * j + p % 16]);
         scores[(t * G + h) * scores_stride + p] = sum * scale;
       }
 }
@@ -181,15 +198,15 @@ METALATTN_BODY void attend_scores(const float* q, int q_stride, const float* k_t
 // slice of a row is added into every (token, head) output. Each output adds the positions in the same order whatever
 // NC, so the values do not depend on it.
 template <int G, int T, int NC, class V>
-METALATTN_BODY void attend_values_cols(const float* v, int v_stride, const float* scores, int scores_stride, int from,
-                                       int to, int head_dim, float* out, int out_stride) {
+METALATTN_BODY void attend_values_cols(const uint16_t* v, int v_stride, const float* scores, int scores_stride,
+                                       int from, int to, int head_dim, float* out, int out_stride) {
   constexpr int W = sizeof(V) / sizeof(float);
   for (int c = 0; c < head_dim; c += NC * W) {
     V acc[T][G][NC] = {};
     for (int p = from; p < to; ++p) {
-      const float* row = v + static_cast<int64_t>(p) * v_stride + c;
+      const uint16_t* row = v + static_cast<int64_t>(p) * v_stride + c;
       for (int k = 0; k < NC; ++k) {
-        const V vr = load_v<V>(row + k * W);
+        const V vr = load_half_v<V>(row + k * W);
         for (int t = 0; t < T; ++t)
           for (int h = 0; h < G; ++h) acc[t][h][k] += scores[(t * G + h) * scores_stride + p] * vr;
       }
@@ -204,7 +221,7 @@ METALATTN_BODY void attend_values_cols(const float* v, int v_stride, const float
 // vector registers (16 of AVX-512's 32, 8 of AVX2's 16): SmolLM2's 64-wide heads (G 3) in one pass over the V rows on
 // AVX-512 instead of four, two on AVX2 instead of eight. A prompt tile's T x G accumulators take one vector a pass.
 template <int G, int T, class V>
-METALATTN_BODY void attend_values(const float* v, int v_stride, const float* scores, int scores_stride, int from,
+METALATTN_BODY void attend_values(const uint16_t* v, int v_stride, const float* scores, int scores_stride, int from,
                                   int to, int head_dim, float* out, int out_stride) {
   constexpr int W = sizeof(V) / sizeof(float), kBudget = W == 16 ? 16 : 8;
   constexpr int kNc = T > 1 ? 1 : kBudget / G >= 8 ? 8 : kBudget / G >= 4 ? 4 : kBudget / G >= 2 ? 2 : 1;
@@ -233,7 +250,7 @@ METALATTN_BODY void attend_values(const float* v, int v_stride, const float* sco
 // tile, whose K/V are already in the cache) get weight 0. The values of one (token, head) do not depend on T: decode
 // (T = 1) and a prompt's tiles compute them alike.
 template <int G, int T, class V>
-METALATTN_BODY void attend_piece(const float* q, int q_stride, const float* k_t, int k_cap, const float* v,
+METALATTN_BODY void attend_piece(const float* q, int q_stride, const uint16_t* k_t, int k_cap, const uint16_t* v,
                                  int v_stride, int n_pos0, int window, int from, int to, int head_dim, float scale,
                                  float* scores, int scores_stride, float* out, int out_stride, float* ml) {
   const int lo0 = window > 0 ? std::max(0, n_pos0 - window) : 0;
@@ -267,9 +284,9 @@ METALATTN_BODY void attend_piece(const float* q, int q_stride, const float* k_t,
 // Address-taken instantiations of attend_piece (compiled with the including file's ISA flags) and the pair the
 // backend calls for a GQA group of `group` query heads.
 template <int G, int T, class V>
-void attend(const float* q, int q_stride, const float* k_t, int k_cap, const float* v, int v_stride, int n_pos0,
-            int window, int from, int to, int head_dim, float scale, float* scores, int scores_stride, float* out,
-            int out_stride, float* ml) {
+void attend(const float* q, int q_stride, const uint16_t* k_t, int k_cap, const uint16_t* v, int v_stride,
+            int n_pos0, int window, int from, int to, int head_dim, float scale, float* scores, int scores_stride,
+            float* out, int out_stride, float* ml) {
   attend_piece<G, T, V>(q, q_stride, k_t, k_cap, v, v_stride, n_pos0, window, from, to, head_dim, scale, scores,
                         scores_stride, out, out_stride, ml);
 }

@@ -239,8 +239,11 @@ class CudaBackend final : public Backend {
   enum DecodeVariant { kDecodeShort = 0, kDecodeLong = 1 };
   DecodeVariant decode_variant_at(int pos) const {
     if (!fused_decode_) return kDecodeShort;  // one graph: its attention picks the context split at run time
-    return pos + 1 <= kAttnSinglePassMax ? kDecodeShort : kDecodeLong;
+    return pos + 1 <= short_decode_max() ? kDecodeShort : kDecodeLong;
   }
+  // The last context length kDecodeShort serves: head_dim 64 runs the short kernel (every K/V row in shared memory)
+  // up to kShortAttnMaxPos positions; other head_dims the split-capable kernel, one pass up to kAttnSinglePassMax.
+  int short_decode_max() const { return spec_.head_dim == 64 ? kShortAttnMaxPos : kAttnSinglePassMax; }
   void enqueue_decode(bool capture_hidden, DecodeVariant variant);
   void run_decode(int pos);
   ArgmaxResult finish_decode(int pos);
@@ -271,9 +274,9 @@ class CudaBackend final : public Backend {
   void enqueue_batch_group_mma(int m, int g0, int n, const int32_t* io, cudaStream_t st);
   void enqueue_batch_lm_head(int m, int g0, const float* x, cudaStream_t st);
   void enqueue_mma_o_ffn(const DevLayer& L, int m, __half* a, float* x, cudaStream_t st);
-  // Layer l's caches of slot 0 ([n_ctx][kv_dim]); slot s's are s * slot_stride_ floats further.
-  float* layer_k(int l) const { return k_cache_ + static_cast<size_t>(l) * spec_.n_ctx * spec_.kv_dim(); }
-  float* layer_v(int l) const { return v_cache_ + static_cast<size_t>(l) * spec_.n_ctx * spec_.kv_dim(); }
+  // Layer l's caches of slot 0 ([n_ctx][kv_dim] fp16); slot s's are s * slot_stride_ values further.
+  __half* layer_k(int l) const { return k_cache_ + static_cast<size_t>(l) * spec_.n_ctx * spec_.kv_dim(); }
+  __half* layer_v(int l) const { return v_cache_ + static_cast<size_t>(l) * spec_.n_ctx * spec_.kv_dim(); }
 
   // The general path (every ModelSpec; see arch.cuh): taken for specs that are not the plain Llama layer, for
   // head_dim > 128 or more than 8 query heads per KV head, or when METALATTN_CUDA_GENERAL=1 forces it.
@@ -285,9 +288,9 @@ class CudaBackend final : public Backend {
   void enqueue_layers_general(int m, const int32_t* tokens, const int32_t* pos0, const BatchRows& rows);
   int general_kernels_per_token() const;
   QkvFinishArgs finish_args(const DevLayer& L, const float* qkv, int n, const int32_t* pos0, float* q_out,
-                            float* kc, float* vc) const;
-  ArchAttnArgs attention_args(const DevLayer& L, const float* q, int n, const int32_t* pos0, const float* kc,
-                              const float* vc) const;
+                            __half* kc, __half* vc) const;
+  ArchAttnArgs attention_args(const DevLayer& L, const float* q, int n, const int32_t* pos0, const __half* kc,
+                              const __half* vc) const;
   bool general_ = false;
   // Decode on the fused kernels of kernels.cuh: the plain Llama layer, and also the Llama layer with Q/K/V biases or
   // NeoX RoPE pairs (Qwen 2), whose prompts and batches run on the general path (the K/V cache layout is the same).
@@ -313,9 +316,11 @@ class CudaBackend final : public Backend {
   std::vector<DevLayer> layers_;
   DevMatrix embd_, lm_head_;
   const float* out_norm_ = nullptr;
-  float* k_cache_ = nullptr;  // [n_seq][n_layers][n_ctx][kv_dim]: slot 0 first (the single-sequence calls' cache)
-  float* v_cache_ = nullptr;
-  int64_t slot_stride_ = 0;   // floats from one slot's cache to the next's
+  // [n_seq][n_layers][n_ctx][kv_dim] fp16 (kernels.cuh, kv_store; the CPU backend rounds alike): slot 0 first (the
+  // single-sequence calls' cache)
+  __half* k_cache_ = nullptr;
+  __half* v_cache_ = nullptr;
+  int64_t slot_stride_ = 0;   // values from one slot's cache to the next's
   int prompt_slot_ = 0;       // the running prompt's KV slot (the prefill enqueues read it)
   float2* rope_ = nullptr;    // [n_ctx][head_dim/2]
 
@@ -436,8 +441,8 @@ CudaBackend::CudaBackend(const ModelSpec& spec, const ModelWeights& w, bool debu
   // The KV cache first: it is the allocation that grows with n_ctx, so an impossible n_ctx fails before any work.
   slot_stride_ = static_cast<int64_t>(L) * spec.n_ctx * kv_dim;
   const size_t cache_elems = static_cast<size_t>(spec.n_seq) * slot_stride_;
-  k_cache_ = device_alloc<float>(cache_elems, mem_.kv_cache);
-  v_cache_ = device_alloc<float>(cache_elems, mem_.kv_cache);
+  k_cache_ = device_alloc<__half>(cache_elems, mem_.kv_cache);
+  v_cache_ = device_alloc<__half>(cache_elems, mem_.kv_cache);
 
   // Weights.
   embd_ = upload({&w.tok_embd});
@@ -544,8 +549,8 @@ void CudaBackend::enqueue_decode(bool capture_hidden, DecodeVariant variant) {
   }
   for (int l = 0; l < s.n_layers; ++l) {
     const DevLayer& L = layers_[l];
-    float* kc = layer_k(l);
-    float* vc = layer_v(l);
+    __half* kc = layer_k(l);
+    __half* vc = layer_v(l);
     QkvTargets t = qkv_targets(rope_, io_dev_, s.q_dim(), s.kv_dim(), s.head_dim, q_, kc, vc);
     t.bias = L.qkv_bias;  // null unless the layer has biases (general_ then uploaded them)
     t.neox = s.rope_style == RopeStyle::Neox;
@@ -559,9 +564,9 @@ void CudaBackend::enqueue_decode(bool capture_hidden, DecodeVariant variant) {
       after_launch();
     }
     if (variant == kDecodeShort && s.head_dim == 64) {
-      // kDecodeShort serves pos + 1 <= kAttnSinglePassMax, all of whose K and V rows fit in shared memory.
+      // kDecodeShort serves pos + 1 <= kShortAttnMaxPos, all of whose K and V rows fit in shared memory.
       launch_attention_decode_short(q_, kc, vc, io_dev_, s.n_heads, s.n_kv_heads, s.head_dim,
-                                    std::min(s.n_ctx, kAttnSinglePassMax), attn_out_, st);
+                                    std::min(s.n_ctx, kShortAttnMaxPos), attn_out_, st);
     } else {
       const int heads_per_block = variant == kDecodeLong ? s.n_heads / s.n_kv_heads : 1;
       launch_attention_decode(q_, kc, vc, io_dev_, s.n_heads, s.n_kv_heads, s.head_dim, s.n_ctx, attn_, attn_out_,
@@ -695,8 +700,8 @@ void CudaBackend::enqueue_prefill_chunk(int m, const int32_t* io, PrefillVariant
   const bool few_tokens = variant != kPrefillGemm;
   for (int l = 0; l < s.n_layers; ++l) {
     const DevLayer& L = layers_[l];
-    float* kc = layer_k(l) + prompt_slot_ * slot_stride_;
-    float* vc = layer_v(l) + prompt_slot_ * slot_stride_;
+    __half* kc = layer_k(l) + prompt_slot_ * slot_stride_;
+    __half* vc = layer_v(l) + prompt_slot_ * slot_stride_;
     if (few_tokens) {
       // Five programmatic launches, the projections straight from the quantized weights (prompt_mma.cu).
       PromptMmaArgs qkv = mma_normed(L.qkv, m, px_, L.attn_norm, s.rms_eps);
@@ -909,7 +914,7 @@ int CudaBackend::general_kernels_per_token() const {
 }
 
 QkvFinishArgs CudaBackend::finish_args(const DevLayer& L, const float* qkv, int n, const int32_t* pos0, float* q_out,
-                                       float* kc, float* vc) const {
+                                       __half* kc, __half* vc) const {
   QkvFinishArgs a;
   a.qkv = qkv;
   a.n = n;
@@ -931,7 +936,7 @@ QkvFinishArgs CudaBackend::finish_args(const DevLayer& L, const float* qkv, int 
 
 // One query (decode, or a one-token prompt) splits the visible positions over up to g_max_splits_ blocks per head.
 ArchAttnArgs CudaBackend::attention_args(const DevLayer& L, const float* q, int n, const int32_t* pos0,
-                                         const float* kc, const float* vc) const {
+                                         const __half* kc, const __half* vc) const {
   ArchAttnArgs a;
   a.q = q;
   a.k_cache = kc;
@@ -975,8 +980,8 @@ void CudaBackend::enqueue_decode_general(bool capture_hidden) {
   PreAdd pre;
   for (int l = 0; l < s.n_layers; ++l) {
     const DevLayer& L = layers_[l];
-    float* kc = layer_k(l);
-    float* vc = layer_v(l);
+    __half* kc = layer_k(l);
+    __half* vc = layer_v(l);
     const float* in = take_pending(&pre);
     launch_norm_matvec(L.qkv, in, L.attn_norm, s.rms_eps, g_qkv_, st, pre);
     after_launch();
@@ -1038,8 +1043,8 @@ void CudaBackend::enqueue_layers_general(int m, const int32_t* tokens, const int
   after_launch();
   for (int l = 0; l < s.n_layers; ++l) {
     const DevLayer& L = layers_[l];
-    float* kc = layer_k(l) + off;
-    float* vc = layer_v(l) + off;
+    __half* kc = layer_k(l) + off;
+    __half* vc = layer_v(l) + off;
     launch_rmsnorm_to_half(px_, m, d, L.attn_norm, s.rms_eps, pa_, st);
     after_launch();
     gemm(L.qkv, m, pc_, false);

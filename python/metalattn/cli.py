@@ -50,7 +50,7 @@ def _default_parallel(args) -> int:
     try:
         cfg = g.config
         n_ctx = args.n_ctx or min(cfg.n_ctx_train, DEFAULT_MAX_CTX)
-        per_slot = 2 * 4 * cfg.n_layers * n_ctx * cfg.kv_dim  # K and V, float32
+        per_slot = 2 * 2 * cfg.n_layers * n_ctx * cfg.kv_dim  # K and V, fp16
     finally:
         g.close()
     return max(1, min(DEFAULT_PARALLEL_CUDA, CUDA_DEFAULT_KV_BYTES // max(per_slot, 1)))

@@ -316,6 +316,13 @@ def _rope(x: np.ndarray, positions: np.ndarray, base: float, style: str = "inter
     return out
 
 
+def _fp16_cache(x: np.ndarray) -> np.ndarray:
+    """x as the engines' KV caches hold it: the float32 value they compute, rounded once to IEEE fp16 (round to nearest
+    even; +-inf past 65504, as their conversions give), read back exactly."""
+    with np.errstate(over="ignore"):
+        return x.astype(np.float32).astype(np.float16).astype(np.float64)
+
+
 def _gelu_tanh(x: np.ndarray) -> np.ndarray:
     return 0.5 * x * (1.0 + np.tanh(math.sqrt(2.0 / math.pi) * (x + 0.044715 * x ** 3)))
 
@@ -333,10 +340,13 @@ def _w64(model: GGUFModel, name: str) -> np.ndarray:
     return cached
 
 
-def reference_forward(model: GGUFModel, tokens: Sequence[int], positions: Optional[Sequence[int]] = None) -> np.ndarray:
+def reference_forward(model: GGUFModel, tokens: Sequence[int], positions: Optional[Sequence[int]] = None,
+                      kv_fp16: bool = True) -> np.ndarray:
     """Logits float64 [len(tokens), vocab] of the full forward pass over `tokens` (positions 0..n-1 unless given),
-    computed in float64 from the dequantized weights, for every architecture the ModelConfig describes. Slow and
-    plain on purpose: it is the yardstick."""
+    computed in float64 from the dequantized weights, for every architecture the ModelConfig describes, with one
+    rounding modelled: K (after RoPE) and V (after its bias) pass through fp16, as the backends' KV caches store them
+    (kv_fp16=False leaves them float64: the exact math, for checks of the reference's own structure). Slow and plain
+    on purpose: it is the yardstick."""
     cfg = model.config
     ids = np.asarray(tokens, dtype=np.int64)
     if ids.ndim != 1 or ids.size == 0:
@@ -364,6 +374,8 @@ def reference_forward(model: GGUFModel, tokens: Sequence[int], positions: Option
             k = _rmsnorm(k, _w64(model, p + "attn_k_norm.weight"), eps)
         q = _rope(q, pos, rope_base, cfg.rope_style, rope_scale, factors)
         k = _rope(k, pos, rope_base, cfg.rope_style, rope_scale, factors)
+        if kv_fp16:
+            k, v = _fp16_cache(k), _fp16_cache(v)                                 # the engines' fp16 K/V caches
         kv_of_head = np.arange(n_h) // group                                       # GQA: query head -> kv head
         k_h, v_h = k[:, kv_of_head, :], v[:, kv_of_head, :]                       # [n, n_h, hd]
         scores = np.einsum("qhd,khd->hqk", q, k_h) * cfg.attention_scale          # [n_h, n, n]

@@ -77,8 +77,13 @@ struct HeadFinish {
     }
   }
 
-  // row: the token's raw projection row (q_dim + 2 kv_dim floats); dst: the head's hd outputs.
-  __device__ __forceinline__ void finish(const float* row, float eps, float* dst, int lane) const {
+  __device__ static __forceinline__ void put(float* p, float v) { *p = v; }
+  __device__ static __forceinline__ void put(__half* p, float v) { *p = detail::kv_store(v); }
+
+  // row: the token's raw projection row (q_dim + 2 kv_dim floats); dst: the head's hd outputs (fp32 rows, or fp16
+  // cache rows).
+  template <typename T>
+  __device__ __forceinline__ void finish(const float* row, float eps, T* dst, int lane) const {
     const float* src = row + off;
     float va[kFinishPairs], vb[kFinishPairs];
     float ss = 0.f;
@@ -109,11 +114,11 @@ struct HeadFinish {
         y = y * inv_rms * wb[j];
       }
       if (kind == kHeadV) {
-        dst[ia] = x;
-        dst[ib] = y;
+        put(dst + ia, x);
+        put(dst + ib, y);
       } else {
-        dst[ia] = x * cs[j].x - y * cs[j].y;
-        dst[ib] = x * cs[j].y + y * cs[j].x;
+        put(dst + ia, x * cs[j].x - y * cs[j].y);
+        put(dst + ib, x * cs[j].y + y * cs[j].x);
       }
     }
   }
@@ -135,10 +140,11 @@ __global__ void __launch_bounds__(kFinishWarps * 32) qkv_finish_kernel(QkvFinish
   grid_dependency_wait();
   if (!valid) return;
   const int64_t cache_row = static_cast<int64_t>(pos) * kv_dim + (a.rows.slot != nullptr ? a.rows.slot[t] * a.rows.slot_stride : 0);
-  float* dst = kind == kHeadQ ? a.q_out + static_cast<int64_t>(t) * q_dim + index * hd
-               : kind == kHeadK ? a.k_cache + cache_row + index * hd
-                                : a.v_cache + cache_row + index * hd;
-  f.finish(a.qkv + static_cast<int64_t>(t) * (q_dim + 2 * kv_dim), a.eps, dst, lane);
+  const float* row = a.qkv + static_cast<int64_t>(t) * (q_dim + 2 * kv_dim);
+  if (kind == kHeadQ)
+    f.finish(row, a.eps, a.q_out + static_cast<int64_t>(t) * q_dim + index * hd, lane);
+  else
+    f.finish(row, a.eps, (kind == kHeadK ? a.k_cache : a.v_cache) + cache_row + index * hd, lane);
 }
 
 // ------------------------------------------------------------------ attention
@@ -199,8 +205,8 @@ __global__ void __launch_bounds__(kAttnThreadsArch) arch_attention_kernel(ArchAt
   }
   const int chunk = (n_vis + n_splits - 1) / n_splits;
   const int begin = lo + split * chunk, end = min(p_last + 1, begin + chunk);
-  const float* kb = a.k_cache + slot_off + kvh * HD + lane;
-  const float* vb = a.v_cache + slot_off + kvh * HD + lane;
+  const __half* kb = a.k_cache + slot_off + kvh * HD + lane;
+  const __half* vb = a.v_cache + slot_off + kvh * HD + lane;
   // Fused finish (decode): warp 0 finishes q, and in the block that covers the position warps 1 and 2 its k and v.
   const bool fused = TQ == 1 && a.fused_finish;
   const bool covers_pos = end == p_last + 1;
@@ -210,16 +216,28 @@ __global__ void __launch_bounds__(kAttnThreadsArch) arch_attention_kernel(ArchAt
     fin.prefetch(a.finish, warp == 0 ? kHeadQ : warp == 1 ? kHeadK : kHeadV, warp == 0 ? h : kvh, p_first, lane);
   const int p_start = begin + warp * U;  // this warp's first positions
   float kr[U][NC], vr[U][NC];
+  {
+    // Loaded as fp16 and widened after the wait: a conversion before it would hold the warp until the loads land.
+    __half kh[U][NC], vh[U][NC];
 #pragma unroll
-  for (int u = 0; u < U; ++u) {
-    const int p = p_start + u;
+    for (int u = 0; u < U; ++u) {
+      const int p = p_start + u;
 #pragma unroll
-    for (int c = 0; c < NC; ++c) {
-      kr[u][c] = p < end && p < written_before ? __ldcg(kb + static_cast<int64_t>(p) * kv_dim + c * 32) : 0.f;
-      vr[u][c] = p < end && p < written_before ? __ldcg(vb + static_cast<int64_t>(p) * kv_dim + c * 32) : 0.f;
+      for (int c = 0; c < NC; ++c) {
+        const bool early = p < end && p < written_before;
+        kh[u][c] = early ? __ldcg(kb + static_cast<int64_t>(p) * kv_dim + c * 32) : __float2half_rn(0.f);
+        vh[u][c] = early ? __ldcg(vb + static_cast<int64_t>(p) * kv_dim + c * 32) : __float2half_rn(0.f);
+      }
     }
+    grid_dependency_wait();
+#pragma unroll
+    for (int u = 0; u < U; ++u)
+#pragma unroll
+      for (int c = 0; c < NC; ++c) {
+        kr[u][c] = __half2float(kh[u][c]);
+        vr[u][c] = __half2float(vh[u][c]);
+      }
   }
-  grid_dependency_wait();
 
   if (fused) {
     if (finisher)
@@ -229,8 +247,8 @@ __global__ void __launch_bounds__(kAttnThreadsArch) arch_attention_kernel(ArchAt
     if (covers_pos && h % (a.n_heads / a.n_kv_heads) == 0) {  // one block per KV head appends k, v
       const int64_t row = slot_off + static_cast<int64_t>(p_first) * kv_dim + kvh * HD;
       for (int i = threadIdx.x; i < HD; i += blockDim.x) {
-        a.finish.k_cache[row + i] = s_fin[TQ == 1 ? 1 : 0][i];
-        a.finish.v_cache[row + i] = s_fin[TQ == 1 ? 2 : 0][i];
+        a.finish.k_cache[row + i] = detail::kv_store(s_fin[TQ == 1 ? 1 : 0][i]);
+        a.finish.v_cache[row + i] = detail::kv_store(s_fin[TQ == 1 ? 2 : 0][i]);
       }
     }
   }
@@ -257,18 +275,18 @@ __global__ void __launch_bounds__(kAttnThreadsArch) arch_attention_kernel(ArchAt
     for (int u = 0; u < U; ++u) {
       const int p = p0 + u;
       if (first && p < written_before) continue;  // loaded before the wait
-      if (fused && p == p_first) {  // this step's k, v: finished above, in shared memory
+      if (fused && p == p_first) {  // this step's k, v: finished above, in shared memory (as the cache holds them)
 #pragma unroll
         for (int c = 0; c < NC; ++c) {
-          kr[u][c] = s_fin[TQ == 1 ? 1 : 0][c * 32 + lane];
-          vr[u][c] = s_fin[TQ == 1 ? 2 : 0][c * 32 + lane];
+          kr[u][c] = detail::kv_round(s_fin[TQ == 1 ? 1 : 0][c * 32 + lane]);
+          vr[u][c] = detail::kv_round(s_fin[TQ == 1 ? 2 : 0][c * 32 + lane]);
         }
         continue;
       }
 #pragma unroll
       for (int c = 0; c < NC; ++c) {
-        kr[u][c] = p < end ? __ldcg(kb + static_cast<int64_t>(p) * kv_dim + c * 32) : 0.f;
-        vr[u][c] = p < end ? __ldcg(vb + static_cast<int64_t>(p) * kv_dim + c * 32) : 0.f;
+        kr[u][c] = p < end ? __half2float(__ldcg(kb + static_cast<int64_t>(p) * kv_dim + c * 32)) : 0.f;
+        vr[u][c] = p < end ? __half2float(__ldcg(vb + static_cast<int64_t>(p) * kv_dim + c * 32)) : 0.f;
       }
     }
     // Per query: the group's U scores first (independent dot products and warp sums), then one online-softmax update

@@ -63,8 +63,8 @@ struct QkvFinishArgs {
   RopeStyle style = RopeStyle::Interleaved;
   int n_heads = 0, n_kv_heads = 0, head_dim = 0;
   float* q_out = nullptr;             // [n][q_dim]
-  float* k_cache = nullptr;           // this layer: [n_ctx][kv_dim]
-  float* v_cache = nullptr;
+  __half* k_cache = nullptr;          // this layer: [n_ctx][kv_dim] fp16 (kernels.cuh, kv_store)
+  __half* v_cache = nullptr;
   BatchRows rows;                     // batch rows (pos0 unused), or rows.pos null
 };
 void launch_qkv_finish(const QkvFinishArgs& a, cudaStream_t s);
@@ -85,8 +85,8 @@ inline int arch_attn_max_splits(int n_ctx) {
 }
 struct ArchAttnArgs {
   const float* q = nullptr;        // [n][q_dim], roped
-  const float* k_cache = nullptr;  // this layer: [n_ctx][kv_dim]
-  const float* v_cache = nullptr;
+  const __half* k_cache = nullptr;  // this layer: [n_ctx][kv_dim] fp16
+  const __half* v_cache = nullptr;
   const int32_t* pos0 = nullptr;   // device memory
   int n = 1;
   // Batch rows: query t is row t at its own position over its own slot's cache (one query per block, no split;

@@ -1,7 +1,8 @@
 // Decode attention: one query position (the new token) over the KV cache. Two kernels: the split kernel (any
 // head_dim of 32..128, the context split over blocks whose partial softmaxes the last block combines) and, up to
-// kAttnSinglePassMax positions, the short kernel (head_dim 64, every K/V row in shared memory, one pass). The
-// general architectures' decode attention (windows, scales, head_dim 256) is arch.cu's.
+// kShortAttnMaxPos positions, the short kernel (head_dim 64, every K/V row in shared memory, one pass). The
+// general architectures' decode attention (windows, scales, head_dim 256) is arch.cu's. The cache holds fp16
+// (kernels.cuh, kv_store): rows travel as fp16 and are widened to fp32 where they are used.
 #include <algorithm>
 #include <cmath>
 #include <string>
@@ -20,15 +21,14 @@ constexpr int kMaxGroup = 8;  // query heads per KV head the decode attention su
 constexpr int kAttnThreads = kAttnSinglePassMax;  // also: the block holds up to 256 rows in registers
 constexpr int kAttnWarps = kAttnThreads / 32;
 static_assert(kMaxAttnSplits <= 32, "the split combine reads the splits' (m, l) a lane each");
-using AttnKernel = void (*)(const float*, const float*, const float*, const DecodeIO*, int, int, int, int,
+using AttnKernel = void (*)(const float*, const __half*, const __half*, const DecodeIO*, int, int, int, int,
                             AttnScratch, float*);
 
-// Shared memory of one attention block: the staged V rows of the chunk, q of its heads, the scores of the chunk,
-// per-warp P.V partial sums.
+// Shared memory of one attention block: the staged V rows of the chunk (fp16, as cached), q of its heads, the scores
+// of the chunk, per-warp P.V partial sums.
 inline size_t attention_smem_bytes(int heads_per_block, int head_dim, int chunk_cap, int stage_rows) {
-  return (static_cast<size_t>(stage_rows) * head_dim +
-          static_cast<size_t>(heads_per_block) * (head_dim + chunk_cap + kAttnWarps * head_dim)) *
-         sizeof(float);
+  return static_cast<size_t>(stage_rows) * head_dim * sizeof(__half) +
+         static_cast<size_t>(heads_per_block) * (head_dim + chunk_cap + kAttnWarps * head_dim) * sizeof(float);
 }
 
 
@@ -40,21 +40,21 @@ using detail::cp_async_wait_all;
 // heads, 8/3 of the instructions SmolLM2's 3-head groups need (session 18, NOTES). Cache rows before pos were
 // written by earlier steps, so before the programmatic wait each thread loads its K row into registers and the block
 // copies the chunk's V rows (the first stage_rows of them) into shared memory: after the wait only q and row pos come
-// from L2, in one round trip. Scores: a thread per position (16-byte loads, no shuffles); P.V: warps over positions,
-// lanes over float2 columns.
+// from L2, in one round trip. Scores: a thread per position (16-byte loads of 8 fp16 values, no shuffles); P.V: warps
+// over positions, lanes over column pairs.
 template <int HD, int HPB>
-__global__ void __launch_bounds__(kAttnThreads) attention_decode_kernel(const float* q, const float* k_cache,
-                                                                        const float* v_cache,
+__global__ void __launch_bounds__(kAttnThreads) attention_decode_kernel(const float* q, const __half* k_cache,
+                                                                        const __half* v_cache,
                                                                         const DecodeIO* io, int n_heads,
                                                                         int n_kv_heads, int chunk_cap, int stage_rows,
                                                                         AttnScratch p, float* __restrict__ out) {
-  constexpr int kHd4 = HD / 4, kPairs = HD / 2, kPairsPerLane = (kPairs + 31) / 32;
+  constexpr int kHd4 = HD / 4, kHd8 = HD / 8, kPairs = HD / 2, kPairsPerLane = (kPairs + 31) / 32;
   KernelTrace trace(kTraceAttention);
   detail::launch_dependents();
   extern __shared__ float4 smem_dyn[];
   const int kv_dim = n_kv_heads * HD;
-  float* v_s = reinterpret_cast<float*>(smem_dyn);  // [stage_rows][HD]
-  float* q_s = v_s + stage_rows * HD;                // [HPB][HD]
+  __half* v_s = reinterpret_cast<__half*>(smem_dyn);            // [stage_rows][HD]
+  float* q_s = reinterpret_cast<float*>(v_s + stage_rows * HD);  // [HPB][HD]
   float* sc = q_s + HPB * HD;                        // [HPB][chunk_cap] scores, then probabilities
   float* part = sc + HPB * chunk_cap;                // [kAttnWarps][HPB][HD]
   __shared__ float m_s[HPB], l_s[HPB];
@@ -72,33 +72,33 @@ __global__ void __launch_bounds__(kAttnThreads) attention_decode_kernel(const fl
   const int n_staged = min(len, stage_rows);
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
 
-  const float* k_head = k_cache + kvh * HD;
-  const float* v_head = v_cache + kvh * HD;
-  float4 k_own[kHd4];
+  const __half* k_head = k_cache + kvh * HD;
+  const __half* v_head = v_cache + kvh * HD;
+  uint4 k_own[kHd8];  // this thread's K row, 8 fp16 values a word
   const int t0 = threadIdx.x;
   const bool own_early = t0 < len && start + t0 < pos;
   if (own_early) {
-    const float4* k4 = reinterpret_cast<const float4*>(k_head + static_cast<int64_t>(start + t0) * kv_dim);
+    const uint4* k8 = reinterpret_cast<const uint4*>(k_head + static_cast<int64_t>(start + t0) * kv_dim);
 #pragma unroll
-    for (int c = 0; c < kHd4; ++c) k_own[c] = __ldg(k4 + c);
+    for (int c = 0; c < kHd8; ++c) k_own[c] = __ldg(k8 + c);
   }
   const int n_early = min(n_staged, pos - start);  // staged rows written by earlier steps
-  for (int i = threadIdx.x; i < n_early * kHd4; i += kAttnThreads) {
-    const int t = i / kHd4, c = i % kHd4;
-    cp_async16(v_s + t * HD + c * 4, v_head + static_cast<int64_t>(start + t) * kv_dim + c * 4);
+  for (int i = threadIdx.x; i < n_early * kHd8; i += kAttnThreads) {
+    const int t = i / kHd8, c = i % kHd8;
+    cp_async16(v_s + t * HD + c * 8, v_head + static_cast<int64_t>(start + t) * kv_dim + c * 8);
   }
   grid_dependency_wait();
   trace.released();
 
   // After the wait, data the kernel before wrote (q, K and V row pos) is read through L2 only (__ldcg), all at once.
   if (t0 < len && !own_early) {
-    const float4* k4 = reinterpret_cast<const float4*>(k_head + static_cast<int64_t>(start + t0) * kv_dim);
+    const uint4* k8 = reinterpret_cast<const uint4*>(k_head + static_cast<int64_t>(start + t0) * kv_dim);
 #pragma unroll
-    for (int c = 0; c < kHd4; ++c) k_own[c] = __ldcg(k4 + c);
+    for (int c = 0; c < kHd8; ++c) k_own[c] = __ldcg(k8 + c);
   }
-  if (pos - start < n_staged && threadIdx.x < kHd4)  // row pos is staged too (the last row of the last chunk)
-    reinterpret_cast<float4*>(v_s + (pos - start) * HD)[threadIdx.x] =
-        __ldcg(reinterpret_cast<const float4*>(v_head + static_cast<int64_t>(pos) * kv_dim) + threadIdx.x);
+  if (pos - start < n_staged && threadIdx.x < kHd8)  // row pos is staged too (the last row of the last chunk)
+    reinterpret_cast<uint4*>(v_s + (pos - start) * HD)[threadIdx.x] =
+        __ldcg(reinterpret_cast<const uint4*>(v_head + static_cast<int64_t>(pos) * kv_dim) + threadIdx.x);
   for (int i = threadIdx.x; i < HPB * HD; i += blockDim.x) q_s[i] = __ldcg(q + static_cast<int64_t>(head0) * HD + i);
   cp_async_wait_all();
   __syncthreads();
@@ -108,22 +108,25 @@ __global__ void __launch_bounds__(kAttnThreads) attention_decode_kernel(const fl
   const float4* q4 = reinterpret_cast<const float4*>(q_s);
   for (int t = t0; t < len; t += blockDim.x) {
     if (t != t0) {
-      const float4* k4 = reinterpret_cast<const float4*>(k_head + static_cast<int64_t>(start + t) * kv_dim);
+      const uint4* k8 = reinterpret_cast<const uint4*>(k_head + static_cast<int64_t>(start + t) * kv_dim);
 #pragma unroll
-      for (int c = 0; c < kHd4; ++c) k_own[c] = __ldcg(k4 + c);
+      for (int c = 0; c < kHd8; ++c) k_own[c] = __ldcg(k8 + c);
     }
     // Two accumulators per head halve the dependent FMA chain (the latency, not the FMA count, is the cost here).
     float acc[HPB][2];
 #pragma unroll
     for (int g = 0; g < HPB; ++g) acc[g][0] = acc[g][1] = 0.f;
 #pragma unroll
-    for (int c = 0; c < kHd4; ++c) {
-      const float4 k = k_own[c];
+    for (int c = 0; c < kHd8; ++c) {
+      float4 k[2];
+      detail::kv8(k_own[c], k[0], k[1]);
 #pragma unroll
-      for (int g = 0; g < HPB; ++g) {
-        const float4 qq = q4[g * kHd4 + c];
-        acc[g][c & 1] += qq.x * k.x + qq.y * k.y + qq.z * k.z + qq.w * k.w;
-      }
+      for (int g = 0; g < HPB; ++g)
+#pragma unroll
+        for (int j = 0; j < 2; ++j) {
+          const float4 qq = q4[g * kHd4 + 2 * c + j];
+          acc[g][j] += qq.x * k[j].x + qq.y * k[j].y + qq.z * k[j].z + qq.w * k[j].w;
+        }
     }
 #pragma unroll
     for (int g = 0; g < HPB; ++g) sc[g * chunk_cap + t] = (acc[g][0] + acc[g][1]) * scale;
@@ -159,11 +162,11 @@ __global__ void __launch_bounds__(kAttnThreads) attention_decode_kernel(const fl
   for (int g = 0; g < HPB; ++g)
 #pragma unroll
     for (int c = 0; c < kPairsPerLane; ++c) o[g][c] = make_float2(0.f, 0.f);
-  auto accumulate = [&](int t, const float2* v2, bool from_l2) {
+  auto accumulate = [&](int t, const __half2* v2, bool from_l2) {
 #pragma unroll
     for (int c = 0; c < kPairsPerLane; ++c) {
       if (lane + 32 * c < kPairs) {
-        const float2 v = from_l2 ? __ldcg(v2 + lane + 32 * c) : v2[lane + 32 * c];
+        const float2 v = __half22float2(from_l2 ? __ldcg(v2 + lane + 32 * c) : v2[lane + 32 * c]);
 #pragma unroll
         for (int g = 0; g < HPB; ++g) {
           const float pg = sc[g * chunk_cap + t];
@@ -175,9 +178,9 @@ __global__ void __launch_bounds__(kAttnThreads) attention_decode_kernel(const fl
   };
   int t = warp;
 #pragma unroll 4
-  for (; t < n_staged; t += kAttnWarps) accumulate(t, reinterpret_cast<const float2*>(v_s + t * HD), false);
+  for (; t < n_staged; t += kAttnWarps) accumulate(t, reinterpret_cast<const __half2*>(v_s + t * HD), false);
   for (; t < len; t += kAttnWarps)
-    accumulate(t, reinterpret_cast<const float2*>(v_head + static_cast<int64_t>(start + t) * kv_dim), true);
+    accumulate(t, reinterpret_cast<const __half2*>(v_head + static_cast<int64_t>(start + t) * kv_dim), true);
 #pragma unroll
   for (int g = 0; g < HPB; ++g)
 #pragma unroll
@@ -240,37 +243,42 @@ __global__ void __launch_bounds__(kAttnThreads) attention_decode_kernel(const fl
 }
 
 // ------------------------------------------------------------------ short-context decode attention
-// Up to kAttnSinglePassMax positions (the decode graph's single-pass regime), head_dim 64: one block of
-// kShortAttnThreads per query head with every K and V row in shared memory.
+// Up to kShortAttnMaxPos positions (the decode graph's short regime), head_dim 64: one block of kShortAttnThreads per
+// query head with every K and V row in shared memory.
 
 constexpr int kShortAttnThreads = 512;
 constexpr int kShortAttnHd = 64;                     // the one head_dim it serves
-constexpr int kShortAttnKStride = kShortAttnHd + 8;  // padded K rows: the 8 float4 loads of a quarter warp hit 32 banks
-constexpr int kShortAttnPvGroups = kShortAttnThreads / kShortAttnHd;  // position groups of the P.V product
-static_assert(2 * kAttnSinglePassMax <= kShortAttnThreads, "two threads per position in the score pass");
+// Padded fp16 K rows (80 values, 160 bytes): the 16-byte loads of a quarter warp (4 positions x 2 halves) hit
+// distinct banks.
+constexpr int kShortAttnKStride = kShortAttnHd + 16;
+constexpr int kShortAttnPvGroups = kShortAttnThreads / (kShortAttnHd / 2);  // position groups (warps) of the P.V
+static_assert(kShortAttnMaxPos % (kShortAttnThreads / 2) == 0, "whole passes of two threads per position");
 
 // Score buffers hold a multiple of 4 floats, so the buffers after them stay 16-byte aligned for float4 access.
 __host__ __device__ inline int score_slots(int pos_cap) { return (pos_cap + 3) / 4 * 4; }
 
-// Attention of one query head (head_dim 64) over n_pos <= kAttnSinglePassMax positions whose q, K rows
-// (kShortAttnKStride apart) and V rows are all in shared memory; kShortAttnThreads threads. Scores: a thread pair
-// per position, each half of the dot product (float4 chunks 2c + half); softmax: one warp; P.V: kShortAttnPvGroups
-// position groups x 64 dims, then a fixed-order sum. Returns output element threadIdx.x in threads < 64.
-// sc: [n_pos], pv: [kShortAttnPvGroups][64], sum_exp: one shared float. Starts and ends with all threads in step.
-__device__ __forceinline__ float attend_head64(const float* q_s, const float* k_s, const float* v_s, int n_pos,
+// Attention of one query head (head_dim 64) over n_pos <= kShortAttnMaxPos positions whose q (fp32), K rows
+// (fp16, kShortAttnKStride apart) and V rows (fp16) are all in shared memory; kShortAttnThreads threads. Scores: a
+// thread pair per position (a pass per 256 positions), each half of the dot product (16-byte chunks of 8 values,
+// 2c + half); softmax: one warp;
+// P.V: a warp per position group (kShortAttnPvGroups) and a lane per column pair (one 4-byte load of two fp16 values),
+// then a fixed-order sum. Returns output element threadIdx.x in threads < 64. sc: [n_pos], pv:
+// [kShortAttnPvGroups][64], sum_exp: one shared float. Starts and ends with all threads in step.
+__device__ __forceinline__ float attend_head64(const float* q_s, const __half* k_s, const __half* v_s, int n_pos,
                                                float* sc, float* pv, float* sum_exp) {
   constexpr int HD = kShortAttnHd;
   const int tid = threadIdx.x;
-  {
-    const int t = tid >> 1, half = tid & 1;
+  for (int base = 0; base < n_pos; base += kShortAttnThreads / 2) {  // every lane of a warp takes each pass
+    const int t = base + (tid >> 1), half = tid & 1;
     float acc0 = 0.f, acc1 = 0.f;
     if (t < n_pos) {
-      const float4* k4 = reinterpret_cast<const float4*>(k_s + t * kShortAttnKStride);
+      const uint4* k8 = reinterpret_cast<const uint4*>(k_s + t * kShortAttnKStride);
       const float4* q4 = reinterpret_cast<const float4*>(q_s);
 #pragma unroll
-      for (int c = 0; c < HD / 8; c += 2) {
-        const float4 ka = k4[2 * c + half], qa = q4[2 * c + half];
-        const float4 kb = k4[2 * c + 2 + half], qb = q4[2 * c + 2 + half];
+      for (int c = 0; c < HD / 16; ++c) {
+        float4 ka, kb;
+        detail::kv8(k8[2 * c + half], ka, kb);
+        const float4 qa = q4[2 * (2 * c + half)], qb = q4[2 * (2 * c + half) + 1];
         acc0 += qa.x * ka.x + qa.y * ka.y + qa.z * ka.z + qa.w * ka.w;
         acc1 += qb.x * kb.x + qb.y * kb.y + qb.z * kb.z + qb.w * kb.w;
       }
@@ -295,15 +303,26 @@ __device__ __forceinline__ float attend_head64(const float* q_s, const float* k_
   }
   __syncthreads();
   {
-    const int g = tid / HD, e = tid % HD;
-    float acc0 = 0.f, acc1 = 0.f;
+    constexpr int G = kShortAttnPvGroups;
+    const int g = tid >> 5, e = tid & 31;  // position group, column pair
+    float2 acc0 = make_float2(0.f, 0.f), acc1 = acc0;
     int t = g;
-    for (; t + kShortAttnPvGroups < n_pos; t += 2 * kShortAttnPvGroups) {
-      acc0 += sc[t] * v_s[t * HD + e];
-      acc1 += sc[t + kShortAttnPvGroups] * v_s[(t + kShortAttnPvGroups) * HD + e];
+    for (; t + G < n_pos; t += 2 * G) {
+      const float p0 = sc[t], p1 = sc[t + G];
+      const float2 v0 = __half22float2(reinterpret_cast<const __half2*>(v_s + t * HD)[e]);
+      const float2 v1 = __half22float2(reinterpret_cast<const __half2*>(v_s + (t + G) * HD)[e]);
+      acc0.x += p0 * v0.x;
+      acc0.y += p0 * v0.y;
+      acc1.x += p1 * v1.x;
+      acc1.y += p1 * v1.y;
     }
-    if (t < n_pos) acc0 += sc[t] * v_s[t * HD + e];
-    pv[g * HD + e] = acc0 + acc1;
+    if (t < n_pos) {
+      const float p0 = sc[t];
+      const float2 v0 = __half22float2(reinterpret_cast<const __half2*>(v_s + t * HD)[e]);
+      acc0.x += p0 * v0.x;
+      acc0.y += p0 * v0.y;
+    }
+    reinterpret_cast<float2*>(pv + g * HD)[e] = make_float2(acc0.x + acc1.x, acc0.y + acc1.y);
   }
   __syncthreads();
   float o = 0.f;
@@ -316,11 +335,13 @@ __device__ __forceinline__ float attend_head64(const float* q_s, const float* k_
 }
 
 // Short-context decode attention, head_dim 64: one block of kShortAttnThreads per query head; the K and V rows of
-// earlier steps are copied into shared memory before the programmatic wait, and after it only q and this step's
-// K and V rows come from L2 (one round trip). n_pos = io->pos + 1 <= pos_cap <= kAttnSinglePassMax.
+// earlier steps are copied into shared memory (fp16, as cached) before the programmatic wait, and after it only q
+// and this step's K and V rows come from L2 (one round trip). n_pos = io->pos + 1 <= pos_cap <= kShortAttnMaxPos.
+// The fp16 values are widened where they are used, after the wait: widening them before it (so that the code after
+// the wait was the fp32 kernel's) made decode ~5% slower (session 19, NOTES).
 __global__ void __launch_bounds__(kShortAttnThreads) attention_decode_short_kernel(const float* q,
-                                                                                   const float* k_cache,
-                                                                                   const float* v_cache,
+                                                                                   const __half* k_cache,
+                                                                                   const __half* v_cache,
                                                                                    const DecodeIO* io, int n_heads,
                                                                                    int n_kv_heads, int pos_cap,
                                                                                    float* __restrict__ out) {
@@ -328,9 +349,9 @@ __global__ void __launch_bounds__(kShortAttnThreads) attention_decode_short_kern
   KernelTrace trace(kTraceAttention);
   detail::launch_dependents();
   extern __shared__ float4 smem_dyn[];
-  float* k_s = reinterpret_cast<float*>(smem_dyn);  // [pos_cap][kShortAttnKStride]
-  float* v_s = k_s + pos_cap * kShortAttnKStride;    // [pos_cap][HD]
-  float* q_s = v_s + pos_cap * HD;                   // [HD]
+  __half* k_s = reinterpret_cast<__half*>(smem_dyn);         // [pos_cap][kShortAttnKStride]
+  __half* v_s = k_s + pos_cap * kShortAttnKStride;             // [pos_cap][HD]
+  float* q_s = reinterpret_cast<float*>(v_s + pos_cap * HD);  // [HD]
   float* sc = q_s + HD;                              // [score_slots(pos_cap)]
   float* pv = sc + score_slots(pos_cap);             // [kShortAttnPvGroups][HD]
   __shared__ float sum_exp;
@@ -338,25 +359,27 @@ __global__ void __launch_bounds__(kShortAttnThreads) attention_decode_short_kern
   const int pos = io->pos, n_pos = pos + 1;  // io was written before this graph launch
   if (n_pos > pos_cap) __trap();
   const int tid = threadIdx.x;
-  const float* k_head = k_cache + kvh * HD;
-  const float* v_head = v_cache + kvh * HD;
-  for (int c = tid; c < pos * (HD / 4); c += kShortAttnThreads) {
-    const int t = c / (HD / 4), j = c % (HD / 4);
-    cp_async16(k_s + t * kShortAttnKStride + 4 * j, k_head + static_cast<int64_t>(t) * kv_dim + 4 * j);
-    cp_async16(v_s + t * HD + 4 * j, v_head + static_cast<int64_t>(t) * kv_dim + 4 * j);
+  const __half* k_head = k_cache + kvh * HD;
+  const __half* v_head = v_cache + kvh * HD;
+  constexpr int kChunks = HD / 8;  // 16-byte chunks of a cache row
+  for (int c = tid; c < pos * kChunks; c += kShortAttnThreads) {
+    const int t = c / kChunks, j = c % kChunks;
+    cp_async16(k_s + t * kShortAttnKStride + 8 * j, k_head + static_cast<int64_t>(t) * kv_dim + 8 * j);
+    cp_async16(v_s + t * HD + 8 * j, v_head + static_cast<int64_t>(t) * kv_dim + 8 * j);
   }
   grid_dependency_wait();
   trace.released();
-  if (tid < HD / 4) {
-    reinterpret_cast<float4*>(q_s)[tid] = __ldcg(reinterpret_cast<const float4*>(q + head * HD) + tid);
-  } else if (tid < HD / 2) {
-    const int j = tid - HD / 4;
-    reinterpret_cast<float4*>(k_s + pos * kShortAttnKStride)[j] =
-        __ldcg(reinterpret_cast<const float4*>(k_head + static_cast<int64_t>(pos) * kv_dim) + j);
-  } else if (tid < 3 * HD / 4) {
-    const int j = tid - HD / 2;
-    reinterpret_cast<float4*>(v_s + pos * HD)[j] =
-        __ldcg(reinterpret_cast<const float4*>(v_head + static_cast<int64_t>(pos) * kv_dim) + j);
+  // q, K row pos and V row pos each by its own warp: the three L2 round trips overlap (branches of one warp run one
+  // after the other, each waiting for its load before its store).
+  const int lane = tid & 31, warp = tid >> 5;
+  if (warp == 0 && lane < HD / 4) {
+    reinterpret_cast<float4*>(q_s)[lane] = __ldcg(reinterpret_cast<const float4*>(q + head * HD) + lane);
+  } else if (warp == 1 && lane < kChunks) {
+    reinterpret_cast<uint4*>(k_s + pos * kShortAttnKStride)[lane] =
+        __ldcg(reinterpret_cast<const uint4*>(k_head + static_cast<int64_t>(pos) * kv_dim) + lane);
+  } else if (warp == 2 && lane < kChunks) {
+    reinterpret_cast<uint4*>(v_s + pos * HD)[lane] =
+        __ldcg(reinterpret_cast<const uint4*>(v_head + static_cast<int64_t>(pos) * kv_dim) + lane);
   }
   cp_async_wait_all();
   __syncthreads();
@@ -375,7 +398,7 @@ AttnKernel attention_kernel_for_heads(int hpb) {
                     : nullptr;
 }
 
-void launch_attention_decode(const float* q, const float* k_cache, const float* v_cache, const DecodeIO* io,
+void launch_attention_decode(const float* q, const __half* k_cache, const __half* v_cache, const DecodeIO* io,
                              int n_heads, int n_kv_heads, int head_dim, int n_ctx, const AttnScratch& p, float* out,
                              cudaStream_t s, int heads_per_block) {
   const int group = n_heads / n_kv_heads;
@@ -404,7 +427,7 @@ void launch_attention_decode(const float* q, const float* k_cache, const float* 
   const size_t static_smem = 2048;  // m_s, l_s, w_s, is_last and slack
   if (fixed + static_smem > static_cast<size_t>(smem_optin))
     throw EngineError("attention: context too long for shared memory");
-  const size_t room_rows = (static_cast<size_t>(smem_optin) - fixed - static_smem) / (head_dim * sizeof(float));
+  const size_t room_rows = (static_cast<size_t>(smem_optin) - fixed - static_smem) / (head_dim * sizeof(__half));
   const int stage_rows = static_cast<int>(std::min<size_t>(room_rows, std::min(chunk_cap, kAttnSinglePassMax)));
   const size_t smem = attention_smem_bytes(heads_per_block, head_dim, chunk_cap, stage_rows);
   detail::allow_dynamic_smem(k, smem);
@@ -412,14 +435,14 @@ void launch_attention_decode(const float* q, const float* k_cache, const float* 
                               k_cache, v_cache, io, n_heads, n_kv_heads, chunk_cap, stage_rows, p, out);
 }
 
-void launch_attention_decode_short(const float* q, const float* k_cache, const float* v_cache, const DecodeIO* io,
+void launch_attention_decode_short(const float* q, const __half* k_cache, const __half* v_cache, const DecodeIO* io,
                                    int n_heads, int n_kv_heads, int head_dim, int pos_cap, float* out,
                                    cudaStream_t s) {
   if (head_dim != kShortAttnHd) throw EngineError("short decode attention needs head_dim 64");
   if (n_kv_heads < 1 || n_heads % n_kv_heads != 0) throw EngineError("attention: unsupported head grouping");
-  if (pos_cap < 1 || pos_cap > kAttnSinglePassMax) throw EngineError("short decode attention: bad capacity");
-  const size_t smem = (static_cast<size_t>(pos_cap) * (kShortAttnKStride + kShortAttnHd) + score_slots(pos_cap) +
-                       kShortAttnHd + kShortAttnPvGroups * kShortAttnHd) * sizeof(float);
+  if (pos_cap < 1 || pos_cap > kShortAttnMaxPos) throw EngineError("short decode attention: bad capacity");
+  const size_t smem = static_cast<size_t>(pos_cap) * (kShortAttnKStride + kShortAttnHd) * sizeof(__half) +
+                      (score_slots(pos_cap) + kShortAttnHd + kShortAttnPvGroups * kShortAttnHd) * sizeof(float);
   detail::allow_dynamic_smem(attention_decode_short_kernel, smem);
   detail::launch_programmatic(attention_decode_short_kernel, dim3(n_heads), dim3(kShortAttnThreads), smem, s, q,
                               k_cache, v_cache, io, n_heads, n_kv_heads, pos_cap, out);

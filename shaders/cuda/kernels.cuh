@@ -381,28 +381,54 @@ __device__ __forceinline__ int qkv_pair_row(int r, bool neox, int q_dim, int kv_
   return r - j + (j >> 1) + (j & 1) * (head_dim / 2);
 }
 
+// The K/V cache holds fp16: each value is rounded to nearest even as it is appended (the CPU backend rounds alike)
+// and read back exactly. kv_round gives the value a cache row holds, for kernels that use a row they also append.
+__device__ __forceinline__ __half kv_store(float v) { return __float2half_rn(v); }
+__device__ __forceinline__ float kv_round(float v) { return __half2float(__float2half_rn(v)); }
+// 4 or 8 cache values from their raw bits (8 or 16 bytes loaded by the caller, with whatever cache policy it needs).
+__device__ __forceinline__ float4 kv4(uint2 u) {
+  const float2 a = __half22float2(*reinterpret_cast<const __half2*>(&u.x));
+  const float2 b = __half22float2(*reinterpret_cast<const __half2*>(&u.y));
+  return make_float4(a.x, a.y, b.x, b.y);
+}
+__device__ __forceinline__ void kv8(uint4 u, float4& lo, float4& hi) {
+  lo = kv4(make_uint2(u.x, u.y));
+  hi = kv4(make_uint2(u.z, u.w));
+}
+// 4 values as the cache holds them: their fp16 bits (to store as 8 bytes), or their fp32 values.
+__device__ __forceinline__ uint2 kv_pack4(float4 v) {
+  const __half2 a = __floats2half2_rn(v.x, v.y), b = __floats2half2_rn(v.z, v.w);
+  return make_uint2(*reinterpret_cast<const uint32_t*>(&a), *reinterpret_cast<const uint32_t*>(&b));
+}
+__device__ __forceinline__ float4 kv_round4(float4 v) { return kv4(kv_pack4(v)); }
+
 // Writes the pair of QKV output rows r0, r0 + step at position pos, turned by cs = rope_factors(...) of the pair
 // (step 1: adjacent rows, the interleaved layout and V; head_dim / 2: a NeoX pair, r0 its first row).
 // Rows [0, q_dim) go to q_row, [q_dim, q_dim + kv_dim) to the K cache, the rest (plain) to the V cache.
 __device__ __forceinline__ void store_qkv_pair_rotated(int r0, float a, float b, int pos, float2 cs, int q_dim,
-                                                       int kv_dim, int head_dim, float* q_row, float* k_cache,
-                                                       float* v_cache, int step = 1) {
+                                                       int kv_dim, int head_dim, float* q_row, __half* k_cache,
+                                                       __half* v_cache, int step = 1) {
   const int64_t cache_row = static_cast<int64_t>(pos) * kv_dim;
   if (r0 >= q_dim + kv_dim) {
-    float* dst = v_cache + cache_row + (r0 - q_dim - kv_dim);
-    dst[0] = a;
-    dst[1] = b;
+    __half* dst = v_cache + cache_row + (r0 - q_dim - kv_dim);
+    dst[0] = kv_store(a);
+    dst[1] = kv_store(b);
     return;
   }
-  const bool is_q = r0 < q_dim;
-  float* dst = is_q ? q_row + r0 : k_cache + cache_row + (r0 - q_dim);
-  dst[0] = a * cs.x - b * cs.y;
-  dst[step] = a * cs.y + b * cs.x;
+  const float x = a * cs.x - b * cs.y, y = a * cs.y + b * cs.x;
+  if (r0 < q_dim) {
+    q_row[r0] = x;
+    q_row[r0 + step] = y;
+  } else {
+    __half* dst = k_cache + cache_row + (r0 - q_dim);
+    dst[0] = kv_store(x);
+    dst[step] = kv_store(y);
+  }
 }
 
 __device__ __forceinline__ void store_qkv_pair(int r0, float a, float b, int pos, const float2* rope_table,
-                                               int q_dim, int kv_dim, int head_dim, float* q_row, float* k_cache,
-                                               float* v_cache) {
+                                               int q_dim, int kv_dim, int head_dim, float* q_row, __half* k_cache,
+                                               __half* v_cache) {
   store_qkv_pair_rotated(r0, a, b, pos, rope_factors(r0, pos, rope_table, q_dim, kv_dim, head_dim), q_dim, kv_dim,
                          head_dim, q_row, k_cache, v_cache);
 }
@@ -554,13 +580,13 @@ struct QkvTargets {
   const float* bias = nullptr;  // [q_dim + 2 kv_dim] (bq | bk | bv) added before RoPE, or null (Qwen 2 has them)
   bool neox = false;            // RoPE turns (i, i + head_dim/2) instead of (2i, 2i+1) (detail::qkv_pair_row)
   float* q_out = nullptr;
-  float* k_cache = nullptr;  // this layer: [n_ctx][kv_dim]
-  float* v_cache = nullptr;
+  __half* k_cache = nullptr;  // this layer: [n_ctx][kv_dim] fp16
+  __half* v_cache = nullptr;
 };
 // The targets of one layer's fused QKV kernel without bias or NeoX pairs (set those fields after, where a model has
 // them).
 inline QkvTargets qkv_targets(const float2* rope_table, const DecodeIO* io, int q_dim, int kv_dim, int head_dim,
-                              float* q_out, float* k_cache, float* v_cache) {
+                              float* q_out, __half* k_cache, __half* v_cache) {
   QkvTargets t;
   t.rope_table = rope_table;
   t.io = io;
@@ -591,14 +617,15 @@ void launch_matvec_residual(const DevMatrix& W, const float* x, float* residual,
 // out[n_heads * head_dim] = attention of q (all heads, roped) over cache positions [0, io->pos] of one layer.
 // n_ctx bounds the position (sizes shared memory); the scratch serves the long-context split. heads_per_block
 // (a divisor of n_heads / n_kv_heads; 0 = kAttnDefaultHeadsPerBlock) sets how many query heads one block serves.
-void launch_attention_decode(const float* q, const float* k_cache, const float* v_cache, const DecodeIO* io,
+void launch_attention_decode(const float* q, const __half* k_cache, const __half* v_cache, const DecodeIO* io,
                              int n_heads, int n_kv_heads, int head_dim, int n_ctx, const AttnScratch& scratch,
                              float* out, cudaStream_t s, int heads_per_block = 0);
 
-// Short contexts, head_dim 64 (the decode graph's single-pass regime): one block per query head with all K and V
-// rows in shared memory. Same result as launch_attention_decode within float rounding. io->pos + 1 must not exceed
-// pos_cap (<= kAttnSinglePassMax; the kernel traps).
-void launch_attention_decode_short(const float* q, const float* k_cache, const float* v_cache, const DecodeIO* io,
+// Short contexts, head_dim 64 (the decode graph's short regime): one block per query head with all K and V rows in
+// shared memory (fp16: 512 positions take ~150 KB). Same result as launch_attention_decode within float rounding.
+// io->pos + 1 must not exceed pos_cap (<= kShortAttnMaxPos; the kernel traps).
+constexpr int kShortAttnMaxPos = 512;
+void launch_attention_decode_short(const float* q, const __half* k_cache, const __half* v_cache, const DecodeIO* io,
                                    int n_heads, int n_kv_heads, int head_dim, int pos_cap, float* out,
                                    cudaStream_t s);
 
@@ -619,10 +646,10 @@ void launch_rmsnorm_to_half(const float* x, int n, int d, const float* w, float 
 // qkv: n rows of (q_dim + 2 kv_dim) floats for positions pos0..pos0+n-1. Writes roped q rows to q_out and the
 // roped k / plain v rows to the caches.
 void launch_rope_append(const float* qkv, int n, int pos0, const float2* rope_table, int q_dim, int kv_dim,
-                        int head_dim, float* q_out, float* k_cache, float* v_cache, cudaStream_t s);
+                        int head_dim, float* q_out, __half* k_cache, __half* v_cache, cudaStream_t s);
 // Causal attention of n queries (positions pos0..) over cache positions [0, pos0 + t]; out row t = the operand row
 // of the q_dim outputs.
-void launch_attention_prefill(const float* q, const float* k_cache, const float* v_cache, int n, int pos0,
+void launch_attention_prefill(const float* q, const __half* k_cache, const __half* v_cache, int n, int pos0,
                               int n_heads, int n_kv_heads, int head_dim, __half* out, cudaStream_t s);
 // out row t = the operand row of silu(gate[t][i]) * up[t][i], i < d_ff; gate_up rows of 2*d_ff floats.
 void launch_silu_to_half(const float* gate_up, int n, int d_ff, __half* out, cudaStream_t s);
@@ -631,9 +658,9 @@ void launch_silu_to_half(const float* gate_up, int n, int d_ff, __half* out, cud
 // from device memory (prefill.cu), so one captured prefill graph serves every start position. Same results as
 // launch_rope_append / launch_attention_prefill with pos0 = *pos0.
 void launch_rope_append_at(const float* qkv, int n, const int32_t* pos0, const float2* rope_table, int q_dim,
-                           int kv_dim, int head_dim, float* q_out, float* k_cache, float* v_cache, cudaStream_t s);
+                           int kv_dim, int head_dim, float* q_out, __half* k_cache, __half* v_cache, cudaStream_t s);
 // head_dim 64 runs on tensor cores (fp16 hi/lo operand pairs, fp32 accumulation), other head_dims on fp32 FMAs.
-void launch_attention_prefill_at(const float* q, const float* k_cache, const float* v_cache, int n,
+void launch_attention_prefill_at(const float* q, const __half* k_cache, const __half* v_cache, int n,
                                  const int32_t* pos0, int n_heads, int n_kv_heads, int head_dim, __half* out,
                                  cudaStream_t s);
 // RoPE + KV append + causal attention of one chunk from the raw QKV projection rows (n rows of q_dim + 2 kv_dim
@@ -641,7 +668,7 @@ void launch_attention_prefill_at(const float* q, const float* k_cache, const flo
 // head_dim 64 is one fused tensor-core kernel (q_scratch unused); others run launch_rope_append_at into q_scratch
 // [n][q_dim] and then launch_attention_prefill_at.
 void launch_rope_attention_prefill(const float* qkv, int n, const int32_t* pos0, const float2* rope_table,
-                                   int n_heads, int n_kv_heads, int head_dim, float* k_cache, float* v_cache,
+                                   int n_heads, int n_kv_heads, int head_dim, __half* k_cache, __half* v_cache,
                                    float* q_scratch, __half* out, cudaStream_t s);
 
 // ------------------------------------------------------------------ long prompts on tensor cores (prompt_gemm.cu)
@@ -692,8 +719,8 @@ struct FewAttnArgs {
   int n = 0;
   const int32_t* pos0_dev = nullptr;  // written before the graph that reads it starts
   const float2* rope_table = nullptr;
-  float* k_cache = nullptr;  // this layer
-  float* v_cache = nullptr;
+  __half* k_cache = nullptr;  // this layer
+  __half* v_cache = nullptr;
   int n_heads = 0, n_kv_heads = 0, head_dim = 0;
   __half* out_slots = nullptr;  // [n] rows of q_dim values
 };

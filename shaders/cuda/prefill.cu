@@ -35,7 +35,7 @@ __global__ void __launch_bounds__(256) rmsnorm_to_half_kernel(const float* __res
 
 __global__ void rope_append_kernel(const float* __restrict__ qkv, int n, const int32_t* pos0_dev, int pos0_value,
                                    const float2* rope_table, int q_dim, int kv_dim, int head_dim, float* q_out,
-                                   float* k_cache, float* v_cache) {
+                                   __half* k_cache, __half* v_cache) {
   detail::grid_dependency_wait();
   detail::launch_dependents();  // the attention may launch now; it waits for this grid before reading
   const int pos0 = pos0_dev != nullptr ? *pos0_dev : pos0_value;
@@ -71,8 +71,8 @@ constexpr int kMaxDimsPerLane = 4;  // head_dim <= 128
 // with an online softmax per query (each warp owns 4 queries; a lane scores one key of the tile, then owns
 // head_dim/32 output dimensions for the P.V product).
 __global__ void __launch_bounds__(256) attention_prefill_kernel(const float* __restrict__ q,
-                                                                const float* __restrict__ k_cache,
-                                                                const float* __restrict__ v_cache, int n,
+                                                                const __half* __restrict__ k_cache,
+                                                                const __half* __restrict__ v_cache, int n,
                                                                 const int32_t* pos0_dev, int pos0_value, int n_heads,
                                                                 int n_kv_heads, int hd, __half* out) {
   extern __shared__ float4 smem_dyn[];
@@ -107,8 +107,8 @@ __global__ void __launch_bounds__(256) attention_prefill_kernel(const float* __r
     for (int i = threadIdx.x; i < kKTile * hd; i += blockDim.x) {
       const int r = i / hd, d = i % hd, key = kt + r;
       const int64_t src = static_cast<int64_t>(key) * kv_dim + kvh * hd + d;
-      k_s[r * (hd + 1) + d] = key <= last_key ? k_cache[src] : 0.f;
-      v_s[r * hd + d] = key <= last_key ? v_cache[src] : 0.f;
+      k_s[r * (hd + 1) + d] = key <= last_key ? __half2float(k_cache[src]) : 0.f;
+      v_s[r * hd + d] = key <= last_key ? __half2float(v_cache[src]) : 0.f;
     }
     __syncthreads();
 #pragma unroll
@@ -192,8 +192,8 @@ struct TcAttnArgs {
   const float* q = nullptr;    // [n][q_dim], roped
   const float* qkv = nullptr;  // [n][q_dim + 2 kv_dim], raw
   const float2* rope_table = nullptr;
-  float* k_cache = nullptr;
-  float* v_cache = nullptr;
+  __half* k_cache = nullptr;  // fp16 (kernels.cuh, kv_store)
+  __half* v_cache = nullptr;
   int n = 0;
   const int32_t* pos0_dev = nullptr;
   int pos0_value = 0;
@@ -219,8 +219,8 @@ __global__ void __launch_bounds__(kTcWarps * 32) attention_prefill_tc_kernel(con
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const int w_row0 = warp * kTcRows, w_rows = max(0, min(kTcRows, q_count - w_row0));
   const float q_scale = 0.125f * 1.4426950408889634f;  // 1/sqrt(64) * log2(e)
-  const float* __restrict__ k_cache = a.k_cache;
-  const float* __restrict__ v_cache = a.v_cache;
+  const __half* __restrict__ k_cache = a.k_cache;
+  const __half* __restrict__ v_cache = a.v_cache;
   const float* __restrict__ qkv = a.qkv;
   constexpr int kHalfRow = kTcHeadDim / 2;  // rope table entries per position
 
@@ -248,9 +248,9 @@ __global__ void __launch_bounds__(kTcWarps * 32) attention_prefill_tc_kernel(con
       const int t = q0 + i / (kTcHeadDim / 4), c = (i % (kTcHeadDim / 4)) * 4, pos = pos0 + t;
       const float* src = qkv + static_cast<int64_t>(t) * qkv_rows + q_dim + kvh * kTcHeadDim + c;
       const int64_t dst = static_cast<int64_t>(pos) * kv_dim + kvh * kTcHeadDim + c;
-      *reinterpret_cast<float4*>(a.k_cache + dst) =
-          rope4(*reinterpret_cast<const float4*>(src), a.rope_table + static_cast<int64_t>(pos) * kHalfRow, c);
-      *reinterpret_cast<float4*>(a.v_cache + dst) = *reinterpret_cast<const float4*>(src + kv_dim);
+      *reinterpret_cast<uint2*>(a.k_cache + dst) = detail::kv_pack4(
+          rope4(*reinterpret_cast<const float4*>(src), a.rope_table + static_cast<int64_t>(pos) * kHalfRow, c));
+      *reinterpret_cast<uint2*>(a.v_cache + dst) = detail::kv_pack4(*reinterpret_cast<const float4*>(src + kv_dim));
     }
   }
   __syncwarp();
@@ -279,12 +279,13 @@ __global__ void __launch_bounds__(kTcWarps * 32) attention_prefill_tc_kernel(con
       if (key <= last_key) {
         if (qkv == nullptr || key < pos0) {
           const int64_t src = static_cast<int64_t>(key) * kv_dim + kvh * kTcHeadDim + c;
-          kv = *reinterpret_cast<const float4*>(k_cache + src);
-          vv = *reinterpret_cast<const float4*>(v_cache + src);
-        } else {
+          kv = detail::kv4(*reinterpret_cast<const uint2*>(k_cache + src));
+          vv = detail::kv4(*reinterpret_cast<const uint2*>(v_cache + src));
+        } else {  // the chunk's own keys, rounded as the cache holds them
           const float* src = qkv + static_cast<int64_t>(key - pos0) * qkv_rows + q_dim + kvh * kTcHeadDim + c;
-          kv = rope4(*reinterpret_cast<const float4*>(src), a.rope_table + static_cast<int64_t>(key) * kHalfRow, c);
-          vv = *reinterpret_cast<const float4*>(src + kv_dim);
+          kv = detail::kv_round4(
+              rope4(*reinterpret_cast<const float4*>(src), a.rope_table + static_cast<int64_t>(key) * kHalfRow, c));
+          vv = detail::kv_round4(*reinterpret_cast<const float4*>(src + kv_dim));
         }
       }
       split_half(kv.x, sm.k_hi[row][c], sm.k_lo[row][c]);
@@ -392,7 +393,7 @@ int grid_for(int64_t total, int threads) {
 }
 
 void rope_append(const float* qkv, int n, const int32_t* pos0_dev, int pos0_value, const float2* rope_table, int q_dim,
-                 int kv_dim, int head_dim, float* q_out, float* k_cache, float* v_cache, cudaStream_t s) {
+                 int kv_dim, int head_dim, float* q_out, __half* k_cache, __half* v_cache, cudaStream_t s) {
   const int64_t total = static_cast<int64_t>(n) * ((q_dim + 2 * kv_dim) / 2);
   launch_pdl(rope_append_kernel, dim3(grid_for(total, 256)), dim3(256), 0, s, qkv, n, pos0_dev, pos0_value, rope_table,
              q_dim, kv_dim, head_dim, q_out, k_cache, v_cache);
@@ -410,15 +411,15 @@ void launch_tc(const TcAttnArgs& a, cudaStream_t s) {
   launch_pdl(attention_prefill_tc_kernel, grid, dim3(kTcWarps * 32), sizeof(TcAttnSmem), s, a);
 }
 
-void attention_prefill(const float* q, const float* k_cache, const float* v_cache, int n, const int32_t* pos0_dev,
+void attention_prefill(const float* q, const __half* k_cache, const __half* v_cache, int n, const int32_t* pos0_dev,
                        int pos0_value, int n_heads, int n_kv_heads, int head_dim, __half* out, cudaStream_t s) {
   if (head_dim % 32 != 0 || head_dim > 32 * kMaxDimsPerLane)
     throw EngineError("prefill attention needs head_dim a multiple of 32, at most 128");
   if (head_dim == kTcHeadDim) {
     TcAttnArgs a;
     a.q = q;
-    a.k_cache = const_cast<float*>(k_cache);  // not written: qkv is null
-    a.v_cache = const_cast<float*>(v_cache);
+    a.k_cache = const_cast<__half*>(k_cache);  // not written: qkv is null
+    a.v_cache = const_cast<__half*>(v_cache);
     a.n = n;
     a.pos0_dev = pos0_dev;
     a.pos0_value = pos0_value;
@@ -439,7 +440,7 @@ void attention_prefill(const float* q, const float* k_cache, const float* v_cach
 
 // The tensor-core attention's arguments when it starts from the raw QKV rows of a chunk (RoPE + KV append inside).
 TcAttnArgs tc_args_from_qkv(const float* qkv, int n, const int32_t* pos0, const float2* rope_table, int n_heads,
-                            int n_kv_heads, float* k_cache, float* v_cache, __half* out) {
+                            int n_kv_heads, __half* k_cache, __half* v_cache, __half* out) {
   TcAttnArgs a;
   a.qkv = qkv;
   a.rope_table = rope_table;
@@ -460,28 +461,28 @@ void launch_rmsnorm_to_half(const float* x, int n, int d, const float* w, float 
 }
 
 void launch_rope_append(const float* qkv, int n, int pos0, const float2* rope_table, int q_dim, int kv_dim,
-                        int head_dim, float* q_out, float* k_cache, float* v_cache, cudaStream_t s) {
+                        int head_dim, float* q_out, __half* k_cache, __half* v_cache, cudaStream_t s) {
   rope_append(qkv, n, nullptr, pos0, rope_table, q_dim, kv_dim, head_dim, q_out, k_cache, v_cache, s);
 }
 
 void launch_rope_append_at(const float* qkv, int n, const int32_t* pos0, const float2* rope_table, int q_dim,
-                           int kv_dim, int head_dim, float* q_out, float* k_cache, float* v_cache, cudaStream_t s) {
+                           int kv_dim, int head_dim, float* q_out, __half* k_cache, __half* v_cache, cudaStream_t s) {
   rope_append(qkv, n, pos0, 0, rope_table, q_dim, kv_dim, head_dim, q_out, k_cache, v_cache, s);
 }
 
-void launch_attention_prefill(const float* q, const float* k_cache, const float* v_cache, int n, int pos0,
+void launch_attention_prefill(const float* q, const __half* k_cache, const __half* v_cache, int n, int pos0,
                               int n_heads, int n_kv_heads, int head_dim, __half* out, cudaStream_t s) {
   attention_prefill(q, k_cache, v_cache, n, nullptr, pos0, n_heads, n_kv_heads, head_dim, out, s);
 }
 
-void launch_attention_prefill_at(const float* q, const float* k_cache, const float* v_cache, int n,
+void launch_attention_prefill_at(const float* q, const __half* k_cache, const __half* v_cache, int n,
                                  const int32_t* pos0, int n_heads, int n_kv_heads, int head_dim, __half* out,
                                  cudaStream_t s) {
   attention_prefill(q, k_cache, v_cache, n, pos0, 0, n_heads, n_kv_heads, head_dim, out, s);
 }
 
 void launch_rope_attention_prefill(const float* qkv, int n, const int32_t* pos0, const float2* rope_table,
-                                   int n_heads, int n_kv_heads, int head_dim, float* k_cache, float* v_cache,
+                                   int n_heads, int n_kv_heads, int head_dim, __half* k_cache, __half* v_cache,
                                    float* q_scratch, __half* out, cudaStream_t s) {
   if (head_dim != kTcHeadDim) {
     const int q_dim = n_heads * head_dim, kv_dim = n_kv_heads * head_dim;

@@ -406,8 +406,8 @@ struct FewAttnSmem {
 
 // One block per (query head, prompt token): RoPE of the token's q, the KV-head group's first head appends the
 // token's roped k and plain v to the cache, then attention over keys 0..pos0+t in tiles of kFewAttnTile (online
-// softmax): keys before pos0 come from the cache, the prompt's own keys from the raw QKV rows (roped here, never
-// read back from the cache, which other blocks are writing). Output: the slot layout the O projection reads.
+// softmax): keys before pos0 come from the (fp16) cache, the prompt's own keys from the raw QKV rows (roped and
+// rounded to fp16 here exactly as the append does, never read back from the cache, which other blocks are writing). Output: the slot layout the O projection reads.
 __global__ void __launch_bounds__(kFewAttnThreads) attention_prompt_few_kernel(const FewAttnArgs a) {
   extern __shared__ __align__(16) unsigned char few_smem_raw[];
   FewAttnSmem& sm = *reinterpret_cast<FewAttnSmem*>(few_smem_raw);
@@ -442,12 +442,17 @@ __global__ void __launch_bounds__(kFewAttnThreads) attention_prompt_few_kernel(c
     __syncthreads();  // the previous tile is consumed (and q, max_run published on the first pass)
     for (int i = tid; i < rows * (kFewHd / 4); i += kFewAttnThreads) {
       const int r = i / (kFewHd / 4), c = 4 * (i % (kFewHd / 4)), j = j0 + r;
-      const float* ks = j < pos0 ? a.k_cache + static_cast<int64_t>(j) * kv_dim + kvh * kFewHd
-                                 : a.qkv + static_cast<int64_t>(j - pos0) * qkv_rows + q_dim + kvh * kFewHd;
-      const float* vs = j < pos0 ? a.v_cache + static_cast<int64_t>(j) * kv_dim + kvh * kFewHd
-                                 : a.qkv + static_cast<int64_t>(j - pos0) * qkv_rows + q_dim + kv_dim + kvh * kFewHd;
-      detail::cp_async16(&sm.k[r][c], ks + c);
-      detail::cp_async16(&sm.v[r][c], vs + c);
+      float4* kd = reinterpret_cast<float4*>(&sm.k[r][c]);
+      float4* vd = reinterpret_cast<float4*>(&sm.v[r][c]);
+      if (j < pos0) {  // fp16 cache rows
+        const int64_t off = static_cast<int64_t>(j) * kv_dim + kvh * kFewHd + c;
+        *kd = detail::kv4(__ldcg(reinterpret_cast<const uint2*>(a.k_cache + off)));
+        *vd = detail::kv4(__ldcg(reinterpret_cast<const uint2*>(a.v_cache + off)));
+      } else {  // the prompt's own rows: k raw (turned below), v rounded as the cache holds it
+        const float* row = a.qkv + static_cast<int64_t>(j - pos0) * qkv_rows + q_dim + kvh * kFewHd + c;
+        detail::cp_async16(kd, row);
+        *vd = detail::kv_round4(*reinterpret_cast<const float4*>(row + kv_dim));
+      }
     }
     if (j0 == 0 && tid < kFewHd / 2) {  // while the first tile is in flight: q, and the cache append
       const float* row = a.qkv + static_cast<int64_t>(t) * qkv_rows;
@@ -458,12 +463,12 @@ __global__ void __launch_bounds__(kFewAttnThreads) attention_prompt_few_kernel(c
       if (h % group == 0) {
         const float2 k = *reinterpret_cast<const float2*>(row + q_dim + kvh * kFewHd + 2 * tid);
         const float2 v = *reinterpret_cast<const float2*>(row + q_dim + kv_dim + kvh * kFewHd + 2 * tid);
-        float* kc = a.k_cache + static_cast<int64_t>(p) * kv_dim + kvh * kFewHd + 2 * tid;
-        float* vc = a.v_cache + static_cast<int64_t>(p) * kv_dim + kvh * kFewHd + 2 * tid;
-        kc[0] = k.x * cs.x - k.y * cs.y;
-        kc[1] = k.x * cs.y + k.y * cs.x;
-        vc[0] = v.x;
-        vc[1] = v.y;
+        __half* kc = a.k_cache + static_cast<int64_t>(p) * kv_dim + kvh * kFewHd + 2 * tid;
+        __half* vc = a.v_cache + static_cast<int64_t>(p) * kv_dim + kvh * kFewHd + 2 * tid;
+        kc[0] = detail::kv_store(k.x * cs.x - k.y * cs.y);
+        kc[1] = detail::kv_store(k.x * cs.y + k.y * cs.x);
+        vc[0] = detail::kv_store(v.x);
+        vc[1] = detail::kv_store(v.y);
       }
     }
     detail::cp_async_wait_all();
@@ -476,8 +481,8 @@ __global__ void __launch_bounds__(kFewAttnThreads) attention_prompt_few_kernel(c
         if (r >= rows || r < pos0) continue;
         const float2 f = rope0[k];
         const float x = sm.k[r][2 * c], y = sm.k[r][2 * c + 1];
-        sm.k[r][2 * c] = x * f.x - y * f.y;
-        sm.k[r][2 * c + 1] = x * f.y + y * f.x;
+        sm.k[r][2 * c] = detail::kv_round(x * f.x - y * f.y);
+        sm.k[r][2 * c + 1] = detail::kv_round(x * f.y + y * f.x);
       }
     } else {
       for (int i = tid; i < rows * (kFewHd / 2); i += kFewAttnThreads) {
@@ -485,8 +490,8 @@ __global__ void __launch_bounds__(kFewAttnThreads) attention_prompt_few_kernel(c
         if (j < pos0) continue;
         const float2 f = a.rope_table[static_cast<int64_t>(j) * (kFewHd / 2) + c];
         const float x = sm.k[r][2 * c], y = sm.k[r][2 * c + 1];
-        sm.k[r][2 * c] = x * f.x - y * f.y;
-        sm.k[r][2 * c + 1] = x * f.y + y * f.x;
+        sm.k[r][2 * c] = detail::kv_round(x * f.x - y * f.y);
+        sm.k[r][2 * c + 1] = detail::kv_round(x * f.y + y * f.x);
       }
     }
     __syncthreads();

@@ -270,6 +270,66 @@ bool is_poison(float f) {
   return b == 0xffffffffu;
 }
 
+// The K/V cache holds fp16 (kernels.cuh, kv_store: round to nearest even). Host views of it: to_halves / to_floats
+// convert (a poisoned half, 0xffff, becomes a poisoned float, so is_poison still finds unwritten cache entries),
+// random_cache draws values a cache can hold, and DevCache is a device cache buffer filled from and read back as
+// floats.
+float kv_round_host(float f) { return __half2float(__float2half_rn(f)); }
+std::vector<__half> to_halves(const std::vector<float>& f) {
+  std::vector<__half> h(f.size());
+  for (size_t i = 0; i < f.size(); ++i) h[i] = __float2half_rn(f[i]);
+  return h;
+}
+std::vector<float> to_floats(const std::vector<__half>& h) {
+  std::vector<float> f(h.size());
+  for (size_t i = 0; i < h.size(); ++i) {
+    uint16_t bits;
+    std::memcpy(&bits, &h[i], 2);
+    if (bits == 0xffffu) {
+      const uint32_t poison = 0xffffffffu;
+      std::memcpy(&f[i], &poison, 4);
+    } else {
+      f[i] = __half2float(h[i]);
+    }
+  }
+  return f;
+}
+std::vector<float> random_cache(size_t n, float a = -1.f, float b = 1.f) {
+  std::vector<float> v = random_vec(n, a, b);
+  for (float& x : v) x = kv_round_host(x);
+  return v;
+}
+struct DevCache : DevBuf<__half> {
+  explicit DevCache(size_t count) : DevBuf<__half>(count) {}
+  explicit DevCache(const std::vector<float>& f) : DevBuf<__half>(to_halves(f)) {}
+  std::vector<float> download_floats() const { return to_floats(download()); }
+};
+// Largest difference of cache values (fp16) from their fp32 references beyond the rounding to fp16 itself (half an
+// ulp: |want| * 2^-11, at least 2^-25 in the subnormal range): what is left is the computation's own error.
+double max_kv_diff(const std::vector<float>& got, const std::vector<float>& want) {
+  double m = 0;
+  for (size_t i = 0; i < want.size(); ++i) {
+    const double w = want[i], slack = std::max(std::fabs(w) * 0x1p-11, 0x1p-25);
+    const double e = std::fabs(static_cast<double>(got[i]) - w);
+    if (std::isnan(e)) return INFINITY;
+    m = std::max(m, e - slack);
+  }
+  return m;
+}
+
+// The same for two cache values each rounded from nearly equal floats (two kernels' rows): one fp16 ulp apart at most
+// (|a| * 2^-10) where their floats straddle a rounding boundary.
+double max_kv_pair_diff(const std::vector<float>& a, const std::vector<float>& b) {
+  double m = 0;
+  for (size_t i = 0; i < a.size(); ++i) {
+    const double slack = std::max(std::max(std::fabs(double(a[i])), std::fabs(double(b[i]))) * 0x1p-10, 0x1p-24);
+    const double e = std::fabs(static_cast<double>(a[i]) - b[i]);
+    if (std::isnan(e)) return INFINITY;
+    m = std::max(m, e - slack);
+  }
+  return m;
+}
+
 // The RoPE angle table the backend uploads: [n_ctx][head_dim/2] (cos, sin), rope base 100000 as in SmolLM2.
 std::vector<float2> rope_table(int n_ctx, int hd) {
   std::vector<float2> table(static_cast<size_t>(n_ctx) * hd / 2);
@@ -282,7 +342,8 @@ std::vector<float2> rope_table(int n_ctx, int hd) {
 }
 
 // Checks RoPE + KV append of n QKV rows at positions pos0..: q rotated into gq, k rotated into row pos0 + t of gk,
-// v copied into row pos0 + t of gv, and no other cache row written (both caches start poisoned).
+// v copied into row pos0 + t of gv (the caches as floats, to_floats), and no other cache row written (both caches
+// start poisoned).
 void expect_rope_append(const std::vector<float>& qkv, int n, int pos0, int n_heads, int n_kv, int hd,
                         const std::vector<float>& gq, const std::vector<float>& gk, const std::vector<float>& gv,
                         double tol, const char* what) {
@@ -294,10 +355,9 @@ void expect_rope_append(const std::vector<float>& qkv, int n, int pos0, int n_he
     ref::rope(q.data(), n_heads, hd, pos0 + t, 100000.f);
     ref::rope(k.data(), n_kv, hd, pos0 + t, 100000.f);
     for (int i = 0; i < q_dim; ++i) err = std::max(err, std::fabs(static_cast<double>(gq[t * q_dim + i]) - q[i]));
-    for (int i = 0; i < kv_dim; ++i) {
-      err = std::max(err, std::fabs(static_cast<double>(gk[(pos0 + t) * kv_dim + i]) - k[i]));
-      err = std::max(err, std::fabs(static_cast<double>(gv[(pos0 + t) * kv_dim + i]) - qkv[t * rows + q_dim + kv_dim + i]));
-    }
+    const std::vector<float> v(qkv.begin() + t * rows + q_dim + kv_dim, qkv.begin() + t * rows + q_dim + 2 * kv_dim);
+    err = std::max(err, max_kv_diff(std::vector<float>(gk.begin() + (pos0 + t) * kv_dim, gk.begin() + (pos0 + t + 1) * kv_dim), k));
+    err = std::max(err, max_kv_diff(std::vector<float>(gv.begin() + (pos0 + t) * kv_dim, gv.begin() + (pos0 + t + 1) * kv_dim), v));
   }
   EXPECT_LE(err, tol) << what;
   size_t written_k = 0, written_v = 0;
@@ -323,7 +383,7 @@ const Shape kShapes[] = {{960, 576}, {576, 576}, {3072, 576}, {576, 1536}, {4915
 
 // The fused QKV kernel's targets: q into q, k and v rows of position io->pos into the caches k, v ([n_ctx][kv_dim]).
 QkvTargets qkv_targets(const DevBuf<float2>& rope_table, const DevBuf<DecodeIO>& io, int q_dim, int kv_dim,
-                       int head_dim, DevBuf<float>& q, DevBuf<float>& k, DevBuf<float>& v) {
+                       int head_dim, DevBuf<float>& q, DevBuf<__half>& k, DevBuf<__half>& v) {
   return metalattn::cuda::qkv_targets(rope_table.p, io.p, q_dim, kv_dim, head_dim, q.p, k.p, v.p);
 }
 
@@ -383,7 +443,8 @@ std::unique_ptr<TestModel> make_model(int n_layers, int vocab, int n_ctx, GgmlTy
   return m;
 }
 
-// The model composed from the unfused scalar reference ops, float activations, with its own KV cache.
+// The model composed from the unfused scalar reference ops, float activations, with its own KV cache (fp16 values,
+// as the backends hold them).
 struct RefForward {
   const TestModel& m;
   std::vector<float> kc, vc;
@@ -408,6 +469,10 @@ struct RefForward {
       ref::matvec(L.wv, h.data(), vl + static_cast<size_t>(pos) * kv, 0, kv);
       ref::rope(q.data(), s.n_heads, s.head_dim, pos, s.rope_base);
       ref::rope(kl + static_cast<size_t>(pos) * kv, s.n_kv_heads, s.head_dim, pos, s.rope_base);
+      for (int i = 0; i < kv; ++i) {  // the cache holds fp16
+        kl[static_cast<size_t>(pos) * kv + i] = kv_round_host(kl[static_cast<size_t>(pos) * kv + i]);
+        vl[static_cast<size_t>(pos) * kv + i] = kv_round_host(vl[static_cast<size_t>(pos) * kv + i]);
+      }
       ref::attention(q.data(), kl, vl, s.n_heads, s.n_kv_heads, s.head_dim, pos + 1, att.data());
       ref::matvec(L.wo, att.data(), o.data(), 0, d);
       for (int i = 0; i < d; ++i) x[i] += o[i];

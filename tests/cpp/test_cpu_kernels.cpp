@@ -14,6 +14,10 @@
 #include <thread>
 #include <vector>
 
+#if defined(METALATTN_X86)
+#include <immintrin.h>
+#endif
+
 #include "cpu/kernels.h"
 #include "cpu/reference.h"
 #include "cpu/thread_pool.h"
@@ -780,32 +784,101 @@ TEST(Dispatch, IsaEnvOverride) {
   EXPECT_EQ(selected_isa(), best_isa());
 }
 
+// ---------------------------------------------------------------- fp16 rounding of the K/V cache
+
+#if defined(METALATTN_X86)
+// F16C's conversion of 4 floats, round to nearest even whatever MXCSR says.
+__attribute__((target("f16c"))) void hardware_fp16(const float* x, uint16_t* out) {
+  const __m128i h = _mm_cvtps_ph(_mm_loadu_ps(x), _MM_FROUND_TO_NEAREST_INT);
+  std::memcpy(out, &h, 8);
+}
+#endif
+
+// float_to_fp16_rne (quant.h: the CPU backend's K/V appends) against F16C bit for bit, NaNs included (F16C keeps a
+// NaN's sign and top mantissa bits and sets the quiet bit; the CUDA backend's __float2half_rn gives a NaN too): the
+// special values, every half and every midpoint between neighbouring halves with the floats either side of it (all
+// the rounding boundaries, subnormal and overflow ones included), and 4 million random bit patterns.
+TEST(Fp16Rounding, BitIdenticalToF16c) {
+#if defined(METALATTN_X86)
+  __builtin_cpu_init();
+  if (!__builtin_cpu_supports("f16c")) GTEST_SKIP() << "no F16C here";
+  auto bits = [](uint32_t b) { return __builtin_bit_cast(float, b); };
+  std::vector<float> xs = {0.f, -0.f, INFINITY, -INFINITY, std::nanf(""), -std::nanf(""), bits(0x7f800001u),
+                           bits(0xff800001u), bits(0x7fbfffffu), bits(0x7fc00001u), bits(0x7fffe000u),
+                           bits(0x7fffffffu),
+                           65504.f, -65504.f, 65505.f, 65519.f, std::nextafter(65520.f, 0.f), 65520.f, -65520.f,
+                           std::nextafter(65520.f, INFINITY), 65536.f, 1e10f, 3.4028235e38f, -3.4028235e38f,
+                           std::ldexp(1.f, -14), std::nextafter(std::ldexp(1.f, -14), 0.f),
+                           std::ldexp(1023.5f, -24), std::ldexp(1022.5f, -24),  // the largest subnormal's ties
+                           std::ldexp(1.f, -24), std::ldexp(1.f, -25), std::nextafter(std::ldexp(1.f, -25), 1.f),
+                           std::nextafter(std::ldexp(1.f, -25), 0.f), std::ldexp(1.5f, -24), std::ldexp(2.5f, -24),
+                           -std::ldexp(1.5f, -24), 1.f + std::ldexp(1.f, -11), 1.f + std::ldexp(3.f, -11), 2049.f,
+                           2051.f, -2049.f, 1.17549435e-38f, 1e-45f, -1e-45f, 0.1f, -0.333333f, 3.14159265f};
+  for (uint32_t h = 0; h < 0x10000u; ++h) {
+    const float a = fp16_to_float(static_cast<uint16_t>(h));
+    if (std::isnan(a)) continue;
+    xs.push_back(a);
+    if ((h & 0x7fffu) < 0x7c00u) {  // finite: the midpoint to the next half away from 0 (65520 after 65504)
+      const float b = (h & 0x7fffu) == 0x7bffu ? std::copysign(65536.f, a)
+                                                 : fp16_to_float(static_cast<uint16_t>(h + 1));
+      const float mid = a + (b - a) / 2;  // exact: a float has 13 more mantissa bits than a half
+      xs.insert(xs.end(), {mid, std::nextafter(mid, 0.f), std::nextafter(mid, 2 * b)});
+    }
+  }
+  std::mt19937 rng(11);
+  for (int i = 0; i < 4 << 20; ++i) xs.push_back(bits(static_cast<uint32_t>(rng())));
+  while (xs.size() % 4 != 0) xs.push_back(1.f);
+  uint16_t hw[4];
+  int mismatches = 0;
+  for (size_t i = 0; i < xs.size(); i += 4) {
+    hardware_fp16(&xs[i], hw);
+    for (int j = 0; j < 4; ++j) {
+      const uint16_t ours = float_to_fp16_rne(xs[i + j]);
+      if (ours != hw[j] && ++mismatches <= 10)
+        ADD_FAILURE() << std::hexfloat << xs[i + j] << " (bits 0x" << std::hex
+                      << __builtin_bit_cast(uint32_t, xs[i + j]) << "): ours 0x" << ours << ", F16C 0x" << hw[j];
+    }
+  }
+  EXPECT_EQ(mismatches, 0) << "of " << xs.size() << " values";
+  EXPECT_GT(xs.size(), (4u << 20) + 4 * 60000u);
+#else
+  GTEST_SKIP() << "not an x86 build";
+#endif
+}
+
 // ---------------------------------------------------------------- attention of a GQA group
 
-// One KV head's cache in the backend's layout: K transposed in blocks of 16 positions (k_t[p / 16][j][p % 16]), V
-// row-major (row stride head_dim); the rows as plain [n_pos][head_dim] matrices for the reference.
+// One KV head's cache in the backend's layout, fp16 (float_to_fp16_rne of random floats, as the backend appends
+// them): K transposed in blocks of 16 positions (k_t[p / 16][j][p % 16]), V row-major (row stride head_dim); and the
+// rounded values as plain float [n_pos][head_dim] matrices for the reference.
 struct HeadCache {
   int k_cap;
-  std::vector<float> k_rows, v_rows, k_t;
+  std::vector<float> k_rows, v_rows;
+  std::vector<uint16_t> k_t, v;
 };
 HeadCache random_head_cache(int n_pos, int head_dim, std::mt19937& rng) {
   std::uniform_real_distribution<float> u(-2.f, 2.f);
   HeadCache c;
   c.k_cap = (n_pos + 15) / 16 * 16 + 16;
   c.k_rows.resize(static_cast<size_t>(n_pos) * head_dim);
-  c.v_rows.resize(static_cast<size_t>(c.k_cap) * head_dim, kPoison);  // rows past n_pos must not be read
-  c.k_t.assign(static_cast<size_t>(c.k_cap) * head_dim, 0.f);  // (K past n_pos may be read, its scores unused)
+  c.v_rows.resize(static_cast<size_t>(n_pos) * head_dim);
+  c.v.assign(static_cast<size_t>(c.k_cap) * head_dim, 0x7fffu);  // a NaN: rows past n_pos must not be read
+  c.k_t.assign(static_cast<size_t>(c.k_cap) * head_dim, 0);      // (K past n_pos may be read, its scores unused)
   for (int p = 0; p < n_pos; ++p)
     for (int j = 0; j < head_dim; ++j) {
-      c.k_rows[static_cast<size_t>(p) * head_dim + j] = u(rng);
-      c.v_rows[static_cast<size_t>(p) * head_dim + j] = u(rng);
-      c.k_t[static_cast<size_t>(p / 16) * 16 * head_dim + 16 * j + p % 16] = c.k_rows[static_cast<size_t>(p) * head_dim + j];
+      const size_t i = static_cast<size_t>(p) * head_dim + j;
+      const uint16_t k = float_to_fp16_rne(u(rng)), v = float_to_fp16_rne(u(rng));
+      c.k_t[static_cast<size_t>(p / 16) * 16 * head_dim + 16 * j + p % 16] = k;
+      c.v[i] = v;
+      c.k_rows[i] = fp16_to_float(k);
+      c.v_rows[i] = fp16_to_float(v);
     }
   return c;
 }
 
 // Attention piece by piece (AttendFns on [k P, (k + 1) P), P = kAttentionPiece, folded with attention_fold and
-// divided with attention_finish, as the backend does) against the float reference over the visible positions, on every
+// divided with attention_finish, as the backend does) over an fp16 cache against the float reference over the visible
+// positions (the cache's values widened to float: the reading is exact, so the bound is the float one), on every
 // ISA, for group sizes 1-8, head_dim 64 / 128 / 256, with and without a sliding window; and a prompt tile's rows (T =
 // kQueryTile) bit for bit equal to the same rows decoded one at a time.
 TEST(Attention, PiecesFoldToTheReferenceAndTilesEqualSingleRows) {
@@ -841,7 +914,7 @@ TEST(Attention, PiecesFoldToTheReferenceAndTilesEqualSingleRows) {
                 const int n0 = n_pos0 + t0, lo = window > 0 ? std::max(0, n0 - window) : 0;
                 for (int k = lo / P; k <= (n0 + tile - 2) / P; ++k) {
                   (tile == 1 ? fns.one : fns.tile)(&q[static_cast<size_t>(t0) * row], row, c.k_t.data(), c.k_cap,
-                                                   c.v_rows.data(), head_dim, n0, window, k * P, (k + 1) * P, head_dim,
+                                                   c.v.data(), head_dim, n0, window, k * P, (k + 1) * P, head_dim,
                                                    scale, scores.data(), c.k_cap, o.data(), row, ml.data());
                   for (int r = 0; r < tile * group; ++r)
                     attention_fold(&run_o[static_cast<size_t>(r) * head_dim], &run_ml[2 * r],

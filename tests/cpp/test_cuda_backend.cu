@@ -19,12 +19,15 @@ TEST(CudaBackend, DecodeMatchesReferenceSmallModelWithHiddenStates) {
       be->forward_token(toks[p], p, logits.data());
     } else {
       be->forward_token_debug(toks[p], p, hidden.data(), logits.data());
-      EXPECT_LE(rel_l2(hidden, ref_hidden), 1e-4) << "residual stream after each layer";
+      // 2e-4 since the K/V cache is fp16 (was 1e-4 with fp32): where the device's fp32 k or v and the reference's
+      // differ in the last bit across a rounding boundary, the cached values differ by an fp16 ulp (2^-10). Measured
+      // on the H100 with the fp16 cache: 1.0e-4 here, 1.2e-4 in CudaQuant.BackendOnMixedTypeModelsMatchesReference.
+      EXPECT_LE(rel_l2(hidden, ref_hidden), 2e-4) << "residual stream after each layer";
     }
     expect_logits_close(logits, want, 1e-3, "decode logits");
   }
   const MemoryInfo mi = be->memory_info();
-  EXPECT_EQ(mi.kv_cache, 2ull * 4 * 256 * 192 * sizeof(float));
+  EXPECT_EQ(mi.kv_cache, 2ull * 4 * 256 * 192 * sizeof(__half)) << "K and V, fp16";
   EXPECT_GT(mi.weights, 0u);
   EXPECT_GT(mi.scratch, 0u);
 }
@@ -341,7 +344,7 @@ TEST(CudaBackend, GreedyFeedbackDebugModeAndGraphAgree) {
 // the reference forward at positions on both sides, and the graph backend is bit-identical to the debug (eager) one.
 TEST(CudaBackend, DecodeAcrossTheShortToLongAttentionSwitchOver) {
   REQUIRE_GPU();
-  const int sw = kAttnSinglePassMax, n = sw + 24;
+  const int sw = kShortAttnMaxPos, n = sw + 24;  // head_dim 64: the short kernel up to kShortAttnMaxPos
   auto m = make_model(3, 2048, n + 8, GgmlType::Q4_0, GgmlType::Q8_0);
   auto fast = make_cuda_backend(m->spec, m->w, false);
   auto dbg = make_cuda_backend(m->spec, m->w, true);
@@ -367,11 +370,12 @@ TEST(CudaBackend, DecodeMatchesReferenceForEachLayerTypeAndOddCapacity) {
   // METALATTN_TEST_QUICK=1 (for the slow race checker): Q4_0 only (the other types' decode kernels run under it in
   // CudaMatvec and CudaFused), across the same attention switch-over and odd capacity.
   const bool quick = quick_mode();
-  std::vector<Case> cases = {Case{GgmlType::Q4_0, 264}, Case{GgmlType::Q4_1, 264}, Case{GgmlType::Q8_0, 264},
+  const int across = kShortAttnMaxPos + 8;  // head_dim 64: the short kernel up to kShortAttnMaxPos, then the split one
+  std::vector<Case> cases = {Case{GgmlType::Q4_0, across}, Case{GgmlType::Q4_1, across}, Case{GgmlType::Q8_0, across},
                              Case{GgmlType::Q4_0, 41}};
-  if (quick) cases = {Case{GgmlType::Q4_0, 264}, Case{GgmlType::Q4_0, 41}};
+  if (quick) cases = {Case{GgmlType::Q4_0, across}, Case{GgmlType::Q4_0, 41}};
   for (const Case c : cases) {
-    const int limit = std::min(c.n_ctx, kAttnSinglePassMax), n = std::min(c.n_ctx, limit + 6);
+    const int limit = std::min(c.n_ctx, kShortAttnMaxPos), n = std::min(c.n_ctx, limit + 6);
     SCOPED_TRACE(std::string("layer type ") + type_name(c.t) + ", n_ctx " + std::to_string(c.n_ctx));
     auto m = make_model(3, 2048, c.n_ctx, c.t, GgmlType::Q8_0);
     auto graph = make_cuda_backend(m->spec, m->w, false);

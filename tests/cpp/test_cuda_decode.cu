@@ -93,8 +93,8 @@ TEST(CudaFused, NormQkvRopeAndCacheAppend) {
              wv = random_matrix(t, kv_dim, d, 0.04f);
         GpuMatrix g = to_gpu({&wq->view, &wk->view, &wv->view});
         const std::vector<float> x = random_vec(d, -3.f, 3.f), nw = random_vec(d, 0.5f, 1.5f);
-        DevBuf<float> dx(x), dnw(nw), dq(q_dim), dk(static_cast<size_t>(n_ctx) * kv_dim),
-            dv(static_cast<size_t>(n_ctx) * kv_dim);
+        DevBuf<float> dx(x), dnw(nw), dq(q_dim);
+        DevCache dk(static_cast<size_t>(n_ctx) * kv_dim), dv(static_cast<size_t>(n_ctx) * kv_dim);
         DevBuf<DecodeIO> io(std::vector<DecodeIO>{{5, pos}});
         dq.poison();
         dk.poison();
@@ -127,11 +127,11 @@ TEST(CudaFused, NormQkvRopeAndCacheAppend) {
           ref::rope(k.data(), n_kv, hd, pos, base);
         }
         EXPECT_LE(max_abs_diff(dq.download(), q), kTol) << "q";
-        const std::vector<float> kc = dk.download(), vc = dv.download();
+        const std::vector<float> kc = dk.download_floats(), vc = dv.download_floats();
         std::vector<float> krow(kc.begin() + pos * kv_dim, kc.begin() + (pos + 1) * kv_dim);
         std::vector<float> vrow(vc.begin() + pos * kv_dim, vc.begin() + (pos + 1) * kv_dim);
-        EXPECT_LE(max_abs_diff(krow, k), kTol) << "k cache row";
-        EXPECT_LE(max_abs_diff(vrow, v), kTol) << "v cache row";
+        EXPECT_LE(max_kv_diff(krow, k), kTol) << "k cache row";
+        EXPECT_LE(max_kv_diff(vrow, v), kTol) << "v cache row";
         size_t touched = 0;
         for (size_t i = 0; i < kc.size(); ++i) touched += !is_poison(kc[i]) + !is_poison(vc[i]);
         EXPECT_EQ(touched, 2u * kv_dim) << "only row pos of each cache is written";
@@ -165,9 +165,10 @@ TEST(CudaFused, DecodeAttentionSinglePassAndSplit) {
   for (const Shape sh : shapes) {
     const int n_heads = sh.n_heads, n_kv = sh.n_kv, hd = sh.hd, q_dim = n_heads * hd, kv_dim = n_kv * hd;
     const int n_ctx = sh.n_ctx, group = n_heads / n_kv;
-    const std::vector<float> kc = random_vec(static_cast<size_t>(n_ctx) * kv_dim, -2.f, 2.f);
-    const std::vector<float> vc = random_vec(static_cast<size_t>(n_ctx) * kv_dim);
-    DevBuf<float> dk(kc), dv(vc), out(q_dim);
+    const std::vector<float> kc = random_cache(static_cast<size_t>(n_ctx) * kv_dim, -2.f, 2.f);
+    const std::vector<float> vc = random_cache(static_cast<size_t>(n_ctx) * kv_dim);
+    DevCache dk(kc), dv(vc);
+    DevBuf<float> out(q_dim);
     DevBuf<unsigned> counters(std::vector<unsigned>(n_heads, 0u));
     for (int heads_per_block = 0; heads_per_block <= group; ++heads_per_block) {
       if (heads_per_block > 0 && group % heads_per_block != 0) continue;
@@ -200,14 +201,14 @@ TEST(CudaFused, DecodeAttentionSinglePassAndSplit) {
         }
       }
     }
-    EXPECT_THROW(launch_attention_decode(dk.p, dk.p, dv.p, nullptr, n_heads, n_kv, hd, n_ctx, AttnScratch{}, out.p,
+    EXPECT_THROW(launch_attention_decode(out.p, dk.p, dv.p, nullptr, n_heads, n_kv, hd, n_ctx, AttnScratch{}, out.p,
                                          nullptr, group + 1),
                  EngineError)
         << "heads per block must divide the group";
     if (group == 8) {
       AttnScratch one_split;
       one_split.max_splits = 1;
-      EXPECT_THROW(launch_attention_decode(dk.p, dk.p, dv.p, nullptr, n_heads, n_kv, hd, 8192, one_split, out.p,
+      EXPECT_THROW(launch_attention_decode(out.p, dk.p, dv.p, nullptr, n_heads, n_kv, hd, 8192, one_split, out.p,
                                            nullptr, group),
                    EngineError)
           << "8 heads' scores of one 8,192-position split do not fit in shared memory";
@@ -234,11 +235,12 @@ TEST(CudaFused, DecodeAttentionShortContextEveryPosition) {
   };
   const int hd = 64;
   for (const Shape sh : {Shape{9, 3}, Shape{4, 4}}) {
-    for (int cap : {kAttnSinglePassMax, 37}) {  // 37: a capacity that is not a multiple of 4
+    for (int cap : {kShortAttnMaxPos, 37}) {  // 37: a capacity that is not a multiple of 4
       const int q_dim = sh.n_heads * hd, kv_dim = sh.n_kv * hd;
-      const std::vector<float> kc = random_vec(static_cast<size_t>(cap) * kv_dim, -2.f, 2.f);
-      const std::vector<float> vc = random_vec(static_cast<size_t>(cap) * kv_dim);
-      DevBuf<float> dk(kc), dv(vc), out(q_dim);
+      const std::vector<float> kc = random_cache(static_cast<size_t>(cap) * kv_dim, -2.f, 2.f);
+      const std::vector<float> vc = random_cache(static_cast<size_t>(cap) * kv_dim);
+      DevCache dk(kc), dv(vc);
+      DevBuf<float> out(q_dim);
       for (int n_pos = 1; n_pos <= cap; ++n_pos) {
         SCOPED_TRACE("heads " + std::to_string(sh.n_heads) + "/" + std::to_string(sh.n_kv) + " capacity " +
                      std::to_string(cap) + " n_pos " + std::to_string(n_pos));
@@ -254,11 +256,13 @@ TEST(CudaFused, DecodeAttentionShortContextEveryPosition) {
     }
   }
   DevBuf<float> dummy(64);
-  EXPECT_THROW(launch_attention_decode_short(dummy.p, dummy.p, dummy.p, nullptr, 9, 3, 128, 256, dummy.p, nullptr),
+  DevCache dummy_cache(64);
+  EXPECT_THROW(launch_attention_decode_short(dummy.p, dummy_cache.p, dummy_cache.p, nullptr, 9, 3, 128, 256, dummy.p,
+                                             nullptr),
                EngineError)
       << "head_dim 64 only";
-  EXPECT_THROW(launch_attention_decode_short(dummy.p, dummy.p, dummy.p, nullptr, 9, 3, 64, kAttnSinglePassMax + 1,
-                                             dummy.p, nullptr),
+  EXPECT_THROW(launch_attention_decode_short(dummy.p, dummy_cache.p, dummy_cache.p, nullptr, 9, 3, 64,
+                                             kShortAttnMaxPos + 1, dummy.p, nullptr),
                EngineError)
       << "capacity beyond the single-pass range";
 }
@@ -279,9 +283,12 @@ TEST(CudaFused, EmbeddingFoldedIntoFirstQkv) {
     GpuMatrix ge = to_gpu({&emb->view}), g = to_gpu({&wq->view, &wk->view, &wv->view});
     const int token = std::uniform_int_distribution<int>(0, 999)(rng()), pos = 37;
     const std::vector<float> nw = random_vec(d, 0.5f, 1.5f);
-    DevBuf<float> dnw(nw), x(d), dq(q_dim), dk(static_cast<size_t>(n_ctx) * kv_dim), dv(static_cast<size_t>(n_ctx) * kv_dim);
-    DevBuf<float> x2(d), dq2(q_dim), dk2(dk.n), dv2(dv.n);
-    for (auto* b : {&x, &dq, &dk, &dv, &x2, &dq2, &dk2, &dv2}) b->poison();
+    DevBuf<float> dnw(nw), x(d), dq(q_dim);
+    DevCache dk(static_cast<size_t>(n_ctx) * kv_dim), dv(static_cast<size_t>(n_ctx) * kv_dim);
+    DevBuf<float> x2(d), dq2(q_dim);
+    DevCache dk2(dk.n), dv2(dv.n);
+    for (auto* b : {&x, &dq, &x2, &dq2}) b->poison();
+    for (auto* b : {&dk, &dv, &dk2, &dv2}) b->poison();
     DevBuf<DecodeIO> io(std::vector<DecodeIO>{{token, pos}});
     QkvTargets tg = qkv_targets(dtab, io, q_dim, kv_dim, hd, dq, dk, dv);
     launch_embed_norm_matvec_qkv(ge.m, x.p, g.m, dnw.p, kEps, tg, nullptr);
@@ -295,12 +302,13 @@ TEST(CudaFused, EmbeddingFoldedIntoFirstQkv) {
     ref::dequantize_row(et, emb->view.row(token), row.data(), d);
     EXPECT_EQ(x.download(), row) << "embedding row in x";
     EXPECT_LE(max_abs_diff(dq.download(), dq2.download()), kTol) << "q";
-    const std::vector<float> k1 = dk.download(), k2 = dk2.download(), v1 = dv.download(), v2 = dv2.download();
+    const std::vector<float> k1 = dk.download_floats(), k2 = dk2.download_floats(), v1 = dv.download_floats(),
+                             v2 = dv2.download_floats();
     auto row_at = [&](const std::vector<float>& c) {
       return std::vector<float>(c.begin() + pos * kv_dim, c.begin() + (pos + 1) * kv_dim);
     };
-    EXPECT_LE(max_abs_diff(row_at(k1), row_at(k2)), kTol) << "k cache row";
-    EXPECT_LE(max_abs_diff(row_at(v1), row_at(v2)), kTol) << "v cache row";
+    EXPECT_LE(max_kv_pair_diff(row_at(k1), row_at(k2)), kTol) << "k cache row";
+    EXPECT_LE(max_kv_pair_diff(row_at(v1), row_at(v2)), kTol) << "v cache row";
     size_t touched = 0;
     for (size_t i = 0; i < k1.size(); ++i) touched += !is_poison(k1[i]) + !is_poison(v1[i]);
     EXPECT_EQ(touched, 2u * kv_dim) << "only row pos of each cache is written";

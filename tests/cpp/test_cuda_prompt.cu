@@ -47,21 +47,22 @@ TEST(CudaPrefill, NormSiluAndRopeAppend) {
   const int pos0 = 100, rows = q_dim + 2 * kv_dim;
   DevBuf<float2> dtab(rope_table(n_ctx, hd));
   const std::vector<float> qkv = random_vec(static_cast<size_t>(n) * rows);
-  DevBuf<float> dqkv(qkv), dq(static_cast<size_t>(n) * q_dim), dk(static_cast<size_t>(n_ctx) * kv_dim), dv(static_cast<size_t>(n_ctx) * kv_dim);
+  DevBuf<float> dqkv(qkv), dq(static_cast<size_t>(n) * q_dim);
+  DevCache dk(static_cast<size_t>(n_ctx) * kv_dim), dv(static_cast<size_t>(n_ctx) * kv_dim);
   dq.poison();
   dk.poison();
   dv.poison();
   launch_rope_append(dqkv.p, n, pos0, dtab.p, q_dim, kv_dim, hd, dq.p, dk.p, dv.p, nullptr);
-  const std::vector<float> gq = dq.download(), gk = dk.download(), gv = dv.download();
+  const std::vector<float> gq = dq.download(), gk = dk.download_floats(), gv = dv.download_floats();
   expect_rope_append(qkv, n, pos0, n_heads, n_kv, hd, gq, gk, gv, kTol, "rope + append");
 }
 
 TEST(CudaPrefill, CausalAttentionOverPromptAndCache) {
   REQUIRE_GPU();
   const int n_heads = 9, n_kv = 3, hd = 64, q_dim = 576, kv_dim = 192, n_ctx = 1024;
-  const std::vector<float> kc = random_vec(static_cast<size_t>(n_ctx) * kv_dim, -2.f, 2.f);
-  const std::vector<float> vc = random_vec(static_cast<size_t>(n_ctx) * kv_dim);
-  DevBuf<float> dk(kc), dv(vc);
+  const std::vector<float> kc = random_cache(static_cast<size_t>(n_ctx) * kv_dim, -2.f, 2.f);
+  const std::vector<float> vc = random_cache(static_cast<size_t>(n_ctx) * kv_dim);
+  DevCache dk(kc), dv(vc);
   for (int n : {1, 7, 33, 129, 300}) {
     for (int pos0 : {0, 50}) {
       SCOPED_TRACE("n " + std::to_string(n) + " pos0 " + std::to_string(pos0));
@@ -96,9 +97,9 @@ TEST(CudaPrefill, AttentionWithDevicePositionTensorCoresAndFallback) {
   const int n_ctx = 2048;
   for (const Shape sh : {Shape{9, 3, 64}, Shape{4, 2, 128}, Shape{6, 1, 32}}) {
     const int q_dim = sh.n_heads * sh.hd, kv_dim = sh.n_kv * sh.hd;
-    const std::vector<float> kc = random_vec(static_cast<size_t>(n_ctx) * kv_dim, -2.f, 2.f);
-    const std::vector<float> vc = random_vec(static_cast<size_t>(n_ctx) * kv_dim);
-    DevBuf<float> dk(kc), dv(vc);
+    const std::vector<float> kc = random_cache(static_cast<size_t>(n_ctx) * kv_dim, -2.f, 2.f);
+    const std::vector<float> vc = random_cache(static_cast<size_t>(n_ctx) * kv_dim);
+    DevCache dk(kc), dv(vc);
     for (const auto [n, pos0] : {std::pair<int, int>{520, 0}, {97, 1900}, {16, 1000}, {65, 63}}) {
       SCOPED_TRACE("head_dim " + std::to_string(sh.hd) + " n " + std::to_string(n) + " pos0 " + std::to_string(pos0));
       const std::vector<float> q = random_vec(static_cast<size_t>(n) * q_dim, -1.5f, 1.5f);
@@ -138,10 +139,10 @@ TEST(CudaPrefill, RopeAppendAttentionFromQkvRows) {
     for (const auto [n, pos0] : {std::pair<int, int>{300, 0}, {70, 600}, {1, 5}, {129, 64}}) {
       SCOPED_TRACE("head_dim " + std::to_string(sh.hd) + " n " + std::to_string(n) + " pos0 " + std::to_string(pos0));
       // Host cache: random rows before pos0, NaN from pos0 on (the device copy is the same).
-      std::vector<float> kc = random_vec(static_cast<size_t>(n_ctx) * kv_dim, -2.f, 2.f), vc = random_vec(kc.size());
+      std::vector<float> kc = random_cache(static_cast<size_t>(n_ctx) * kv_dim, -2.f, 2.f), vc = random_cache(kc.size());
       std::fill(kc.begin() + static_cast<size_t>(pos0) * kv_dim, kc.end(), std::numeric_limits<float>::quiet_NaN());
       std::fill(vc.begin() + static_cast<size_t>(pos0) * kv_dim, vc.end(), std::numeric_limits<float>::quiet_NaN());
-      DevBuf<float> dk(kc), dv(vc);
+      DevCache dk(kc), dv(vc);
       const std::vector<float> qkv = random_vec(static_cast<size_t>(n) * rows, -1.5f, 1.5f);
       DevBuf<float> dqkv(qkv), dqs(static_cast<size_t>(n) * q_dim);
       DevBuf<int32_t> dpos(std::vector<int32_t>{pos0});
@@ -160,7 +161,7 @@ TEST(CudaPrefill, RopeAppendAttentionFromQkvRows) {
         ref::rope(kdst, sh.n_kv, sh.hd, pos0 + t, 100000.f);
         std::copy(row + q_dim + kv_dim, row + rows, vc.data() + static_cast<size_t>(pos0 + t) * kv_dim);
       }
-      const std::vector<float> gk = dk.download(), gv = dv.download();
+      const std::vector<float> gk = dk.download_floats(), gv = dv.download_floats();
       double cache_err = 0;
       size_t cache_mismatch = 0;
       for (size_t i = 0; i < gk.size(); ++i) {
@@ -168,10 +169,14 @@ TEST(CudaPrefill, RopeAppendAttentionFromQkvRows) {
           cache_mismatch += std::isnan(kc[i]) != std::isnan(gk[i]) || std::isnan(vc[i]) != std::isnan(gv[i]);
           continue;
         }
-        cache_err = std::max({cache_err, std::fabs(static_cast<double>(gk[i]) - kc[i]), std::fabs(static_cast<double>(gv[i]) - vc[i])});
+        cache_err = std::max({cache_err, max_kv_diff({gk[i]}, {kc[i]}), max_kv_diff({gv[i]}, {vc[i]})});
       }
       EXPECT_EQ(cache_mismatch, 0u) << "cache rows written outside pos0..pos0+n-1, or missing";
       EXPECT_LE(cache_err, kTol) << "appended K/V rows";
+      // The attention reads the cache as written (fp16, checked just above): the reference takes the same rows, so
+      // a last-bit difference in a row's fp32 value before its rounding cannot move the outputs by a half ulp.
+      kc = gk;
+      vc = gv;
       const SlotRows o{out.download(), q_dim};
       EXPECT_EQ(o.bad_splits(n), 0) << "hi is the fp16 rounding";
       double err = 0;
@@ -194,14 +199,14 @@ TEST(CudaPrefill, RopeAppendWithDevicePosition) {
   const int rows = q_dim + 2 * kv_dim;
   DevBuf<float2> dtab(rope_table(n_ctx, hd));
   const std::vector<float> qkv = random_vec(static_cast<size_t>(n) * rows);
-  DevBuf<float> dqkv(qkv), dq(static_cast<size_t>(n) * q_dim), dk(static_cast<size_t>(n_ctx) * kv_dim),
-      dv(static_cast<size_t>(n_ctx) * kv_dim);
+  DevBuf<float> dqkv(qkv), dq(static_cast<size_t>(n) * q_dim);
+  DevCache dk(static_cast<size_t>(n_ctx) * kv_dim), dv(static_cast<size_t>(n_ctx) * kv_dim);
   DevBuf<int32_t> dpos(std::vector<int32_t>{pos0});
   dq.poison();
   dk.poison();
   dv.poison();
   launch_rope_append_at(dqkv.p, n, dpos.p, dtab.p, q_dim, kv_dim, hd, dq.p, dk.p, dv.p, nullptr);
-  const std::vector<float> gq = dq.download(), gk = dk.download(), gv = dv.download();
+  const std::vector<float> gq = dq.download(), gk = dk.download_floats(), gv = dv.download_floats();
   expect_rope_append(qkv, n, pos0, n_heads, n_kv, hd, gq, gk, gv, kTol, "rope + append at a device-side position");
 }
 
@@ -313,13 +318,15 @@ TEST(CudaPrompt, FewTokenAttentionMatchesReference) {
                      " tokens at " + std::to_string(pos0));
         const std::vector<float> qkv = random_vec(static_cast<size_t>(n) * rows);
         std::vector<float> kc(static_cast<size_t>(n_ctx) * kv_dim), vc(kc.size());
-        const std::vector<float> old_k = random_vec(static_cast<size_t>(pos0) * kv_dim), old_v = random_vec(old_k.size());
-        DevBuf<float> dqkv(qkv), dk(kc.size()), dv(vc.size());
+        const std::vector<float> old_k = random_cache(static_cast<size_t>(pos0) * kv_dim),
+                                 old_v = random_cache(old_k.size());
+        DevBuf<float> dqkv(qkv);
+        DevCache dk(kc.size()), dv(vc.size());
         dk.poison();
         dv.poison();
         if (pos0 > 0) {
-          CUDA_CHECK(cudaMemcpy(dk.p, old_k.data(), old_k.size() * 4, cudaMemcpyHostToDevice));
-          CUDA_CHECK(cudaMemcpy(dv.p, old_v.data(), old_v.size() * 4, cudaMemcpyHostToDevice));
+          CUDA_CHECK(cudaMemcpy(dk.p, to_halves(old_k).data(), old_k.size() * 2, cudaMemcpyHostToDevice));
+          CUDA_CHECK(cudaMemcpy(dv.p, to_halves(old_v).data(), old_v.size() * 2, cudaMemcpyHostToDevice));
         }
         DevBuf<int32_t> dpos(std::vector<int32_t>{pos0});
         DevBuf<__half> out(static_cast<size_t>(n) * 2 * q_dim);
@@ -342,27 +349,33 @@ TEST(CudaPrompt, FewTokenAttentionMatchesReference) {
                                         nullptr);
         }
         const SlotRows got{out.download(), q_dim};
-        const std::vector<float> gk = dk.download(), gv = dv.download();
-        // Reference: the same cache, each token roped and appended, then attention over 0..pos0 + t.
+        const std::vector<float> gk = dk.download_floats(), gv = dv.download_floats();
+        // Reference: the same cache, each token roped and appended; the appended rows checked against the device's
+        // (within their fp16 rounding), then attention over 0..pos0 + t of the device's rows (what the kernel read:
+        // a last-bit difference before the rounding cannot move the outputs by a half ulp).
         std::copy(old_k.begin(), old_k.end(), kc.begin());
         std::copy(old_v.begin(), old_v.end(), vc.begin());
-        double err = 0, cache_err = 0;
+        std::vector<std::vector<float>> qs(n);
         for (int t = 0; t < n; ++t) {
           const int p = pos0 + t;
-          std::vector<float> q(qkv.begin() + t * rows, qkv.begin() + t * rows + q_dim), o(q_dim);
+          qs[t].assign(qkv.begin() + t * rows, qkv.begin() + t * rows + q_dim);
           std::copy(qkv.begin() + t * rows + q_dim, qkv.begin() + t * rows + q_dim + kv_dim, kc.begin() + p * kv_dim);
           std::copy(qkv.begin() + t * rows + q_dim + kv_dim, qkv.begin() + (t + 1) * rows, vc.begin() + p * kv_dim);
-          ref::rope(q.data(), n_heads, hd, p, 100000.f);
+          ref::rope(qs[t].data(), n_heads, hd, p, 100000.f);
           ref::rope(kc.data() + p * kv_dim, n_kv, hd, p, 100000.f);
-          ref::attention(q.data(), kc.data(), vc.data(), n_heads, n_kv, hd, p + 1, o.data());
+        }
+        const size_t written = static_cast<size_t>(pos0 + n) * kv_dim;
+        const double cache_err =
+            std::max(max_kv_diff(std::vector<float>(gk.begin(), gk.begin() + written), std::vector<float>(kc.begin(), kc.begin() + written)),
+                     max_kv_diff(std::vector<float>(gv.begin(), gv.begin() + written), std::vector<float>(vc.begin(), vc.begin() + written)));
+        double err = 0;
+        for (int t = 0; t < n; ++t) {
+          std::vector<float> o(q_dim);
+          ref::attention(qs[t].data(), gk.data(), gv.data(), n_heads, n_kv, hd, pos0 + t + 1, o.data());
           for (int j = 0; j < q_dim; ++j) {
             const double e = std::fabs(got.value(t, j) - o[j]);
             err = std::isnan(e) ? INFINITY : std::max(err, e);
           }
-        }
-        for (size_t i = 0; i < static_cast<size_t>(pos0 + n) * kv_dim; ++i) {
-          const double e = std::max(std::fabs(static_cast<double>(gk[i]) - kc[i]), std::fabs(static_cast<double>(gv[i]) - vc[i]));
-          cache_err = std::isnan(e) ? INFINITY : std::max(cache_err, e);
         }
         EXPECT_LE(err, kTol) << "attention output";
         EXPECT_LE(cache_err, kTol) << "cache rows 0 .. pos0 + n";

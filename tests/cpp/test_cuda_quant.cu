@@ -272,9 +272,12 @@ TEST(CudaQuant, FusedQkvFfnAndLmHeadAtRealShapes) {
       SCOPED_TRACE(embed ? "embedding folded in" : "x given");
       std::vector<float> x = x_in;
       if (embed) ref::dequantize_row(c.embd, emb->view.row(token), x.data(), c.d);
-      DevBuf<float> dx(x_in), dnw(nw), dq(q_dim), dk(static_cast<size_t>(n_ctx) * kv_dim), dv(dk.n);
+      DevBuf<float> dx(x_in), dnw(nw), dq(q_dim);
+      DevCache dk(static_cast<size_t>(n_ctx) * kv_dim), dv(dk.n);
       DevBuf<DecodeIO> io(std::vector<DecodeIO>{{token, pos}});
-      for (auto* b : {&dq, &dk, &dv}) b->poison();
+      dq.poison();
+      dk.poison();
+      dv.poison();
       if (embed) dx.poison();
       QkvTargets tg = qkv_targets(dtab, io, q_dim, kv_dim, hd, dq, dk, dv);
       if (embed) launch_embed_norm_matvec_qkv(ge.m, dx.p, g.m, dnw.p, kEps, tg, nullptr);
@@ -285,10 +288,10 @@ TEST(CudaQuant, FusedQkvFfnAndLmHeadAtRealShapes) {
       ref::rope(q.data(), c.n_heads, hd, pos, base);
       ref::rope(k.data(), c.n_kv, hd, pos, base);
       EXPECT_LE(max_abs_diff(dq.download(), q), kTol) << "q";
-      const std::vector<float> kc = dk.download(), vc = dv.download();
-      EXPECT_LE(max_abs_diff(std::vector<float>(kc.begin() + pos * kv_dim, kc.begin() + (pos + 1) * kv_dim), k), kTol)
+      const std::vector<float> kc = dk.download_floats(), vc = dv.download_floats();
+      EXPECT_LE(max_kv_diff(std::vector<float>(kc.begin() + pos * kv_dim, kc.begin() + (pos + 1) * kv_dim), k), kTol)
           << "k cache row";
-      EXPECT_LE(max_abs_diff(std::vector<float>(vc.begin() + pos * kv_dim, vc.begin() + (pos + 1) * kv_dim), v), kTol)
+      EXPECT_LE(max_kv_diff(std::vector<float>(vc.begin() + pos * kv_dim, vc.begin() + (pos + 1) * kv_dim), v), kTol)
           << "v cache row";
       size_t touched = 0;
       for (size_t i = 0; i < kc.size(); ++i) touched += !is_poison(kc[i]) + !is_poison(vc[i]);
@@ -675,7 +678,8 @@ TEST(CudaQuant, BackendOnMixedTypeModelsMatchesReference) {
       if (p % 9 == 0) {
         std::vector<float> logits(V, NAN), hidden((m->spec.n_layers + 1) * m->spec.d_model, NAN);
         dbg->forward_token_debug(toks[p], p, hidden.data(), logits.data());
-        EXPECT_LE(rel_l2(hidden, ref_hidden), 1e-4) << "residual stream after each layer (debug launches)";
+        // 2e-4 with the fp16 K/V cache (was 1e-4): see CudaBackend.DecodeMatchesReferenceSmallModelWithHiddenStates.
+        EXPECT_LE(rel_l2(hidden, ref_hidden), 2e-4) << "residual stream after each layer (debug launches)";
         expect_logits_close(logits, want, 1e-3, "debug decode logits vs reference");
       } else {
         dbg->forward_token_greedy(toks[p], p);

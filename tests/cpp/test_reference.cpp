@@ -33,6 +33,31 @@ TEST(Reference, Fp16Conversion) {
   EXPECT_EQ(bf16_to_float(0x3f80), 1.0f);
 }
 
+// float_to_fp16_rne (the K/V caches' rounding; tested bit for bit against F16C in test_cpu_kernels) from first
+// principles: every half's value comes back as itself, ties go to the even neighbour, overflow to inf.
+TEST(Reference, Fp16RoundingToNearestEven) {
+  for (uint32_t h = 0; h < 0x10000u; ++h) {
+    const float f = fp16_to_float(static_cast<uint16_t>(h));
+    if (std::isnan(f)) {
+      EXPECT_TRUE(std::isnan(fp16_to_float(float_to_fp16_rne(f)))) << h;
+    } else {
+      ASSERT_EQ(float_to_fp16_rne(f), h) << f;
+    }
+  }
+  EXPECT_EQ(float_to_fp16_rne(1.f + std::ldexp(1.f, -11)), 0x3c00);       // tie: to 1 (even)
+  EXPECT_EQ(float_to_fp16_rne(1.f + std::ldexp(3.f, -11)), 0x3c02);       // tie: to the even 1 + 2^-9
+  EXPECT_EQ(float_to_fp16_rne(std::nextafter(1.f + std::ldexp(1.f, -11), 2.f)), 0x3c01);
+  EXPECT_EQ(float_to_fp16_rne(65519.f), 0x7bff);
+  EXPECT_EQ(float_to_fp16_rne(65520.f), 0x7c00);                          // tie past 65504: inf
+  EXPECT_EQ(float_to_fp16_rne(-1e30f), 0xfc00);
+  EXPECT_EQ(float_to_fp16_rne(std::ldexp(1.f, -25)), 0x0000);              // tie: to 0
+  EXPECT_EQ(float_to_fp16_rne(std::ldexp(3.f, -25)), 0x0002);              // 1.5 x 2^-24: to 2 x 2^-24
+  EXPECT_EQ(float_to_fp16_rne(std::ldexp(2047.f, -25)), 0x0400);           // the largest subnormal's tie: 2^-14
+  EXPECT_EQ(float_to_fp16_rne(-std::ldexp(1.f, -30)), 0x8000);
+  EXPECT_EQ(float_to_fp16_rne(1e-45f), 0x0000);                           // a float subnormal
+  EXPECT_TRUE(std::isnan(fp16_to_float(float_to_fp16_rne(std::nanf("")))));
+}
+
 TEST(Reference, DequantizeQ4LayoutLowNibblesFirst) {
   block_q4_0 b0{};
   block_q4_1 b1{};

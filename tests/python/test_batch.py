@@ -240,14 +240,14 @@ def test_serve_default_slots_fit_the_cuda_cache_budget(synthetic_factory, monkey
 
     from metalattn import cli, model as model_mod
 
-    path = str(synthetic_factory(quant="q8_0", seed=17))  # 2 layers, kv_dim 32: 512 bytes a position
+    path = str(synthetic_factory(quant="q8_0", seed=17))  # 2 layers, kv_dim 32, fp16 K and V: 256 bytes a position
     args = argparse.Namespace(device="cpu", model=path, n_ctx=None)
     assert cli._default_parallel(args) == cli.DEFAULT_PARALLEL_CPU
     monkeypatch.setattr(model_mod, "_resolve_device", lambda d: "cuda")
     assert cli._default_parallel(argparse.Namespace(device="cuda", model=path, n_ctx=None)) == 8
-    big = (3 << 30) // 512  # 3 GiB a slot: one fits
+    big = (3 << 30) // 256  # 3 GiB a slot: one fits
     assert cli._default_parallel(argparse.Namespace(device="cuda", model=path, n_ctx=big)) == 1
-    half = (1 << 30) // 512  # 1 GiB a slot: four fit
+    half = (1 << 30) // 256  # 1 GiB a slot: four fit
     assert cli._default_parallel(argparse.Namespace(device="cuda", model=path, n_ctx=half)) == 4
     assert cli._default_parallel(argparse.Namespace(device="cuda", model=path + ".missing", n_ctx=None)) == 1
 

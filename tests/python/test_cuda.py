@@ -62,7 +62,10 @@ def test_debug_hidden_states_match_cpu(smollm2_shaped, pair):
     hg, lg = dbg.forward_token_debug(17)
     hc, lc = cpu.forward_token_debug(17)
     for layer in range(hc.shape[0]):
-        assert rel_l2(hg[layer], hc[layer]) <= 1e-4, f"hidden state after layer {layer - 1}"
+        # 2e-4 since the K/V cache is fp16 on both backends (was 1e-4): where the two backends' fp32 k or v differ in
+        # the last bit across a rounding boundary, the cached values differ by an fp16 ulp. Measured 1.01e-4 (H100).
+        err = rel_l2(hg[layer], hc[layer])
+        assert err <= 2e-4, f"hidden state after layer {layer - 1}: rel L2 {err:.2e}"
     assert rel_l2(lg, lc) <= REL_L2
 
 
@@ -106,7 +109,7 @@ def test_errors(pair):
     with pytest.raises(metalattn.ContextOverflowError):
         gpu.forward_prompt([1] * 2049)
     with pytest.raises(metalattn.DeviceError, match="memory"):
-        metalattn.load(gpu.path, device="cuda", n_ctx=2_000_000)  # ~92 GB of float KV cache: more than the GPU
+        metalattn.load(gpu.path, device="cuda", n_ctx=8_000_000)  # ~184 GB of fp16 KV cache: more than the GPU
 
 
 # ---------------------------------------------------------------- every architecture on the CUDA general path

@@ -13,6 +13,12 @@ SCALAR_REL_L2 = 1e-3
 # The SIMD paths quantize activations to int16 per 32-block (relative step 1/32767 of the block's largest
 # element) and must meet the same bound; the real-model test below measured ~1e-4 median, 6e-4 max.
 SIMD_REL_L2 = 1e-3
+# The real model on the SIMD paths, since the K/V cache is fp16 (2026-11-25; was SIMD_REL_L2, measured 6e-4 max with
+# the fp32 cache): the int16 activations put the engine's float32 K/V ~1e-4 (relative) off the float64 reference's,
+# so ~15% of them round to the neighbouring fp16 value, and SmolLM2's logits move by up to ~1e-3 from such flips
+# (measured max 1.25e-3 on AVX2 and AVX-512, 6.4e-4 on the scalar path, which keeps SCALAR_REL_L2; top-1 agreement
+# 100%, perplexity 21.7344 -> 21.7338). The synthetic models keep SIMD_REL_L2.
+REAL_SIMD_REL_L2 = 2e-3
 
 QUANTS = ["q4_0", "q4_1", "q8_0", "f16", "f32", "bf16"]
 
@@ -100,6 +106,14 @@ def test_decode_attention_pieces_equal_on_any_thread_count_and_match_reference(s
     assert np.array_equal(logits[2], logits[1])
     ref = reference_forward(model.gguf, tokens)[-1]
     assert rel_l2(logits[2], ref) <= (SCALAR_REL_L2 if isa == "scalar" else SIMD_REL_L2)
+
+
+def test_cpu_kv_cache_is_fp16(synthetic_factory):
+    # K and V: 2 bytes a value, n_seq slots x n_layers x n_ctx (rounded up to 16) positions x kv_dim.
+    path = synthetic_factory(quant="q8_0", seed=6)
+    model = metalattn.load(path, device="cpu", n_ctx=100, n_seq=3)
+    cfg = model.gguf.config
+    assert model.memory_info()["kv_cache"] == 2 * 2 * 3 * cfg.n_layers * 112 * cfg.n_kv_heads * cfg.head_dim
 
 
 def test_all_logits_match_per_token(synthetic_factory, monkeypatch):
@@ -249,7 +263,7 @@ def test_real_model_top1_agreement_with_reference(real_model, monkeypatch, isa):
     agree = float((got.argmax(1) == ref.argmax(1)).mean())
     assert agree >= 0.99, f"{isa}: top-1 agreement {agree:.3f}"
     errs = [rel_l2(got[i], ref[i]) for i in range(len(tokens))]
-    assert max(errs) <= (SCALAR_REL_L2 if isa == "scalar" else SIMD_REL_L2), max(errs)
+    assert max(errs) <= (SCALAR_REL_L2 if isa == "scalar" else REAL_SIMD_REL_L2), max(errs)
 
 
 def test_default_model_missing_says_how_to_install(monkeypatch):

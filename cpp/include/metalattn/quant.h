@@ -213,6 +213,33 @@ inline MA_HOST_DEVICE float fp16_to_float(uint16_t h) {
   return f;
 }
 
+// float -> IEEE half, round to nearest even, by bit manipulation: what F16C's
+// _mm_cvtps_ph(x, _MM_FROUND_TO_NEAREST_INT) and CUDA's __float2half_rn give (the KV caches of both backends store
+// their values through one or the other). |x| >= 65520 (the midpoint of 65504 and 2^16, whose odd mantissa rounds up)
+// gives +-inf, as inf does; halves' subnormals are kept and float subnormals round to +-0. A NaN gives a quiet NaN
+// (the sign and the top 10 mantissa bits kept, the quiet bit set, as F16C does).
+inline MA_HOST_DEVICE uint16_t float_to_fp16_rne(float f) {
+  uint32_t x;
+  __builtin_memcpy(&x, &f, 4);
+  const uint32_t sign = (x >> 16) & 0x8000u;
+  x &= 0x7fffffffu;
+  if (x > 0x7f800000u) return static_cast<uint16_t>(sign | 0x7e00u | ((x >> 13) & 0x3ffu));  // NaN
+  if (x >= 0x477ff000u) return static_cast<uint16_t>(sign | 0x7c00u);                      // >= 65520, inf
+  if (x >= 0x38800000u) {  // a normal half (>= 2^-14): rebias, then add just under half an ulp plus the ulp's low
+    // bit, so a tie rounds to even; a carry out of the mantissa steps the exponent (up to 0x7bff, 65504)
+    x = x - ((127u - 15u) << 23) + 0xfffu + ((x >> 13) & 1u);
+    return static_cast<uint16_t>(sign | (x >> 13));
+  }
+  const int e = static_cast<int>(x >> 23);  // below 2^-14: a multiple of 2^-24 (a subnormal, or 0x0400 on a carry)
+  const int shift = 126 - e;                // |f| * 2^24 = m * 2^-shift, m the 24-bit significand
+  if (shift > 24) return static_cast<uint16_t>(sign);  // < 2^-25: rounds to 0 (float subnormals and 0 too)
+  const uint32_t m = (x & 0x7fffffu) | 0x800000u;
+  uint32_t h = m >> shift;
+  const uint32_t rest = m & ((1u << shift) - 1u), half = 1u << (shift - 1);
+  if (rest > half || (rest == half && (h & 1u))) ++h;
+  return static_cast<uint16_t>(sign | h);
+}
+
 inline MA_HOST_DEVICE float bf16_to_float(uint16_t h) {
   const uint32_t bits = static_cast<uint32_t>(h) << 16;
   float f;
