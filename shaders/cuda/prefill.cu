@@ -154,9 +154,9 @@ __global__ void __launch_bounds__(256) attention_prefill_kernel(const float* __r
 
 
 // ------------------------------------------------------------------ tensor-core attention (head_dim 64)
-// Flash-attention tiling on wmma fp16 tiles with fp32 accumulation. Every fp16 operand is carried as a hi/lo
-// pair (v = hi + lo) and each product as hi.hi + hi.lo + lo.hi, which keeps about 21 bits of the fp32 inputs:
-// plain fp16 would put ~1e-3 relative error on the scores and the output, the float kernel above gets ~1e-6.
+// Flash-attention tiling on wmma fp16 tiles with fp32 accumulation. K and V are the cache's fp16 values, exact; the
+// fp32 operands (Q, the probabilities P) are carried as a hi/lo pair (v = hi + lo) and each product as hi.K + lo.K,
+// which keeps about 21 bits of them: plain fp16 would put ~1e-3 relative error on the scores and the output.
 // A block: one query head, 64 queries, 4 warps of 16 query rows; it streams 64-key K/V tiles through shared
 // memory. Scores live in log2 units (log2(e)/sqrt(64) is folded into Q) so the softmax uses exp2f.
 namespace wm = nvcuda::wmma;
@@ -169,8 +169,8 @@ constexpr int kTcHalfLd = kTcHeadDim + 8;  // 144-byte rows: 16-byte aligned, ti
 constexpr int kTcFloatLd = kTcKTile + 4;
 
 struct TcAttnSmem {
-  __half k_hi[kTcKTile][kTcHalfLd], k_lo[kTcKTile][kTcHalfLd];
-  __half v_hi[kTcKTile][kTcHalfLd], v_lo[kTcKTile][kTcHalfLd];
+  __half k[kTcKTile][kTcHalfLd];  // the tile's K and V rows, fp16 as cached
+  __half v[kTcKTile][kTcHalfLd];
   float s[kTcWarps][kTcRows][kTcFloatLd];               // scores, then the tile's P.V product
   __half p_hi[kTcWarps][kTcRows][kTcHalfLd], p_lo[kTcWarps][kTcRows][kTcHalfLd];  // Q staging, then P
 };
@@ -275,27 +275,21 @@ __global__ void __launch_bounds__(kTcWarps * 32) attention_prefill_tc_kernel(con
     __syncthreads();  // the previous tile is no longer read
     for (int i = threadIdx.x; i < kTcKTile * (kTcHeadDim / 4); i += blockDim.x) {
       const int row = i / (kTcHeadDim / 4), c = (i % (kTcHeadDim / 4)) * 4, key = kt + row;
-      float4 kv = make_float4(0.f, 0.f, 0.f, 0.f), vv = kv;  // keys past the last one: zero, never NaN garbage
+      uint2 kb = make_uint2(0u, 0u), vb = kb;  // keys past the last one: zero, never NaN garbage
       if (key <= last_key) {
         if (qkv == nullptr || key < pos0) {
           const int64_t src = static_cast<int64_t>(key) * kv_dim + kvh * kTcHeadDim + c;
-          kv = detail::kv4(*reinterpret_cast<const uint2*>(k_cache + src));
-          vv = detail::kv4(*reinterpret_cast<const uint2*>(v_cache + src));
+          kb = *reinterpret_cast<const uint2*>(k_cache + src);
+          vb = *reinterpret_cast<const uint2*>(v_cache + src);
         } else {  // the chunk's own keys, rounded as the cache holds them
           const float* src = qkv + static_cast<int64_t>(key - pos0) * qkv_rows + q_dim + kvh * kTcHeadDim + c;
-          kv = detail::kv_round4(
+          kb = detail::kv_pack4(
               rope4(*reinterpret_cast<const float4*>(src), a.rope_table + static_cast<int64_t>(key) * kHalfRow, c));
-          vv = detail::kv_round4(*reinterpret_cast<const float4*>(src + kv_dim));
+          vb = detail::kv_pack4(*reinterpret_cast<const float4*>(src + kv_dim));
         }
       }
-      split_half(kv.x, sm.k_hi[row][c], sm.k_lo[row][c]);
-      split_half(kv.y, sm.k_hi[row][c + 1], sm.k_lo[row][c + 1]);
-      split_half(kv.z, sm.k_hi[row][c + 2], sm.k_lo[row][c + 2]);
-      split_half(kv.w, sm.k_hi[row][c + 3], sm.k_lo[row][c + 3]);
-      split_half(vv.x, sm.v_hi[row][c], sm.v_lo[row][c]);
-      split_half(vv.y, sm.v_hi[row][c + 1], sm.v_lo[row][c + 1]);
-      split_half(vv.z, sm.v_hi[row][c + 2], sm.v_lo[row][c + 2]);
-      split_half(vv.w, sm.v_hi[row][c + 3], sm.v_lo[row][c + 3]);
+      *reinterpret_cast<uint2*>(&sm.k[row][c]) = kb;
+      *reinterpret_cast<uint2*>(&sm.v[row][c]) = vb;
     }
     __syncthreads();
     if (w_rows == 0 || kt > warp_last_qpos) continue;  // warp-uniform: the whole tile is masked for this warp
@@ -307,12 +301,10 @@ __global__ void __launch_bounds__(kTcWarps * 32) attention_prefill_tc_kernel(con
       wm::fill_fragment(acc, 0.f);
 #pragma unroll
       for (int ks = 0; ks < kTcHeadDim / 16; ++ks) {
-        FragBCol kb_hi, kb_lo;
-        wm::load_matrix_sync(kb_hi, &sm.k_hi[j * 16][ks * 16], kTcHalfLd);
-        wm::load_matrix_sync(kb_lo, &sm.k_lo[j * 16][ks * 16], kTcHalfLd);
-        wm::mma_sync(acc, qa_hi[ks], kb_hi, acc);
-        wm::mma_sync(acc, qa_hi[ks], kb_lo, acc);
-        wm::mma_sync(acc, qa_lo[ks], kb_hi, acc);
+        FragBCol kb;
+        wm::load_matrix_sync(kb, &sm.k[j * 16][ks * 16], kTcHalfLd);
+        wm::mma_sync(acc, qa_hi[ks], kb, acc);
+        wm::mma_sync(acc, qa_lo[ks], kb, acc);
       }
       wm::store_matrix_sync(&sm.s[warp][0][j * 16], acc, kTcFloatLd, wm::mem_row_major);
     }
@@ -358,12 +350,10 @@ __global__ void __launch_bounds__(kTcWarps * 32) attention_prefill_tc_kernel(con
       wm::fill_fragment(acc, 0.f);
 #pragma unroll
       for (int ks = 0; ks < kTcKTile / 16; ++ks) {
-        FragBRow vb_hi, vb_lo;
-        wm::load_matrix_sync(vb_hi, &sm.v_hi[ks * 16][j * 16], kTcHalfLd);
-        wm::load_matrix_sync(vb_lo, &sm.v_lo[ks * 16][j * 16], kTcHalfLd);
-        wm::mma_sync(acc, pa_hi[ks], vb_hi, acc);
-        wm::mma_sync(acc, pa_hi[ks], vb_lo, acc);
-        wm::mma_sync(acc, pa_lo[ks], vb_hi, acc);
+        FragBRow vb;
+        wm::load_matrix_sync(vb, &sm.v[ks * 16][j * 16], kTcHalfLd);
+        wm::mma_sync(acc, pa_hi[ks], vb, acc);
+        wm::mma_sync(acc, pa_lo[ks], vb, acc);
       }
       wm::store_matrix_sync(&sm.s[warp][0][j * 16], acc, kTcFloatLd, wm::mem_row_major);
     }

@@ -497,12 +497,22 @@ std::vector<int32_t> random_tokens(int n, int vocab) {
   return t;
 }
 
+// Logits within tol (relative L2) of the reference, and the same argmax, or a near tie: where the argmaxes differ, the
+// reference's logits of the two tokens are within 4 x the measured error per logit (e x rms). Random test models
+// have top-two gaps that small in a few of every thousand rows, and with the fp16 K/V cache (errors ~1-2e-4) one such
+// row in ~300 comparisons failed a strict argmax (H100, session 19: decode at 14, rel L2 2.2e-4).
 void expect_logits_close(const std::vector<float>& got, const std::vector<float>& want, double tol, const char* what) {
   const double e = rel_l2(got, want);
   EXPECT_LE(e, tol) << what;
-  EXPECT_EQ(ref::argmax(got.data(), static_cast<int>(got.size())).token,
-            ref::argmax(want.data(), static_cast<int>(want.size())).token)
-      << what << " (rel L2 " << e << ")";
+  const uint32_t a = ref::argmax(got.data(), static_cast<int>(got.size())).token;
+  const uint32_t b = ref::argmax(want.data(), static_cast<int>(want.size())).token;
+  if (a == b) return;
+  double ss = 0;
+  for (float w : want) ss += static_cast<double>(w) * w;
+  const double rms = std::sqrt(ss / static_cast<double>(want.size()));
+  ASSERT_LT(a, want.size()) << what << ": no argmax (rel L2 " << e << ")";
+  EXPECT_LE(static_cast<double>(want[b]) - want[a], 4 * e * rms)
+      << what << ": argmax " << a << " against the reference's " << b << ", not a near tie (rel L2 " << e << ")";
 }
 
 // Decodes n random tokens on backends a and b side by side (and on the reference forward). At the positions where
