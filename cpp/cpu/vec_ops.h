@@ -217,13 +217,15 @@ METALATTN_BODY void attend_values_cols(const uint16_t* v, int v_stride, const fl
   }
 }
 
-// A single token (decode) takes as many column vectors a pass as keep its G x NC accumulators within half the
-// vector registers (16 of AVX-512's 32, 8 of AVX2's 16): SmolLM2's 64-wide heads (G 3) in one pass over the V rows on
+// A single token (decode) takes as many column vectors a pass as keep its G x NC accumulators within a budget of
+// vector registers (16 of AVX-512's 32, 12 of AVX2's 16): SmolLM2's 64-wide heads (G 3) in one pass over the V rows on
 // AVX-512 instead of four, two on AVX2 instead of eight. A prompt tile's T x G accumulators take one vector a pass.
+// AVX2's budget was 8 (four passes for G 3): 12 took SmolLM2 at depth 4,000 from 7.5-8.1 to 6.2-6.7 ms a token
+// (session 19, NOTES); the score broadcasts and the widening of each fp16 V row are then done half as often.
 template <int G, int T, class V>
 METALATTN_BODY void attend_values(const uint16_t* v, int v_stride, const float* scores, int scores_stride, int from,
                                   int to, int head_dim, float* out, int out_stride) {
-  constexpr int W = sizeof(V) / sizeof(float), kBudget = W == 16 ? 16 : 8;
+  constexpr int W = sizeof(V) / sizeof(float), kBudget = W == 16 ? 16 : 12;
   constexpr int kNc = T > 1 ? 1 : kBudget / G >= 8 ? 8 : kBudget / G >= 4 ? 4 : kBudget / G >= 2 ? 2 : 1;
   const int cols = head_dim / W;
   if constexpr (kNc >= 8) {
