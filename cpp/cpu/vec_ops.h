@@ -170,17 +170,27 @@ METALATTN_BODY void attend_scores(const float* q, int q_stride, const uint16_t* 
   const int start = from / 16 * 16;
   int full = (to + 15) / 16 * 16;
   if (full > k_cap) full -= 16;
+  // A single token on AVX2 takes both halves of a block in one pass over head_dim: each q element loaded once for
+  // two vectors of keys (the loop was bound by its loads: three broadcasts and a widening a three FMAs). Every score
+  // still sums over j in the same order, so the values do not change.
+  constexpr int NH = T == 1 ? 16 / W : 1;  // vectors of a block a pass
   for (int t0 = start; t0 < full; t0 += 16)
-    for (int w0 = 0; w0 < 16; w0 += W) {
-      V acc[T][G] = {};
+    for (int w0 = 0; w0 < 16; w0 += NH * W) {
+      V acc[T][G][NH] = {};
       const uint16_t* kb = k_t + static_cast<int64_t>(t0) * head_dim + w0;  // block t0 / 16: head_dim x 16 halves
       for (int j = 0; j < head_dim; ++j) {
-        const V kr = load_half_v<V>(kb + 16 * j);
+        V kr[NH];
+        for (int k = 0; k < NH; ++k) kr[k] = load_half_v<V>(kb + 16 * j + k * W);
         for (int t = 0; t < T; ++t)
-          for (int h = 0; h < G; ++h) acc[t][h] += q[t * q_stride + h * head_dim + j] * kr;
+          for (int h = 0; h < G; ++h) {
+            const float qv = q[t * q_stride + h * head_dim + j];
+            for (int k = 0; k < NH; ++k) acc[t][h][k] += qv * kr[k];
+          }
       }
       for (int t = 0; t < T; ++t)
-        for (int h = 0; h < G; ++h) store_v<V>(scores + (t * G + h) * scores_stride + t0 + w0, acc[t][h] * scale);
+        for (int h = 0; h < G; ++h)
+          for (int k = 0; k < NH; ++k)
+            store_v<V>(scores + (t * G + h) * scores_stride + t0 + w0 + k * W, acc[t][h][k] * scale);
     }
   for (int p = std::max(full, start); p < to; ++p)
     for (int t = 0; t < T; ++t)
