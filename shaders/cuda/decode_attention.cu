@@ -260,10 +260,9 @@ __host__ __device__ inline int score_slots(int pos_cap) { return (pos_cap + 3) /
 // Attention of one query head (head_dim 64) over n_pos <= kShortAttnMaxPos positions whose q (fp32), K rows
 // (fp16, kShortAttnKStride apart) and V rows (fp16) are all in shared memory; kShortAttnThreads threads. Scores: a
 // thread pair per position (a pass per 256 positions), each half of the dot product (16-byte chunks of 8 values,
-// 2c + half); softmax: one warp;
-// P.V: a warp per position group (kShortAttnPvGroups) and a lane per column pair (one 4-byte load of two fp16 values),
-// then a fixed-order sum. Returns output element threadIdx.x in threads < 64. sc: [n_pos], pv:
-// [kShortAttnPvGroups][64], sum_exp: one shared float. Starts and ends with all threads in step.
+// 2c + half); softmax: one warp; P.V: a warp per position group (kShortAttnPvGroups) and a lane per column pair (one
+// 4-byte load of two fp16 values), then a fixed-order sum. Returns output element threadIdx.x in threads < 64.
+// sc: [n_pos], pv: [kShortAttnPvGroups][64], sum_exp: one shared float. Starts and ends with all threads in step.
 __device__ __forceinline__ float attend_head64(const float* q_s, const __half* k_s, const __half* v_s, int n_pos,
                                                float* sc, float* pv, float* sum_exp) {
   constexpr int HD = kShortAttnHd;

@@ -407,7 +407,8 @@ struct FewAttnSmem {
 // One block per (query head, prompt token): RoPE of the token's q, the KV-head group's first head appends the
 // token's roped k and plain v to the cache, then attention over keys 0..pos0+t in tiles of kFewAttnTile (online
 // softmax): keys before pos0 come from the (fp16) cache, the prompt's own keys from the raw QKV rows (roped and
-// rounded to fp16 here exactly as the append does, never read back from the cache, which other blocks are writing). Output: the slot layout the O projection reads.
+// rounded to fp16 here exactly as the append does, never read back from the cache, which other blocks are writing).
+// Output: the slot layout the O projection reads.
 __global__ void __launch_bounds__(kFewAttnThreads) attention_prompt_few_kernel(const FewAttnArgs a) {
   extern __shared__ __align__(16) unsigned char few_smem_raw[];
   FewAttnSmem& sm = *reinterpret_cast<FewAttnSmem*>(few_smem_raw);

@@ -304,19 +304,19 @@ struct DevCache : DevBuf<__half> {
   explicit DevCache(const std::vector<float>& f) : DevBuf<__half>(to_halves(f)) {}
   std::vector<float> download_floats() const { return to_floats(download()); }
 };
-// Largest difference of cache values (fp16) from their fp32 references beyond the rounding to fp16 itself (half an
-// ulp: |want| * 2^-11, at least 2^-25 in the subnormal range): what is left is the computation's own error.
+// A cache value's (fp16) difference from its fp32 reference beyond the rounding to fp16 itself (half an ulp:
+// |want| * 2^-11, at least 2^-25 in the subnormal range): what is left is the computation's own error (INFINITY for a
+// NaN). max_kv_diff: the largest over two rows.
+double kv_excess(float got, float want) {
+  const double w = want, slack = std::max(std::fabs(w) * 0x1p-11, 0x1p-25);
+  const double e = std::fabs(static_cast<double>(got) - w);
+  return std::isnan(e) ? INFINITY : e - slack;
+}
 double max_kv_diff(const std::vector<float>& got, const std::vector<float>& want) {
   double m = 0;
-  for (size_t i = 0; i < want.size(); ++i) {
-    const double w = want[i], slack = std::max(std::fabs(w) * 0x1p-11, 0x1p-25);
-    const double e = std::fabs(static_cast<double>(got[i]) - w);
-    if (std::isnan(e)) return INFINITY;
-    m = std::max(m, e - slack);
-  }
+  for (size_t i = 0; i < want.size(); ++i) m = std::max(m, kv_excess(got[i], want[i]));
   return m;
 }
-
 // The same for two cache values each rounded from nearly equal floats (two kernels' rows): one fp16 ulp apart at most
 // (|a| * 2^-10) where their floats straddle a rounding boundary.
 double max_kv_pair_diff(const std::vector<float>& a, const std::vector<float>& b) {
@@ -355,9 +355,10 @@ void expect_rope_append(const std::vector<float>& qkv, int n, int pos0, int n_he
     ref::rope(q.data(), n_heads, hd, pos0 + t, 100000.f);
     ref::rope(k.data(), n_kv, hd, pos0 + t, 100000.f);
     for (int i = 0; i < q_dim; ++i) err = std::max(err, std::fabs(static_cast<double>(gq[t * q_dim + i]) - q[i]));
-    const std::vector<float> v(qkv.begin() + t * rows + q_dim + kv_dim, qkv.begin() + t * rows + q_dim + 2 * kv_dim);
-    err = std::max(err, max_kv_diff(std::vector<float>(gk.begin() + (pos0 + t) * kv_dim, gk.begin() + (pos0 + t + 1) * kv_dim), k));
-    err = std::max(err, max_kv_diff(std::vector<float>(gv.begin() + (pos0 + t) * kv_dim, gv.begin() + (pos0 + t + 1) * kv_dim), v));
+    for (int i = 0; i < kv_dim; ++i) {  // cache values: within their fp16 rounding
+      const size_t c = static_cast<size_t>(pos0 + t) * kv_dim + i;
+      err = std::max({err, kv_excess(gk[c], k[i]), kv_excess(gv[c], qkv[t * rows + q_dim + kv_dim + i])});
+    }
   }
   EXPECT_LE(err, tol) << what;
   size_t written_k = 0, written_v = 0;

@@ -154,8 +154,8 @@ TEST(CudaArch, QkvFinishBiasQkNormRopeAppendAtRealShapes) {
             ref_rope_pairs(r.data() + q_dim, sh.n_kv, hd, var.style, row);
             for (int i = 0; i < q_dim; ++i) err = std::max(err, std::fabs(double(gq[t * q_dim + i]) - r[i]));
             for (int i = 0; i < kv_dim; ++i) {  // cache values: within their fp16 rounding
-              err = std::max(err, max_kv_diff({gk[static_cast<size_t>(pos0 + t) * kv_dim + i]}, {r[q_dim + i]}));
-              err = std::max(err, max_kv_diff({gv[static_cast<size_t>(pos0 + t) * kv_dim + i]}, {r[q_dim + kv_dim + i]}));
+              err = std::max(err, kv_excess(gk[static_cast<size_t>(pos0 + t) * kv_dim + i], r[q_dim + i]));
+              err = std::max(err, kv_excess(gv[static_cast<size_t>(pos0 + t) * kv_dim + i], r[q_dim + kv_dim + i]));
             }
           }
           EXPECT_LE(err, 1e-5);
@@ -310,8 +310,9 @@ TEST(CudaArch, AttentionDecodeWithFusedQkvFinish) {
             got[rep] = out_d.download();
           }
           const auto gk = kc_d.download_floats(), gv = vc_d.download_floats();
-          EXPECT_LE(max_kv_diff(gk, kc), 1e-5) << "K cache: row pos appended (within its fp16 rounding), the rest untouched";
-          EXPECT_LE(max_kv_diff(gv, vc), 1e-5) << "V cache: row pos appended (within its fp16 rounding), the rest untouched";
+          // Row pos appended (within its fp16 rounding), the rest untouched.
+          EXPECT_LE(max_kv_diff(gk, kc), 1e-5) << "K cache";
+          EXPECT_LE(max_kv_diff(gv, vc), 1e-5) << "V cache";
           // The attention over the cache as written: row pos as the device rounded it (checked just above), so a
           // last-bit difference before the rounding cannot move the outputs by a half ulp.
           const std::vector<float> want =
