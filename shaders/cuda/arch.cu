@@ -175,7 +175,6 @@ __global__ void __launch_bounds__(kAttnThreadsArch) arch_attention_kernel(ArchAt
   __shared__ float s_acc[TQ][kAttnWarpsArch][HD];
   __shared__ float s_w[kArchAttnMaxSplits];
   __shared__ float s_sum;
-  __shared__ bool s_last;
   __shared__ float s_fin[TQ == 1 ? 3 : 1][HD];  // fused finish: q, and k, v of the current position
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const int h = blockIdx.x;
@@ -366,12 +365,7 @@ __global__ void __launch_bounds__(kAttnThreadsArch) arch_attention_kernel(ArchAt
   if (!splitting) return;
 
   // The last of the head's n_splits blocks combines the partials (and re-arms the counter).
-  __threadfence();
-  __syncthreads();
-  if (threadIdx.x == 0) s_last = atomicAdd(&a.counters[h], 1u) == static_cast<unsigned>(n_splits - 1);
-  __syncthreads();
-  if (!s_last) return;
-  __threadfence();
+  if (!detail::last_block_to_arrive(&a.counters[h], n_splits)) return;
   const int64_t slot0 = static_cast<int64_t>(h) * a.max_splits;
   if (warp == 0) {  // the splits' weights exp(m_s - max) and the total sum, one warp, two splits per lane
     const float m0 = lane < n_splits ? __ldcg(a.part_ml + (slot0 + lane) * 2) : -INFINITY;

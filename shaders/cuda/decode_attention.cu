@@ -59,7 +59,6 @@ __global__ void __launch_bounds__(kAttnThreads) attention_decode_kernel(const fl
   float* part = sc + HPB * chunk_cap;                // [kAttnWarps][HPB][HD]
   __shared__ float m_s[HPB], l_s[HPB];
   __shared__ float w_s[HPB][kMaxAttnSplits];  // the combine's weight e^(m_s - M) / den of each split
-  __shared__ bool is_last;
 
   const int head_block = blockIdx.x, split = blockIdx.y;
   const int head0 = head_block * HPB, kvh = head0 / (n_heads / n_kv_heads);
@@ -213,12 +212,7 @@ __global__ void __launch_bounds__(kAttnThreads) attention_decode_kernel(const fl
     ml[0] = m_s[threadIdx.x];
     ml[1] = l_s[threadIdx.x];
   }
-  __threadfence();
-  __syncthreads();
-  if (threadIdx.x == 0) is_last = atomicAdd(p.counters + head_block, 1u) == static_cast<unsigned>(n_splits) - 1;
-  __syncthreads();
-  if (!is_last) return;
-  __threadfence();
+  if (!detail::last_block_to_arrive(p.counters + head_block, n_splits)) return;
   // The splits' (m, l) in one round trip: warp g reads head g's, a lane per split; the weights go to shared memory.
   for (int g = warp; g < HPB; g += kAttnWarps) {
     const float* ml = p.ml + static_cast<int64_t>(head0 + g) * p.max_splits * 2;
@@ -423,7 +417,7 @@ void launch_attention_decode(const float* q, const __half* k_cache, const __half
   CUDA_CHECK(cudaGetDevice(&dev));
   CUDA_CHECK(cudaDeviceGetAttribute(&smem_optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, dev));
   const size_t fixed = attention_smem_bytes(heads_per_block, head_dim, chunk_cap, 0);
-  const size_t static_smem = 2048;  // m_s, l_s, w_s, is_last and slack
+  const size_t static_smem = 2048;  // m_s, l_s, w_s, the arrival flag and slack
   if (fixed + static_smem > static_cast<size_t>(smem_optin))
     throw EngineError("attention: context too long for shared memory");
   const size_t room_rows = (static_cast<size_t>(smem_optin) - fixed - static_smem) / (head_dim * sizeof(__half));

@@ -12,6 +12,7 @@
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
 
+#include <algorithm>
 #include <cstdint>
 #include <utility>
 #include <vector>
@@ -533,17 +534,34 @@ void launch_programmatic(void (*kernel)(KernelArgs...), dim3 grid, dim3 block, s
   CUDA_CHECK(cudaLaunchKernelEx(&cfg, kernel, std::forward<Args>(args)...));
 }
 
-// Raises `kernel`'s dynamic shared memory limit to `smem` where the default 48 KiB is too little. Only ever
-// raised: the limit belongs to the kernel function, and a graph captured earlier (another backend, a larger n_ctx)
-// may launch it with more than this call needs.
+// Whether this block is the last of `n` to arrive at `counter` (all threads call it). Thread 0's acq_rel add after
+// the barrier releases every thread's earlier stores (release is cumulative over the barrier) and, in the last block,
+// acquires the other blocks' before the barrier lets its threads read them (through L2: __ldcg).
+__device__ __forceinline__ bool last_block_to_arrive(unsigned* counter, unsigned n) {
+  __shared__ bool last;
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    unsigned old;
+    asm volatile("atom.acq_rel.gpu.global.add.u32 %0, [%1], 1;" : "=r"(old) : "l"(counter) : "memory");
+    last = old == n - 1;
+  }
+  __syncthreads();
+  return last;
+}
+
+// Raises `kernel`'s dynamic shared memory limit to `smem` where the default is too little: without the opt-in a
+// block's static and dynamic shared memory together must fit 48 KiB (a 512-thread trial of the split decode attention,
+// 48,896 dynamic bytes beside 410 static ones, failed to launch). Only ever raised: the limit belongs to the kernel function, and a graph captured earlier
+// (another backend, a larger n_ctx) may launch it with more than this call needs.
 template <typename K>
 void allow_dynamic_smem(K kernel, size_t smem) {
   constexpr size_t kDefaultLimit = 48 * 1024;
-  if (smem <= kDefaultLimit) return;
+  if (smem == 0) return;
   cudaFuncAttributes attr{};
   CUDA_CHECK(cudaFuncGetAttributes(&attr, kernel));
-  if (smem > static_cast<size_t>(attr.maxDynamicSharedSizeBytes))
-    CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem)));
+  if (smem + attr.sharedSizeBytes <= kDefaultLimit) return;
+  const int limit = std::max(static_cast<int>(smem), attr.maxDynamicSharedSizeBytes);
+  CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, limit));
 }
 
 }  // namespace detail
