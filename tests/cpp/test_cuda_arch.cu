@@ -587,8 +587,8 @@ std::unique_ptr<TestModel> make_arch_model(const ArchModelCase& c) {
   for (int l = 0; l < c.n_layers; ++l) {
     LayerWeights L;
     L.attn_norm = m->norm(c.d);
-    L.wq = m->add(c.type, s.q_dim(), c.d, 2.f * sd);
-    L.wk = m->add(c.type, s.kv_dim(), c.d, 2.f * sd);
+    L.wq = m->add(c.type, s.q_dim(), c.d, kQkSigma * sd);
+    L.wk = m->add(c.type, s.kv_dim(), c.d, kQkSigma * sd);
     L.wv = m->add(c.type, s.kv_dim(), c.d, sd);
     L.wo = m->add(c.type, c.d, s.q_dim(), 0.5f * sq);
     if (c.bias) {

@@ -596,8 +596,8 @@ std::unique_ptr<TestModel> make_typed_model(int n_layers, int vocab, int n_ctx, 
     const LayerTypes t = types(l);
     LayerWeights L;
     L.attn_norm = m->norm(d);
-    L.wq = m->add(t.q, s.q_dim(), d, 2.f * sd);
-    L.wk = m->add(t.k, s.kv_dim(), d, 2.f * sd);
+    L.wq = m->add(t.q, s.q_dim(), d, kQkSigma * sd);
+    L.wk = m->add(t.k, s.kv_dim(), d, kQkSigma * sd);
     L.wv = m->add(t.v, s.kv_dim(), d, sd);
     L.wo = m->add(t.o, d, s.q_dim(), 0.5f * sd);
     L.ffn_norm = m->norm(d);
