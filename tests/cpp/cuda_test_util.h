@@ -415,12 +415,18 @@ struct TestModel {
 // differ in the last bit between two engines or paths rounds to neighbouring fp16 values, 2^-11 apart) into logits
 // errors of 1e-3 .. 3e-2 at a few positions: CudaBackend.PromptGraphReplayAtNewStartPositions failed 18 of 25 repeats
 // (H100, session 20; 0 of 10 at the commit before the fp16 cache, 6 of 10 after it). A float64 emulation of this
-// model (benchmarks/flip_noise.py, NOTES) puts the flip noise ~8x lower at 1. Shared by make_model,
-// make_typed_model (test_cuda_quant.cu) and make_arch_model (test_cuda_arch.cu).
+// model (benchmarks/flip_noise.py, NOTES) puts the flip noise ~8x lower at 1. Shared by make_typed_model (and
+// make_model, which calls it) below and make_arch_model (test_cuda_arch.cu).
 constexpr float kQkSigma = 1.f;
 
-std::unique_ptr<TestModel> make_model(int n_layers, int vocab, int n_ctx, GgmlType layer_type, GgmlType embd_type,
-                                      int d = 576, int d_ff = 1536, int n_heads = 9, int n_kv = 3) {
+struct LayerTypes {
+  GgmlType q, k, v, o, gate, up, down;
+};
+
+// A synthetic Llama (head_dim 64, tied embedding) whose layer l has the types types(l).
+template <typename Types>
+std::unique_ptr<TestModel> make_typed_model(int n_layers, int vocab, int n_ctx, int d, int d_ff, int n_heads,
+                                            int n_kv, GgmlType embd_type, Types types) {
   auto m = std::make_unique<TestModel>();
   ModelSpec& s = m->spec;
   s.n_layers = n_layers;
@@ -435,22 +441,31 @@ std::unique_ptr<TestModel> make_model(int n_layers, int vocab, int n_ctx, GgmlTy
   s.rms_eps = 1e-5f;
   const float sd = 1.f / std::sqrt(static_cast<float>(d)), sf = 1.f / std::sqrt(static_cast<float>(d_ff));
   m->w.tok_embd = m->add(embd_type, vocab, d, 1.f);
-  m->w.output = m->w.tok_embd;  // tied, as SmolLM2
+  m->w.output = m->w.tok_embd;
   m->w.output_norm = m->norm(d);
   for (int l = 0; l < n_layers; ++l) {
+    const LayerTypes t = types(l);
     LayerWeights L;
     L.attn_norm = m->norm(d);
-    L.wq = m->add(layer_type, s.q_dim(), d, kQkSigma * sd);
-    L.wk = m->add(layer_type, s.kv_dim(), d, kQkSigma * sd);
-    L.wv = m->add(layer_type, s.kv_dim(), d, sd);
-    L.wo = m->add(layer_type, d, s.q_dim(), 0.5f * sd);
+    L.wq = m->add(t.q, s.q_dim(), d, kQkSigma * sd);
+    L.wk = m->add(t.k, s.kv_dim(), d, kQkSigma * sd);
+    L.wv = m->add(t.v, s.kv_dim(), d, sd);
+    L.wo = m->add(t.o, d, s.q_dim(), 0.5f * sd);
     L.ffn_norm = m->norm(d);
-    L.w_gate = m->add(layer_type, d_ff, d, sd);
-    L.w_up = m->add(layer_type, d_ff, d, sd);
-    L.w_down = m->add(layer_type, d, d_ff, 0.5f * sf);
+    L.w_gate = m->add(t.gate, d_ff, d, sd);
+    L.w_up = m->add(t.up, d_ff, d, sd);
+    L.w_down = m->add(t.down, d, d_ff, 0.5f * sf);
     m->w.layers.push_back(L);
   }
   return m;
+}
+
+// SmolLM2-135M-like by default: one weight type for every layer matrix.
+std::unique_ptr<TestModel> make_model(int n_layers, int vocab, int n_ctx, GgmlType layer_type, GgmlType embd_type,
+                                      int d = 576, int d_ff = 1536, int n_heads = 9, int n_kv = 3) {
+  const GgmlType t = layer_type;
+  return make_typed_model(n_layers, vocab, n_ctx, d, d_ff, n_heads, n_kv, embd_type,
+                          [t](int) { return LayerTypes{t, t, t, t, t, t, t}; });
 }
 
 // The model composed from the unfused scalar reference ops, float activations, with its own KV cache (fp16 values,
@@ -626,6 +641,92 @@ SlotRows make_slot_rows(const std::vector<float>& v, int n, int width, std::vect
       (*values)[static_cast<size_t>(t) * width + j] = __half2float(hi) + __half2float(lo);
     }
   return o;
+}
+
+// The decode matvec kernels on W (hm on the host, g on the GPU, rows x cols) against the scalar reference, from a
+// poisoned output: plain matvec, norm + matvec, and matvec + residual (the O / down projections' kernel).
+void check_decode_matvecs(const HostMatrix& hm, const GpuMatrix& g, int rows, int cols) {
+  const std::vector<float> x = random_vec(cols, -2.f, 2.f), nw = random_vec(cols, 0.5f, 1.5f);
+  DevBuf<float> dx(x), dnw(nw), dy(rows);
+
+  dy.poison();
+  launch_norm_matvec(g.m, dx.p, nullptr, kEps, dy.p, nullptr);
+  EXPECT_LE(max_abs_diff(dy.download(), ref_matvec(hm.view, x)), kTol) << "plain matvec";
+
+  dy.poison();
+  launch_norm_matvec(g.m, dx.p, dnw.p, kEps, dy.p, nullptr);
+  EXPECT_LE(max_abs_diff(dy.download(), ref_matvec(hm.view, ref_rmsnorm(x, nw, kEps))), kTol) << "norm+matvec";
+
+  const std::vector<float> y0 = random_vec(rows);
+  dy.upload(y0);
+  launch_matvec_residual(g.m, dx.p, dy.p, nullptr);
+  std::vector<float> expect = ref_matvec(hm.view, x);
+  for (int r = 0; r < rows; ++r) expect[r] += y0[r];
+  EXPECT_LE(max_abs_diff(dy.download(), expect), kTol) << "matvec+residual";
+}
+
+// One few-token tensor-core projection (prompt_mma.cu) through W (rows x K, on the GPU) of n random rows of K values,
+// rmsnorm'ed by the kernel (normed) or given as slot-layout operands, into `out` (SiluHalf: silu(gate) * up of the
+// d_ff = rows / 2 halves), against ref_row(operand row) for each row (the reference's product, rows values); outputs
+// start poisoned and the spare row n must stay so.
+template <typename RefRow>
+void check_prompt_mma(const DevMatrix& W, int n, int K, int rows, bool normed, PromptMmaOut out, RefRow ref_row) {
+  const int d_ff = out == PromptMmaOut::SiluHalf ? rows / 2 : 0;
+  const std::vector<float> x = random_vec(static_cast<size_t>(n) * K, -3.f, 3.f);
+  const std::vector<float> nw = random_vec(K, 0.5f, 1.5f);
+  // The reference's input rows: rmsnorm(x_t), or the values the slot rows stand for.
+  std::vector<float> in(x.size());
+  SlotRows slots{{}, K};
+  if (normed) {
+    for (int t = 0; t < n; ++t) {
+      const std::vector<float> row(x.begin() + static_cast<size_t>(t) * K, x.begin() + static_cast<size_t>(t + 1) * K);
+      const std::vector<float> h = ref_rmsnorm(row, nw, kEps);
+      std::copy(h.begin(), h.end(), in.begin() + static_cast<size_t>(t) * K);
+    }
+  } else {
+    slots = make_slot_rows(x, n, K, &in);
+  }
+  DevBuf<float> dx(x), dnw(nw);
+  DevBuf<__half> dxs(slots.h.empty() ? std::vector<__half>(1) : slots.h);
+  PromptMmaArgs a;
+  a.W = W;
+  a.n = n;
+  if (normed) {
+    a.x = dx.p;
+    a.norm_w = dnw.p;
+    a.eps = kEps;
+  } else {
+    a.x_slots = dxs.p;
+  }
+  a.out_kind = out;
+  a.d_ff = d_ff;
+  std::vector<std::vector<float>> want(n);
+  for (int t = 0; t < n; ++t)
+    want[t] = ref_row(std::vector<float>(in.begin() + static_cast<size_t>(t) * K, in.begin() + static_cast<size_t>(t + 1) * K));
+  if (out == PromptMmaOut::SiluHalf) {
+    DevBuf<__half> o(static_cast<size_t>(n + 1) * 2 * d_ff);  // one spare row must stay untouched
+    o.poison();
+    a.out_slots = o.p;
+    launch_prompt_mma(a, nullptr);
+    const SlotRows got{o.download(), d_ff};
+    double err = 0;
+    for (int t = 0; t < n; ++t)
+      for (int j = 0; j < d_ff; ++j) {
+        const double e = std::fabs(got.value(t, j) - ref::silu(want[t][j]) * want[t][d_ff + j]);
+        err = std::isnan(e) ? INFINITY : std::max(err, e);
+      }
+    EXPECT_LE(err, kTol) << "silu(gate) * up";
+    EXPECT_EQ(got.poisoned(n), 2 * d_ff) << "row n written";
+  } else {
+    const bool add = out == PromptMmaOut::AddResidual;
+    const std::vector<float> y0 = random_vec(static_cast<size_t>(n) * rows);
+    DevBuf<float> dy(static_cast<size_t>(n + 1) * rows);
+    dy.poison();
+    if (add) CUDA_CHECK(cudaMemcpy(dy.p, y0.data(), y0.size() * 4, cudaMemcpyHostToDevice));
+    a.y = dy.p;
+    launch_prompt_mma(a, nullptr);
+    expect_projection_rows(dy.download(), want, y0, n, rows, add);
+  }
 }
 
 }  // namespace

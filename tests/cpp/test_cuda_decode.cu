@@ -13,23 +13,7 @@ TEST(CudaMatvec, PlainFusedNormAndResidualAtEveryShape) {
       SCOPED_TRACE(std::string(type_name(t)) + " " + std::to_string(s.rows) + "x" + std::to_string(s.cols));
       auto hm = random_matrix(t, s.rows, s.cols, 1.f / std::sqrt(static_cast<float>(s.cols)));
       GpuMatrix g = to_gpu({&hm->view});
-      const std::vector<float> x = random_vec(s.cols, -2.f, 2.f), nw = random_vec(s.cols, 0.5f, 1.5f);
-      DevBuf<float> dx(x), dnw(nw), dy(s.rows);
-
-      dy.poison();
-      launch_norm_matvec(g.m, dx.p, nullptr, kEps, dy.p, nullptr);
-      EXPECT_LE(max_abs_diff(dy.download(), ref_matvec(hm->view, x)), kTol) << "plain matvec";
-
-      dy.poison();
-      launch_norm_matvec(g.m, dx.p, dnw.p, kEps, dy.p, nullptr);
-      EXPECT_LE(max_abs_diff(dy.download(), ref_matvec(hm->view, ref_rmsnorm(x, nw, kEps))), kTol) << "norm+matvec";
-
-      const std::vector<float> y0 = random_vec(s.rows);
-      dy.upload(y0);
-      launch_matvec_residual(g.m, dx.p, dy.p, nullptr);
-      std::vector<float> expect = ref_matvec(hm->view, x);
-      for (int r = 0; r < s.rows; ++r) expect[r] += y0[r];
-      EXPECT_LE(max_abs_diff(dy.download(), expect), kTol) << "matvec+residual";
+      check_decode_matvecs(*hm, g, s.rows, s.cols);
     }
   }
 }

@@ -241,65 +241,11 @@ TEST(CudaPrompt, MmaProjectionsMatchReferenceAtEveryShape) {
         SCOPED_TRACE(std::string(type_name(type)) + " " + std::to_string(cs.rows) + "x" + std::to_string(cs.cols) +
                      " out " + std::to_string(static_cast<int>(cs.out)) + (cs.normed ? " normed" : " slots") +
                      " n " + std::to_string(n));
-        const int K = cs.cols, d_ff = cs.out == PromptMmaOut::SiluHalf ? cs.rows / 2 : 0;
+        const int K = cs.cols;
         auto hm = random_matrix(type, cs.rows, K, 1.f / std::sqrt(static_cast<float>(K)));
         GpuMatrix g = to_gpu({&hm->view});
-        const std::vector<float> x = random_vec(static_cast<size_t>(n) * K, -3.f, 3.f);
-        const std::vector<float> nw = random_vec(K, 0.5f, 1.5f);
-        // The reference's input rows: rmsnorm(x_t), or the values the slot rows stand for.
-        std::vector<float> in(x.size());
-        SlotRows slots{{}, K};
-        if (cs.normed) {
-          for (int t = 0; t < n; ++t) {
-            const std::vector<float> row(x.begin() + static_cast<size_t>(t) * K, x.begin() + static_cast<size_t>(t + 1) * K);
-            const std::vector<float> h = ref_rmsnorm(row, nw, kEps);
-            std::copy(h.begin(), h.end(), in.begin() + static_cast<size_t>(t) * K);
-          }
-        } else {
-          slots = make_slot_rows(x, n, K, &in);
-        }
-        DevBuf<float> dx(x), dnw(nw);
-        DevBuf<__half> dxs(slots.h.empty() ? std::vector<__half>(1) : slots.h);
-        PromptMmaArgs a;
-        a.W = g.m;
-        a.n = n;
-        if (cs.normed) {
-          a.x = dx.p;
-          a.norm_w = dnw.p;
-          a.eps = kEps;
-        } else {
-          a.x_slots = dxs.p;
-        }
-        a.out_kind = cs.out;
-        a.d_ff = d_ff;
-        std::vector<std::vector<float>> want(n);
-        for (int t = 0; t < n; ++t)
-          want[t] = ref_matvec(hm->view, std::vector<float>(in.begin() + static_cast<size_t>(t) * K,
-                                                            in.begin() + static_cast<size_t>(t + 1) * K));
-        if (cs.out == PromptMmaOut::SiluHalf) {
-          DevBuf<__half> out(static_cast<size_t>(n + 1) * 2 * d_ff);  // one spare row must stay untouched
-          out.poison();
-          a.out_slots = out.p;
-          launch_prompt_mma(a, nullptr);
-          const SlotRows got{out.download(), d_ff};
-          double err = 0;
-          for (int t = 0; t < n; ++t)
-            for (int j = 0; j < d_ff; ++j) {
-              const double e = std::fabs(got.value(t, j) - ref::silu(want[t][j]) * want[t][d_ff + j]);
-              err = std::isnan(e) ? INFINITY : std::max(err, e);
-            }
-          EXPECT_LE(err, kTol) << "silu(gate) * up";
-          EXPECT_EQ(got.poisoned(n), 2 * d_ff) << "row n written";
-        } else {
-          const bool add = cs.out == PromptMmaOut::AddResidual;
-          const std::vector<float> y0 = random_vec(static_cast<size_t>(n) * cs.rows);
-          DevBuf<float> dy(static_cast<size_t>(n + 1) * cs.rows);
-          dy.poison();
-          if (add) CUDA_CHECK(cudaMemcpy(dy.p, y0.data(), y0.size() * 4, cudaMemcpyHostToDevice));
-          a.y = dy.p;
-          launch_prompt_mma(a, nullptr);
-          expect_projection_rows(dy.download(), want, y0, n, cs.rows, add);
-        }
+        check_prompt_mma(g.m, n, K, cs.rows, cs.normed, cs.out,
+                         [&](const std::vector<float>& row) { return ref_matvec(hm->view, row); });
       }
     }
   }

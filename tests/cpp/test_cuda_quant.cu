@@ -118,23 +118,7 @@ TEST(CudaQuant, MatvecNormAndResidualAtRealShapes) {
       auto hm = random_matrix(t, s.rows, s.cols, 1.f / std::sqrt(static_cast<float>(s.cols)));
       GpuMatrix g = to_gpu({&hm->view});
       SCOPED_TRACE(layout_trace({t}, g, s.rows, s.cols));
-      const std::vector<float> x = random_vec(s.cols, -2.f, 2.f), nw = random_vec(s.cols, 0.5f, 1.5f);
-      DevBuf<float> dx(x), dnw(nw), dy(s.rows);
-
-      dy.poison();
-      launch_norm_matvec(g.m, dx.p, nullptr, kEps, dy.p, nullptr);
-      EXPECT_LE(max_abs_diff(dy.download(), ref_matvec(hm->view, x)), kTol) << "plain matvec";
-
-      dy.poison();
-      launch_norm_matvec(g.m, dx.p, dnw.p, kEps, dy.p, nullptr);
-      EXPECT_LE(max_abs_diff(dy.download(), ref_matvec(hm->view, ref_rmsnorm(x, nw, kEps))), kTol) << "norm+matvec";
-
-      const std::vector<float> y0 = random_vec(s.rows);
-      dy.upload(y0);
-      launch_matvec_residual(g.m, dx.p, dy.p, nullptr);
-      std::vector<float> expect = ref_matvec(hm->view, x);
-      for (int r = 0; r < s.rows; ++r) expect[r] += y0[r];
-      EXPECT_LE(max_abs_diff(dy.download(), expect), kTol) << "matvec+residual";
+      check_decode_matvecs(*hm, g, s.rows, s.cols);
     }
   }
 }
@@ -437,61 +421,8 @@ TEST(CudaQuant, PromptMmaProjectionsAtRealShapes) {
     for (int n : {1, 7, 9, 17, 32}) {
       SCOPED_TRACE(layout_trace(cs.parts, g, cs.rows, K) + " out " + std::to_string(static_cast<int>(cs.out)) +
                    (cs.normed ? " normed" : " slots") + " n " + std::to_string(n));
-      const std::vector<float> x = random_vec(static_cast<size_t>(n) * K, -3.f, 3.f);
-      const std::vector<float> nw = random_vec(K, 0.5f, 1.5f);
-      std::vector<float> in(x.size());
-      SlotRows slots{{}, K};
-      if (cs.normed) {
-        for (int t = 0; t < n; ++t) {
-          const std::vector<float> row(x.begin() + static_cast<size_t>(t) * K, x.begin() + static_cast<size_t>(t + 1) * K);
-          const std::vector<float> h = ref_rmsnorm(row, nw, kEps);
-          std::copy(h.begin(), h.end(), in.begin() + static_cast<size_t>(t) * K);
-        }
-      } else {
-        slots = make_slot_rows(x, n, K, &in);
-      }
-      DevBuf<float> dx(x), dnw(nw);
-      DevBuf<__half> dxs(slots.h.empty() ? std::vector<__half>(1) : slots.h);
-      PromptMmaArgs a;
-      a.W = g.m;
-      a.n = n;
-      if (cs.normed) {
-        a.x = dx.p;
-        a.norm_w = dnw.p;
-        a.eps = kEps;
-      } else {
-        a.x_slots = dxs.p;
-      }
-      a.out_kind = cs.out;
-      a.d_ff = d_ff;
-      std::vector<std::vector<float>> want(n);
-      for (int t = 0; t < n; ++t)
-        want[t] = ref_stack_matvec(parts, std::vector<float>(in.begin() + static_cast<size_t>(t) * K,
-                                                             in.begin() + static_cast<size_t>(t + 1) * K));
-      if (cs.out == PromptMmaOut::SiluHalf) {
-        DevBuf<__half> out(static_cast<size_t>(n + 1) * 2 * d_ff);
-        out.poison();
-        a.out_slots = out.p;
-        launch_prompt_mma(a, nullptr);
-        const SlotRows got{out.download(), d_ff};
-        double err = 0;
-        for (int t = 0; t < n; ++t)
-          for (int j = 0; j < d_ff; ++j) {
-            const double e = std::fabs(got.value(t, j) - ref::silu(want[t][j]) * want[t][d_ff + j]);
-            err = std::isnan(e) ? INFINITY : std::max(err, e);
-          }
-        EXPECT_LE(err, kTol) << "silu(gate) * up";
-        EXPECT_EQ(got.poisoned(n), 2 * d_ff) << "row n written";
-      } else {
-        const bool add = cs.out == PromptMmaOut::AddResidual;
-        const std::vector<float> y0 = random_vec(static_cast<size_t>(n) * cs.rows);
-        DevBuf<float> dy(static_cast<size_t>(n + 1) * cs.rows);
-        dy.poison();
-        if (add) CUDA_CHECK(cudaMemcpy(dy.p, y0.data(), y0.size() * 4, cudaMemcpyHostToDevice));
-        a.y = dy.p;
-        launch_prompt_mma(a, nullptr);
-        expect_projection_rows(dy.download(), want, y0, n, cs.rows, add);
-      }
+      check_prompt_mma(g.m, n, K, cs.rows, cs.normed, cs.out,
+                       [&](const std::vector<float>& row) { return ref_stack_matvec(parts, row); });
     }
   }
 }
@@ -567,47 +498,6 @@ TEST(CudaQuant, PromptGemmAtRealShapes) {
 // ------------------------------------------------------------------ whole backend on mixed-type models
 
 namespace {
-
-struct LayerTypes {
-  GgmlType q, k, v, o, gate, up, down;
-};
-
-// A synthetic Llama (head_dim 64, tied embedding) whose layer l has the types types(l).
-template <typename Types>
-std::unique_ptr<TestModel> make_typed_model(int n_layers, int vocab, int n_ctx, int d, int d_ff, int n_heads,
-                                            int n_kv, GgmlType embd_type, Types types) {
-  auto m = std::make_unique<TestModel>();
-  ModelSpec& s = m->spec;
-  s.n_layers = n_layers;
-  s.d_model = d;
-  s.d_ff = d_ff;
-  s.n_heads = n_heads;
-  s.n_kv_heads = n_kv;
-  s.head_dim = d / n_heads;
-  s.vocab = vocab;
-  s.n_ctx = n_ctx;
-  s.rope_base = 100000.f;
-  s.rms_eps = 1e-5f;
-  const float sd = 1.f / std::sqrt(static_cast<float>(d)), sf = 1.f / std::sqrt(static_cast<float>(d_ff));
-  m->w.tok_embd = m->add(embd_type, vocab, d, 1.f);
-  m->w.output = m->w.tok_embd;
-  m->w.output_norm = m->norm(d);
-  for (int l = 0; l < n_layers; ++l) {
-    const LayerTypes t = types(l);
-    LayerWeights L;
-    L.attn_norm = m->norm(d);
-    L.wq = m->add(t.q, s.q_dim(), d, kQkSigma * sd);
-    L.wk = m->add(t.k, s.kv_dim(), d, kQkSigma * sd);
-    L.wv = m->add(t.v, s.kv_dim(), d, sd);
-    L.wo = m->add(t.o, d, s.q_dim(), 0.5f * sd);
-    L.ffn_norm = m->norm(d);
-    L.w_gate = m->add(t.gate, d_ff, d, sd);
-    L.w_up = m->add(t.up, d_ff, d, sd);
-    L.w_down = m->add(t.down, d, d_ff, 0.5f * sf);
-    m->w.layers.push_back(L);
-  }
-  return m;
-}
 
 struct TypedModelCase {
   const char* name;
