@@ -631,6 +631,21 @@ class CpuBackend final : public Backend {
       }
   }
 
+  void read_kv_rows(int layer, int slot, int pos0, int n, float* k, float* v) const override {
+    check_kv_rows(s_, layer, slot, pos0, n);
+    const int hd = s_.head_dim, kv = s_.kv_dim();
+    const uint16_t* kc = k_layer(slot, layer);
+    const uint16_t* vc = v_layer(slot, layer);
+    for (int t = 0; t < n; ++t) {
+      const size_t pos = static_cast<size_t>(pos0 + t);
+      for (int i = 0; i < kv; ++i) {
+        const size_t h = i / hd, d = i % hd;
+        k[static_cast<size_t>(t) * kv + i] = fp16_to_float(kc[h * hd * k_cap_ + pos / 16 * 16 * hd + 16 * d + pos % 16]);
+        v[static_cast<size_t>(t) * kv + i] = fp16_to_float(vc[(h * k_cap_ + pos) * hd + d]);
+      }
+    }
+  }
+
   // Layer l of slot s, fp16 (IEEE half bits): K [kv_head][k_cap / 16][head_dim][16] (transposed by blocks, see
   // attend_scores), V [kv_head][k_cap][head_dim] (a head's rows contiguous: the P.V streams them; rows of all heads
   // interleaved, at a stride of kv_dim, were measured slower, NOTES "CPU, session 18").

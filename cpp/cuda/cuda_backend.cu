@@ -249,6 +249,20 @@ CudaBackend::CudaBackend(const ModelSpec& spec, const ModelWeights& w, bool debu
   CUDA_CHECK(cudaStreamSynchronize(res_.stream));
 }
 
+void CudaBackend::read_kv_rows(int layer, int slot, int pos0, int n, float* k, float* v) const {
+  check_kv_rows(spec_, layer, slot, pos0, n);
+  const size_t count = static_cast<size_t>(n) * spec_.kv_dim();
+  const int64_t off = slot * slot_stride_ + static_cast<int64_t>(pos0) * spec_.kv_dim();
+  std::vector<__half> h(count);
+  CUDA_CHECK(cudaStreamSynchronize(res_.stream));  // every enqueued step has written its rows
+  for (int which = 0; which < 2; ++which) {
+    const __half* src = (which == 0 ? layer_k(layer) : layer_v(layer)) + off;
+    CUDA_CHECK(cudaMemcpy(h.data(), src, count * sizeof(__half), cudaMemcpyDeviceToHost));
+    float* dst = which == 0 ? k : v;
+    for (size_t i = 0; i < count; ++i) dst[i] = __half2float(h[i]);
+  }
+}
+
 void CudaBackend::check_token(int32_t token) const {
   if (token < 0 || token >= spec_.vocab)
     throw EngineError("token id " + std::to_string(token) + " is outside the vocabulary");

@@ -116,6 +116,7 @@ class CudaBackend final : public Backend {
                               int slot) override;
   void forward_batch(const int32_t* tokens, const int32_t* slots, const int32_t* pos, int n, float* logits,
                      ArgmaxResult* out) override;
+  void read_kv_rows(int layer, int slot, int pos0, int n, float* k, float* v) const override;
   MemoryInfo memory_info() const override { return mem_; }
   // 5 per layer, plus the final norm + lm_head + argmax.
   int kernels_per_token() const override {

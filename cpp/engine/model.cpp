@@ -39,6 +39,14 @@ static void check_vector(const float* v, const std::string& name, bool wanted) {
   if (!wanted && v != nullptr) throw EngineError("tensor " + name + " is given but the architecture has no use for it");
 }
 
+void check_kv_rows(const ModelSpec& s, int layer, int slot, int pos0, int n) {
+  if (layer < 0 || layer >= s.n_layers || slot < 0 || slot >= s.n_seq || pos0 < 0 || n < 0 || pos0 > s.n_ctx - n)
+    throw EngineError("read_kv_rows: layer " + std::to_string(layer) + ", slot " + std::to_string(slot) + ", rows " +
+                      std::to_string(pos0) + " + " + std::to_string(n) + " outside the cache (" +
+                      std::to_string(s.n_layers) + " layers, " + std::to_string(s.n_seq) + " slots, n_ctx " +
+                      std::to_string(s.n_ctx) + ")");
+}
+
 void validate_model(const ModelSpec& s, const ModelWeights& w) {
   if (s.n_layers <= 0 || s.d_model <= 0 || s.d_ff <= 0 || s.n_heads <= 0 || s.n_kv_heads <= 0 || s.vocab <= 0 ||
       s.n_ctx <= 0)

@@ -45,6 +45,10 @@ class Backend {
   virtual void forward_batch(const int32_t* tokens, const int32_t* slots, const int32_t* pos, int n, float* logits,
                              ArgmaxResult* out) = 0;
 
+  // For tests and debugging: the K and V cache rows [pos0, pos0 + n) of `layer` in KV slot `slot`, as the cache holds
+  // them (fp16 values widened exactly; K after RoPE), row-major [n][kv_dim] into k and into v.
+  virtual void read_kv_rows(int layer, int slot, int pos0, int n, float* k, float* v) const = 0;
+
   virtual MemoryInfo memory_info() const = 0;
   // Kernel launches one decode step makes (0 where it is not counted, e.g. the CPU).
   virtual int kernels_per_token() const { return 0; }

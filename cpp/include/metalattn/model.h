@@ -126,5 +126,8 @@ struct NonFiniteLogits : EngineError {
 
 // Checks every shape and type against the spec; throws EngineError naming the tensor.
 void validate_model(const ModelSpec& spec, const ModelWeights& w);
+// Backend::read_kv_rows's arguments against the spec (layer, slot, rows [pos0, pos0 + n) within n_ctx); throws
+// EngineError.
+void check_kv_rows(const ModelSpec& spec, int layer, int slot, int pos0, int n);
 
 }  // namespace metalattn
