@@ -319,15 +319,18 @@ double max_kv_diff(const std::vector<float>& got, const std::vector<float>& want
 }
 // The same for two cache values each rounded from nearly equal floats (two kernels' rows): one fp16 ulp apart at most
 // (|a| * 2^-10) where their floats straddle a rounding boundary.
-double max_kv_pair_diff(const std::vector<float>& a, const std::vector<float>& b) {
+double max_kv_pair_diff(const float* a, const float* b, size_t n) {
   double m = 0;
-  for (size_t i = 0; i < a.size(); ++i) {
+  for (size_t i = 0; i < n; ++i) {
     const double slack = std::max(std::max(std::fabs(double(a[i])), std::fabs(double(b[i]))) * 0x1p-10, 0x1p-24);
     const double e = std::fabs(static_cast<double>(a[i]) - b[i]);
     if (std::isnan(e)) return INFINITY;
     m = std::max(m, e - slack);
   }
   return m;
+}
+double max_kv_pair_diff(const std::vector<float>& a, const std::vector<float>& b) {
+  return max_kv_pair_diff(a.data(), b.data(), a.size());
 }
 
 // The RoPE angle table the backend uploads: [n_ctx][head_dim/2] (cos, sin), rope base 100000 as in SmolLM2.
@@ -504,16 +507,12 @@ struct RefForward {
     for (int t = 0; t < pos; ++t)
       rows_changed += std::memcmp(dk.data() + static_cast<size_t>(t) * kv, kl + static_cast<size_t>(t) * kv, kv * 4) != 0 ||
                       std::memcmp(dv.data() + static_cast<size_t>(t) * kv, vl + static_cast<size_t>(t) * kv, kv * 4) != 0;
-    for (const auto& [dev, own] : {std::make_pair(&dk[0], kl), std::make_pair(&dv[0], vl)}) {
-      const size_t row = static_cast<size_t>(pos) * kv;
+    const size_t row = static_cast<size_t>(pos) * kv;
+    for (const auto& [dev, own] : {std::make_pair(&dk[row], kl + row), std::make_pair(&dv[row], vl + row)}) {
       double ss = 0;
-      for (int i = 0; i < kv; ++i) ss += static_cast<double>(own[row + i]) * own[row + i];
+      for (int i = 0; i < kv; ++i) ss += static_cast<double>(own[i]) * own[i];
       const double rms = std::max(std::sqrt(ss / kv), 1e-30);
-      for (int i = 0; i < kv; ++i) {
-        const double o = own[row + i], ulp = std::max(std::fabs(o) * 0x1p-10, 0x1p-24);
-        const double e = std::fabs(static_cast<double>(dev[row + i]) - o);
-        kv_excess_max = std::max(kv_excess_max, std::isnan(e) ? INFINITY : (e - ulp) / rms);
-      }
+      kv_excess_max = std::max(kv_excess_max, max_kv_pair_diff(dev, own, kv) / rms);
     }
     std::copy(dk.begin(), dk.end(), kl);
     std::copy(dv.begin(), dv.end(), vl);
