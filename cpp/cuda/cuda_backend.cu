@@ -314,9 +314,15 @@ void CudaBackend::enqueue_decode(bool capture_hidden, DecodeVariant variant) {
       launch_attention_decode_short(q_, kc, vc, io_dev_, s.n_heads, s.n_kv_heads, s.head_dim,
                                     std::min(s.n_ctx, kShortAttnMaxPos), attn_out_, st);
     } else {
-      const int heads_per_block = variant == kDecodeLong ? s.n_heads / s.n_kv_heads : 1;
-      launch_attention_decode(q_, kc, vc, io_dev_, s.n_heads, s.n_kv_heads, s.head_dim, s.n_ctx, attn_, attn_out_,
-                              st, heads_per_block);
+      if (variant == kDecodeLong && tc_decode_attention_fits(s.n_heads, s.n_kv_heads, s.head_dim, s.n_ctx,
+                                                             attn_.max_splits)) {
+        launch_attention_decode_tc(q_, kc, vc, io_dev_, s.n_heads, s.n_kv_heads, s.head_dim, s.n_ctx, attn_,
+                                   attn_out_, st);
+      } else {
+        const int heads_per_block = variant == kDecodeLong ? s.n_heads / s.n_kv_heads : 1;
+        launch_attention_decode(q_, kc, vc, io_dev_, s.n_heads, s.n_kv_heads, s.head_dim, s.n_ctx, attn_, attn_out_,
+                                st, heads_per_block);
+      }
     }
     after_launch();
     launch_matvec_residual(L.o, attn_out_, x_, st);

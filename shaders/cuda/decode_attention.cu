@@ -7,6 +7,8 @@
 #include <cmath>
 #include <string>
 
+#include <mma.h>
+
 #include "cuda/cuda_check.h"
 #include "kernels.cuh"
 #include "trace.cuh"
@@ -236,6 +238,243 @@ __global__ void __launch_bounds__(kAttnThreads) attention_decode_kernel(const fl
   if (threadIdx.x == 0) p.counters[head_block] = 0u;  // re-armed for the next launch
 }
 
+// ------------------------------------------------------------------ split decode attention on tensor cores
+// head_dim 64. One block of kTcdThreads per (KV head, split): the group's query heads are the live rows of one
+// 16-row tile, so a KV head's K/V rows are read once for all of them, and the scores (16 x len) and the P.V (16 x 64)
+// are a few wmma steps a warp instead of per-position FMA chains. q and the probabilities are carried as fp16 hi + lo
+// (about 21 bits of each), K and V are exact as cached, accumulation is fp32: the products match the FMA kernel's
+// to ~1e-6. Partials and the last block's combine are the split kernel's (attention_decode_kernel).
+namespace wm = nvcuda::wmma;
+constexpr int kTcdHd = 64;
+constexpr int kTcdRows = 16;                     // rows of the query tile: the group's heads, the rest zero
+constexpr int kTcdThreads = kTcDecodeMaxChunk;   // one thread a position in the softmax
+constexpr int kTcdWarps = kTcdThreads / 32;
+constexpr int kTcdHalfLd = kTcdHd + 8;           // K, V, q rows: 144 bytes (16-byte aligned, tiles at 32-byte steps)
+constexpr int kTcdSLd = kTcDecodeMaxChunk + 4;   // score rows (floats)
+constexpr int kTcdPLd = kTcDecodeMaxChunk + 8;   // probability rows (halves)
+constexpr int kTcdOLd = kTcdHd + 4;              // output rows (floats)
+static_assert(kTcdWarps == 8, "the P.V gives each of 8 warps one 16-dim column tile and one parity of key steps");
+
+struct TcdSmem {  // every array at a 32-byte multiple (the wmma pointers' alignment)
+  __half k[kTcDecodeMaxChunk][kTcdHalfLd];
+  __half v[kTcDecodeMaxChunk][kTcdHalfLd];
+  __half q_hi[kTcdRows][kTcdHalfLd], q_lo[kTcdRows][kTcdHalfLd];
+  float s[kTcdRows][kTcdSLd];                          // scores
+  __half p_hi[kTcdRows][kTcdPLd], p_lo[kTcdRows][kTcdPLd];  // probabilities e^(s - m), hi + lo
+  float o[2][kTcdRows][kTcdOLd];                       // P.V over even / odd key steps
+  float red_m[kTcdWarps][kTcdRows], red_l[kTcdWarps][kTcdRows];
+  float w[kTcdRows][kMaxAttnSplits];                   // the combine's weight of each split
+};
+
+using TcdFragA = wm::fragment<wm::matrix_a, 16, 16, 16, __half, wm::row_major>;
+using TcdFragBCol = wm::fragment<wm::matrix_b, 16, 16, 16, __half, wm::col_major>;
+using TcdFragBRow = wm::fragment<wm::matrix_b, 16, 16, 16, __half, wm::row_major>;
+using TcdFragAcc = wm::fragment<wm::accumulator, 16, 16, 16, float>;
+
+__device__ __forceinline__ void tcd_split(float v, __half& hi, __half& lo) {
+  hi = __float2half_rn(v);
+  lo = __float2half_rn(v - __half2float(hi));
+}
+
+// HPB: query heads per KV head (the group), at most kTcdRows. Grid (n_kv_heads, max_splits); splits =
+// attn_splits(pos + 1), blocks past it exit at once; chunks of at most kTcDecodeMaxChunk positions.
+template <int HPB>
+__global__ void __launch_bounds__(kTcdThreads) attention_decode_tc_kernel(const float* q, const __half* k_cache,
+                                                                          const __half* v_cache, const DecodeIO* io,
+                                                                          int n_kv_heads, AttnScratch p,
+                                                                          float* __restrict__ out) {
+  static_assert(HPB >= 1 && HPB <= kTcdRows, "the group fills at most one 16-row tile");
+  extern __shared__ __align__(128) unsigned char tcd_raw[];
+  TcdSmem& sm = *reinterpret_cast<TcdSmem*>(tcd_raw);
+  KernelTrace trace(kTraceAttention);
+  detail::launch_dependents();
+  const int kvh = blockIdx.x, split = blockIdx.y, head0 = kvh * HPB;
+  const int pos = io->pos, n_pos = pos + 1;  // io was written before this graph launch
+  const int n_splits = attn_splits(n_pos, p.max_splits);
+  if (split >= n_splits) return;
+  const int chunk = attn_chunk(n_pos, n_splits);
+  const int start = split * chunk, len = min(chunk, n_pos - start), len16 = (len + 15) & ~15;
+  if (len16 > kTcDecodeMaxChunk) __trap();  // the launcher checks the capacity
+  const int kv_dim = n_kv_heads * kTcdHd;
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+  const __half* k_head = k_cache + kvh * kTcdHd;
+  const __half* v_head = v_cache + kvh * kTcdHd;
+
+  // Before the wait: the rows earlier steps wrote (all but row pos) by cp.async, the padding rows up to len16 zero
+  // (their zero scores are not read, and zero V rows keep the P.V free of NaN garbage).
+  const int n_early = min(len, pos - start);
+  constexpr int kChunks = kTcdHd / 8;  // 16-byte pieces of a row
+  for (int i = tid; i < len16 * kChunks; i += kTcdThreads) {
+    const int t = i / kChunks, c = (i % kChunks) * 8;
+    if (t < n_early) {
+      cp_async16(&sm.k[t][c], k_head + static_cast<int64_t>(start + t) * kv_dim + c);
+      cp_async16(&sm.v[t][c], v_head + static_cast<int64_t>(start + t) * kv_dim + c);
+    } else if (t >= len) {
+      *reinterpret_cast<uint4*>(&sm.k[t][c]) = make_uint4(0u, 0u, 0u, 0u);
+      *reinterpret_cast<uint4*>(&sm.v[t][c]) = make_uint4(0u, 0u, 0u, 0u);
+    }
+  }
+  grid_dependency_wait();
+  trace.released();
+
+  // After the wait: q of the group (scaled by 1/sqrt(64)) and, in the last chunk, row pos, all loads first.
+  constexpr int kQ4 = kTcdRows * kTcdHd / 4 / kTcdThreads;  // float4 pieces of the tile per thread
+  float4 qv[kQ4];
+#pragma unroll
+  for (int u = 0; u < kQ4; ++u) {
+    const int i = tid + u * kTcdThreads, r = i / (kTcdHd / 4), c = (i % (kTcdHd / 4)) * 4;
+    qv[u] = r < HPB ? __ldcg(reinterpret_cast<const float4*>(q + static_cast<int64_t>(head0 + r) * kTcdHd + c))
+                    : make_float4(0.f, 0.f, 0.f, 0.f);
+  }
+  const int t_pos = pos - start;  // row pos, when this chunk holds it (the last row of the last chunk)
+  if (t_pos < len) {
+    if (warp == kTcdWarps - 2 && lane < kChunks)
+      *reinterpret_cast<uint4*>(&sm.k[t_pos][lane * 8]) =
+          __ldcg(reinterpret_cast<const uint4*>(k_head + static_cast<int64_t>(pos) * kv_dim) + lane);
+    else if (warp == kTcdWarps - 1 && lane < kChunks)
+      *reinterpret_cast<uint4*>(&sm.v[t_pos][lane * 8]) =
+          __ldcg(reinterpret_cast<const uint4*>(v_head + static_cast<int64_t>(pos) * kv_dim) + lane);
+  }
+  const float scale = 0.125f;  // 1 / sqrt(64)
+#pragma unroll
+  for (int u = 0; u < kQ4; ++u) {
+    const int i = tid + u * kTcdThreads, r = i / (kTcdHd / 4), c = (i % (kTcdHd / 4)) * 4;
+    tcd_split(qv[u].x * scale, sm.q_hi[r][c], sm.q_lo[r][c]);
+    tcd_split(qv[u].y * scale, sm.q_hi[r][c + 1], sm.q_lo[r][c + 1]);
+    tcd_split(qv[u].z * scale, sm.q_hi[r][c + 2], sm.q_lo[r][c + 2]);
+    tcd_split(qv[u].w * scale, sm.q_hi[r][c + 3], sm.q_lo[r][c + 3]);
+  }
+  cp_async_wait_all();
+  __syncthreads();
+  trace.mark(0);
+
+  // Scores: warp w takes the 16-key tiles w, w + 8, ...: S = q_hi K^T + q_lo K^T over four 16-dim steps.
+  {
+    TcdFragA qa_hi[kTcdHd / 16], qa_lo[kTcdHd / 16];
+#pragma unroll
+    for (int ks = 0; ks < kTcdHd / 16; ++ks) {
+      wm::load_matrix_sync(qa_hi[ks], &sm.q_hi[0][ks * 16], kTcdHalfLd);
+      wm::load_matrix_sync(qa_lo[ks], &sm.q_lo[0][ks * 16], kTcdHalfLd);
+    }
+    for (int kt = warp; kt * 16 < len; kt += kTcdWarps) {
+      TcdFragAcc acc;
+      wm::fill_fragment(acc, 0.f);
+#pragma unroll
+      for (int ks = 0; ks < kTcdHd / 16; ++ks) {
+        TcdFragBCol kb;
+        wm::load_matrix_sync(kb, &sm.k[kt * 16][ks * 16], kTcdHalfLd);
+        wm::mma_sync(acc, qa_hi[ks], kb, acc);
+        wm::mma_sync(acc, qa_lo[ks], kb, acc);
+      }
+      wm::store_matrix_sync(&sm.s[0][kt * 16], acc, kTcdSLd, wm::mem_row_major);
+    }
+  }
+  __syncthreads();
+  trace.mark(1);
+
+  // Softmax, a thread per position for every live row: the block's max and sum of each row through one shared
+  // reduction each; probabilities e^(s - m) as hi + lo (zero past len and in the dead rows).
+  const int t = tid;
+  float sv[HPB];
+#pragma unroll
+  for (int g = 0; g < HPB; ++g) {
+    sv[g] = t < len ? sm.s[g][t] : -INFINITY;
+    const float mw = detail::warp_max(sv[g]);
+    if (lane == 0) sm.red_m[warp][g] = mw;
+  }
+  __syncthreads();
+  float mrow[HPB];
+#pragma unroll
+  for (int g = 0; g < HPB; ++g) {
+    float mx = sm.red_m[0][g];
+#pragma unroll
+    for (int w = 1; w < kTcdWarps; ++w) mx = fmaxf(mx, sm.red_m[w][g]);
+    mrow[g] = mx;
+    const float e = t < len ? expf(sv[g] - mx) : 0.f;
+    if (t < len16) tcd_split(e, sm.p_hi[g][t], sm.p_lo[g][t]);
+    const float lw = detail::warp_sum(e);
+    if (lane == 0) sm.red_l[warp][g] = lw;
+  }
+  for (int i = tid; i < (kTcdRows - HPB) * len16; i += kTcdThreads) {  // dead rows
+    const int r = HPB + i / len16, c = i % len16;
+    sm.p_hi[r][c] = sm.p_lo[r][c] = __float2half_rn(0.f);
+  }
+  __syncthreads();
+  trace.mark(2);
+
+  // P.V: warp w takes output dims (w % 4) * 16 .. + 15 over the key steps of parity w / 4 (two independent chains a
+  // column tile); O = P_hi V + P_lo V.
+  {
+    const int ct = warp % 4, parity = warp / 4;
+    TcdFragAcc acc;
+    wm::fill_fragment(acc, 0.f);
+    for (int ks = parity; ks * 16 < len; ks += 2) {
+      TcdFragA pa_hi, pa_lo;
+      TcdFragBRow vb;
+      wm::load_matrix_sync(pa_hi, &sm.p_hi[0][ks * 16], kTcdPLd);
+      wm::load_matrix_sync(pa_lo, &sm.p_lo[0][ks * 16], kTcdPLd);
+      wm::load_matrix_sync(vb, &sm.v[ks * 16][ct * 16], kTcdHalfLd);
+      wm::mma_sync(acc, pa_hi, vb, acc);
+      wm::mma_sync(acc, pa_lo, vb, acc);
+    }
+    wm::store_matrix_sync(&sm.o[parity][0][ct * 16], acc, kTcdOLd, wm::mem_row_major);
+  }
+  __syncthreads();
+  trace.mark(3);
+
+  float lrow = 0.f;  // this thread's row's sum (threads < HPB * 64 own element (g, d) = (tid / 64, tid % 64))
+  const int g_own = tid / kTcdHd, d_own = tid % kTcdHd;
+  if (g_own < HPB) {
+#pragma unroll
+    for (int w = 0; w < kTcdWarps; ++w) lrow += sm.red_l[w][g_own];
+  }
+  if (n_splits == 1) {
+    for (int i = tid; i < HPB * kTcdHd; i += kTcdThreads) {
+      const int g = i / kTcdHd, d = i % kTcdHd;
+      float l = 0.f;
+#pragma unroll
+      for (int w = 0; w < kTcdWarps; ++w) l += sm.red_l[w][g];
+      out[static_cast<int64_t>(head0 + g) * kTcdHd + d] = (sm.o[0][g][d] + sm.o[1][g][d]) / l;
+    }
+    return;
+  }
+  // Split: post this chunk's partial (unnormalized output, max, sum); the last block of this KV head combines them:
+  // o = sum_s o_s e^(m_s - M) / sum_s l_s e^(m_s - M), M = max_s m_s.
+  for (int i = tid; i < HPB * kTcdHd; i += kTcdThreads) {
+    const int g = i / kTcdHd, d = i % kTcdHd;
+    p.o[(static_cast<int64_t>(head0 + g) * p.max_splits + split) * kTcdHd + d] = sm.o[0][g][d] + sm.o[1][g][d];
+  }
+  if (d_own == 0 && g_own < HPB) {
+    float m_g = mrow[0];  // mrow[g_own], without indexing registers at run time
+#pragma unroll
+    for (int g = 1; g < HPB; ++g)
+      if (g == g_own) m_g = mrow[g];
+    float* ml = p.ml + (static_cast<int64_t>(head0 + g_own) * p.max_splits + split) * 2;
+    ml[0] = m_g;
+    ml[1] = lrow;
+  }
+  if (!detail::last_block_to_arrive(p.counters + kvh, n_splits)) return;
+  for (int g = warp; g < HPB; g += kTcdWarps) {
+    const float* ml = p.ml + static_cast<int64_t>(head0 + g) * p.max_splits * 2;
+    const float2 ml_s = lane < n_splits ? __ldcg(reinterpret_cast<const float2*>(ml) + lane) : make_float2(-INFINITY, 0.f);
+    const float m = detail::warp_max(ml_s.x);
+    const float w = lane < n_splits ? expf(ml_s.x - m) : 0.f;
+    const float den = detail::warp_sum(ml_s.y * w);
+    if (lane < n_splits) sm.w[g][lane] = w / den;
+  }
+  __syncthreads();
+  for (int i = tid; i < HPB * kTcdHd; i += kTcdThreads) {
+    const int g = i / kTcdHd, d = i % kTcdHd;
+    const int64_t head = head0 + g;
+    const float* po = p.o + head * p.max_splits * kTcdHd + d;
+    float num = 0.f;
+#pragma unroll 8
+    for (int s2 = 0; s2 < n_splits; ++s2) num += __ldcg(po + static_cast<int64_t>(s2) * kTcdHd) * sm.w[g][s2];
+    out[head * kTcdHd + d] = num;
+  }
+  if (tid == 0) p.counters[kvh] = 0u;  // re-armed for the next launch
+}
+
 // ------------------------------------------------------------------ short-context decode attention
 // Up to kShortAttnMaxPos positions (the decode graph's short regime), head_dim 64: one block of kShortAttnThreads per
 // query head with every K and V row in shared memory.
@@ -439,5 +678,40 @@ void launch_attention_decode_short(const float* q, const __half* k_cache, const 
   detail::allow_dynamic_smem(attention_decode_short_kernel, smem);
   detail::launch_programmatic(attention_decode_short_kernel, dim3(n_heads), dim3(kShortAttnThreads), smem, s, q,
                               k_cache, v_cache, io, n_heads, n_kv_heads, pos_cap, out);
+}
+
+// The tensor-core kernel for a group of hpb query heads per KV head (1 .. 8), or null.
+using TcdKernel = void (*)(const float*, const __half*, const __half*, const DecodeIO*, int, AttnScratch, float*);
+TcdKernel tc_decode_kernel_for(int hpb) {
+  switch (hpb) {
+    case 1: return attention_decode_tc_kernel<1>;
+    case 2: return attention_decode_tc_kernel<2>;
+    case 3: return attention_decode_tc_kernel<3>;
+    case 4: return attention_decode_tc_kernel<4>;
+    case 5: return attention_decode_tc_kernel<5>;
+    case 6: return attention_decode_tc_kernel<6>;
+    case 7: return attention_decode_tc_kernel<7>;
+    case 8: return attention_decode_tc_kernel<8>;
+    default: return nullptr;
+  }
+}
+
+bool tc_decode_attention_fits(int n_heads, int n_kv_heads, int head_dim, int n_ctx, int max_splits) {
+  return head_dim == kTcdHd && n_kv_heads >= 1 && n_heads % n_kv_heads == 0 &&
+         tc_decode_kernel_for(n_heads / n_kv_heads) != nullptr && max_splits >= 1 && max_splits <= kMaxAttnSplits &&
+         attn_chunk_cap(n_ctx, max_splits) <= kTcDecodeMaxChunk;
+}
+
+void launch_attention_decode_tc(const float* q, const __half* k_cache, const __half* v_cache, const DecodeIO* io,
+                                int n_heads, int n_kv_heads, int head_dim, int n_ctx, const AttnScratch& p,
+                                float* out, cudaStream_t s) {
+  if (!tc_decode_attention_fits(n_heads, n_kv_heads, head_dim, n_ctx, p.max_splits))
+    throw EngineError("tensor-core decode attention: needs head_dim 64, at most 8 query heads per KV head and chunks "
+                      "of at most " + std::to_string(kTcDecodeMaxChunk) + " positions");
+  const TcdKernel k = tc_decode_kernel_for(n_heads / n_kv_heads);
+  const size_t smem = sizeof(TcdSmem);
+  detail::allow_dynamic_smem(k, smem);
+  detail::launch_programmatic(k, dim3(n_kv_heads, p.max_splits), dim3(kTcdThreads), smem, s, q, k_cache, v_cache,
+                              io, n_kv_heads, p, out);
 }
 }  // namespace metalattn::cuda

@@ -639,6 +639,17 @@ void launch_attention_decode(const float* q, const __half* k_cache, const __half
                              int n_heads, int n_kv_heads, int head_dim, int n_ctx, const AttnScratch& scratch,
                              float* out, cudaStream_t s, int heads_per_block = 0);
 
+// The split decode attention on tensor cores (head_dim 64, query heads per KV head <= 16): one block per (KV head,
+// split), the group's query heads as the rows of one 16-row tile, scores and P.V as fp16 MMAs with fp32 accumulation
+// (q and the probabilities carried as hi + lo halves, K and V exact as cached). Same partials, combine and result
+// as launch_attention_decode within float rounding. Serves contexts whose chunks fit kTcDecodeMaxChunk positions;
+// tc_decode_attention_fits says whether (n_ctx, scratch) does.
+constexpr int kTcDecodeMaxChunk = 256;
+bool tc_decode_attention_fits(int n_heads, int n_kv_heads, int head_dim, int n_ctx, int max_splits);
+void launch_attention_decode_tc(const float* q, const __half* k_cache, const __half* v_cache, const DecodeIO* io,
+                                int n_heads, int n_kv_heads, int head_dim, int n_ctx, const AttnScratch& scratch,
+                                float* out, cudaStream_t s);
+
 // Short contexts, head_dim 64 (the decode graph's short regime): one block per query head with all K and V rows in
 // shared memory (fp16: 512 positions take ~150 KB). Same result as launch_attention_decode within float rounding.
 // io->pos + 1 must not exceed pos_cap (<= kShortAttnMaxPos; the kernel traps).

@@ -212,6 +212,68 @@ TEST(CudaFused, DecodeAttentionSinglePassAndSplit) {
           << n_ctx << " " << n_pos;
 }
 
+// The split decode attention on tensor cores against the reference, for the groups the models use (SmolLM2 9/3,
+// Qwen2.5 14/2, Llama 3.2 32/8, SmolLM2-1.7B 32/32, and 8/1), contexts and split capacities whose chunks fit its 256
+// positions (one split up to 256 positions; 8 and 32 splits), positions around its 16-key tiles and the split
+// boundaries; partials poisoned first, done-counters re-armed after. Contexts whose chunks do not fit are refused.
+TEST(CudaFused, DecodeAttentionTensorCoresSplit) {
+  REQUIRE_GPU();
+  const bool quick = quick_mode();
+  struct Shape {
+    int n_heads, n_kv;
+  };
+  struct Ctx {
+    int n_ctx, max_splits;
+  };
+  const int hd = 64;
+  const std::vector<Shape> shapes = quick ? std::vector<Shape>{{9, 3}}
+                                          : std::vector<Shape>{{9, 3}, {14, 2}, {32, 8}, {32, 32}, {8, 1}};
+  const std::vector<Ctx> ctxs = quick ? std::vector<Ctx>{{8192, 32}} : std::vector<Ctx>{{200, 1}, {2048, 8}, {8192, 32}};
+  const std::vector<int> positions = {1, 2, 15, 16, 17, 63, 64, 65, 129, 200, 256, 257, 1000, 2048, 4097, 8191, 8192};
+  for (const Shape sh : shapes) {
+    const int n_heads = sh.n_heads, n_kv = sh.n_kv, q_dim = n_heads * hd, kv_dim = n_kv * hd;
+    for (const Ctx cx : ctxs) {
+      ASSERT_TRUE(tc_decode_attention_fits(n_heads, n_kv, hd, cx.n_ctx, cx.max_splits));
+      const std::vector<float> kc = random_cache(static_cast<size_t>(cx.n_ctx) * kv_dim, -2.f, 2.f);
+      const std::vector<float> vc = random_cache(static_cast<size_t>(cx.n_ctx) * kv_dim);
+      DevCache dk(kc), dv(vc);
+      DevBuf<float> out(q_dim);
+      DevBuf<unsigned> counters(std::vector<unsigned>(n_heads, 0u));
+      AttnScratch p;
+      p.max_splits = cx.max_splits;
+      DevBuf<float> po(static_cast<size_t>(n_heads) * cx.max_splits * hd), pml(static_cast<size_t>(n_heads) * cx.max_splits * 2);
+      p.o = po.p;
+      p.ml = pml.p;
+      p.counters = counters.p;
+      for (int n_pos : positions) {
+        if (n_pos > cx.n_ctx) continue;
+        SCOPED_TRACE("heads " + std::to_string(n_heads) + "/" + std::to_string(n_kv) + " n_ctx " +
+                     std::to_string(cx.n_ctx) + " max splits " + std::to_string(cx.max_splits) + " n_pos " +
+                     std::to_string(n_pos) + " splits " + std::to_string(attn_splits(n_pos, cx.max_splits)));
+        const std::vector<float> q = random_vec(q_dim, -1.5f, 1.5f);
+        DevBuf<float> dq(q);
+        DevBuf<DecodeIO> io(std::vector<DecodeIO>{{0, n_pos - 1}});
+        po.poison();
+        pml.poison();
+        out.poison();
+        launch_attention_decode_tc(dq.p, dk.p, dv.p, io.p, n_heads, n_kv, hd, cx.n_ctx, p, out.p, nullptr);
+        std::vector<float> expect(q_dim);
+        ref::attention(q.data(), kc.data(), vc.data(), n_heads, n_kv, hd, n_pos, expect.data());
+        EXPECT_LE(max_abs_diff(out.download(), expect), kTol) << "attention output";
+        EXPECT_EQ(counters.download(), std::vector<unsigned>(n_heads, 0u)) << "done-counters re-armed";
+      }
+    }
+  }
+  EXPECT_FALSE(tc_decode_attention_fits(9, 3, 64, 32768, kMaxAttnSplits)) << "chunks of 1,024 positions";
+  EXPECT_FALSE(tc_decode_attention_fits(9, 3, 128, 8192, kMaxAttnSplits)) << "head_dim 128";
+  EXPECT_FALSE(tc_decode_attention_fits(16, 1, 64, 8192, kMaxAttnSplits)) << "16 query heads per KV head";
+  AttnScratch none;
+  none.max_splits = kMaxAttnSplits;
+  DevBuf<float> o(9 * 64);
+  EXPECT_THROW(launch_attention_decode_tc(o.p, nullptr, nullptr, nullptr, 9, 3, 64, 32768, none, o.p, nullptr),
+               EngineError);
+}
+
 // The short-context decode attention (head_dim 64, every K/V row in shared memory) against the reference at every
 // position of its range, for SmolLM2's 9/3 heads and a 4/4 (no GQA) layout, a cache filled with random rows.
 TEST(CudaFused, DecodeAttentionShortContextEveryPosition) {
