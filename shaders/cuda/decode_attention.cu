@@ -422,12 +422,6 @@ __global__ void __launch_bounds__(kTcdThreads) attention_decode_tc_kernel(const 
   __syncthreads();
   trace.mark(3);
 
-  float lrow = 0.f;  // this thread's row's sum (threads < HPB * 64 own element (g, d) = (tid / 64, tid % 64))
-  const int g_own = tid / kTcdHd, d_own = tid % kTcdHd;
-  if (g_own < HPB) {
-#pragma unroll
-    for (int w = 0; w < kTcdWarps; ++w) lrow += sm.red_l[w][g_own];
-  }
   if (n_splits == 1) {
     for (int i = tid; i < HPB * kTcdHd; i += kTcdThreads) {
       const int g = i / kTcdHd, d = i % kTcdHd;
@@ -444,14 +438,17 @@ __global__ void __launch_bounds__(kTcdThreads) attention_decode_tc_kernel(const 
     const int g = i / kTcdHd, d = i % kTcdHd;
     p.o[(static_cast<int64_t>(head0 + g) * p.max_splits + split) * kTcdHd + d] = sm.o[0][g][d] + sm.o[1][g][d];
   }
-  if (d_own == 0 && g_own < HPB) {
-    float m_g = mrow[0];  // mrow[g_own], without indexing registers at run time
+  if (tid < HPB) {  // thread g posts head g's (m, l)
+    float m_g = mrow[0];  // mrow[tid], without indexing registers at run time
 #pragma unroll
     for (int g = 1; g < HPB; ++g)
-      if (g == g_own) m_g = mrow[g];
-    float* ml = p.ml + (static_cast<int64_t>(head0 + g_own) * p.max_splits + split) * 2;
+      if (g == tid) m_g = mrow[g];
+    float l_g = 0.f;
+#pragma unroll
+    for (int w = 0; w < kTcdWarps; ++w) l_g += sm.red_l[w][tid];
+    float* ml = p.ml + (static_cast<int64_t>(head0 + tid) * p.max_splits + split) * 2;
     ml[0] = m_g;
-    ml[1] = lrow;
+    ml[1] = l_g;
   }
   if (!detail::last_block_to_arrive(p.counters + kvh, n_splits)) return;
   for (int g = warp; g < HPB; g += kTcdWarps) {
