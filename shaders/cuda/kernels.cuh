@@ -639,7 +639,7 @@ void launch_attention_decode(const float* q, const __half* k_cache, const __half
                              int n_heads, int n_kv_heads, int head_dim, int n_ctx, const AttnScratch& scratch,
                              float* out, cudaStream_t s, int heads_per_block = 0);
 
-// The split decode attention on tensor cores (head_dim 64, query heads per KV head <= 16): one block per (KV head,
+// The split decode attention on tensor cores (head_dim 64, 1 .. 8 query heads per KV head): one block per (KV head,
 // split), the group's query heads as the rows of one 16-row tile, scores and P.V as fp16 MMAs with fp32 accumulation
 // (q and the probabilities carried as hi + lo halves, K and V exact as cached). Same partials, combine and result
 // as launch_attention_decode within float rounding. Serves contexts whose chunks fit kTcDecodeMaxChunk positions;
