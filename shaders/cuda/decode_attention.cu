@@ -10,10 +10,9 @@
 #include <cmath>
 #include <string>
 
-#include <mma.h>
-
 #include "cuda/cuda_check.h"
 #include "kernels.cuh"
+#include "wmma_frags.cuh"
 #include "trace.cuh"
 
 namespace metalattn::cuda {
@@ -39,6 +38,36 @@ inline size_t attention_smem_bytes(int heads_per_block, int head_dim, int chunk_
 
 using detail::cp_async16;
 using detail::cp_async_wait_all;
+
+// The last block's combine of a split decode attention, for the HPB heads head0 .. of its block (all threads call it):
+// o = sum_s o_s e^(m_s - M) / sum_s l_s e^(m_s - M), M = max_s m_s. The splits' (m, l) in one round trip (warp g reads
+// head g's, a lane per split), their weights into w_s, then every partial element at once (the loads of all splits
+// are independent, so they are in flight together). Re-arms the done-counter for the next launch. THREADS: the block's.
+template <int HPB, int HD, int THREADS>
+__device__ __forceinline__ void combine_splits(const AttnScratch& p, int head0, int n_splits,
+                                               float (*w_s)[kMaxAttnSplits], unsigned* counter,
+                                               float* __restrict__ out) {
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  for (int g = warp; g < HPB; g += THREADS / 32) {
+    const float* ml = p.ml + static_cast<int64_t>(head0 + g) * p.max_splits * 2;
+    const float2 ml_s = lane < n_splits ? __ldcg(reinterpret_cast<const float2*>(ml) + lane) : make_float2(-INFINITY, 0.f);
+    const float m = detail::warp_max(ml_s.x);
+    const float w = lane < n_splits ? expf(ml_s.x - m) : 0.f;
+    const float den = detail::warp_sum(ml_s.y * w);
+    if (lane < n_splits) w_s[g][lane] = w / den;
+  }
+  __syncthreads();
+  for (int i = threadIdx.x; i < HPB * HD; i += THREADS) {
+    const int g = i / HD, d = i % HD;
+    const int64_t head = head0 + g;
+    const float* po = p.o + head * p.max_splits * HD + d;
+    float num = 0.f;
+#pragma unroll 8
+    for (int s = 0; s < n_splits; ++s) num += __ldcg(po + static_cast<int64_t>(s) * HD) * w_s[g][s];
+    out[head * HD + d] = num;
+  }
+  if (threadIdx.x == 0) *counter = 0u;
+}
 
 // One block per (HPB query heads of one KV head, split); splits = attn_splits(pos + 1), blocks past it exit at once.
 // HPB is a template parameter: with a run-time head count every per-head loop ran (predicated off) for kMaxGroup
@@ -203,8 +232,7 @@ __global__ void __launch_bounds__(kAttnThreads) attention_decode_kernel(const fl
     return;
   }
 
-  // Split: post this chunk's partial; the last block of this head block combines all of them:
-  // o = sum_s o_s e^(m_s - M) / sum_s l_s e^(m_s - M), M = max_s m_s.
+  // Split: post this chunk's partial; the last block of this head block combines all of them (combine_splits).
   for (int i = threadIdx.x; i < HPB * HD; i += blockDim.x) {
     float sum = 0.f;
 #pragma unroll
@@ -218,27 +246,7 @@ __global__ void __launch_bounds__(kAttnThreads) attention_decode_kernel(const fl
     ml[1] = l_s[threadIdx.x];
   }
   if (!detail::last_block_to_arrive(p.counters + head_block, n_splits)) return;
-  // The splits' (m, l) in one round trip: warp g reads head g's, a lane per split; the weights go to shared memory.
-  for (int g = warp; g < HPB; g += kAttnWarps) {
-    const float* ml = p.ml + static_cast<int64_t>(head0 + g) * p.max_splits * 2;
-    const float2 ml_s = lane < n_splits ? __ldcg(reinterpret_cast<const float2*>(ml) + lane) : make_float2(-INFINITY, 0.f);
-    const float m = detail::warp_max(ml_s.x);
-    const float w = lane < n_splits ? expf(ml_s.x - m) : 0.f;
-    const float den = detail::warp_sum(ml_s.y * w);
-    if (lane < n_splits) w_s[g][lane] = w / den;
-  }
-  __syncthreads();
-  // Then every partial element at once: the loads of all splits are independent, so they are in flight together.
-  for (int i = threadIdx.x; i < HPB * HD; i += blockDim.x) {
-    const int g = i / HD, d = i % HD;
-    const int64_t head = head0 + g;
-    const float* po = p.o + head * p.max_splits * HD + d;
-    float num = 0.f;
-#pragma unroll 8
-    for (int s = 0; s < n_splits; ++s) num += __ldcg(po + static_cast<int64_t>(s) * HD) * w_s[g][s];
-    out[head * HD + d] = num;
-  }
-  if (threadIdx.x == 0) p.counters[head_block] = 0u;  // re-armed for the next launch
+  combine_splits<HPB, HD, kAttnThreads>(p, head0, n_splits, w_s, p.counters + head_block, out);
 }
 
 // ------------------------------------------------------------------ split decode attention on tensor cores
@@ -247,7 +255,6 @@ __global__ void __launch_bounds__(kAttnThreads) attention_decode_kernel(const fl
 // are a few wmma steps a warp instead of per-position FMA chains. q and the probabilities are carried as fp16 hi + lo
 // (about 21 bits of each), K and V are exact as cached, accumulation is fp32: the products match the FMA kernel's
 // to ~1e-6. Partials and the last block's combine are the split kernel's (attention_decode_kernel).
-namespace wm = nvcuda::wmma;
 constexpr int kTcdHd = 64;
 constexpr int kTcdRows = 16;                     // rows of the query tile: the group's heads, the rest zero
 constexpr int kTcdThreads = kTcDecodeMaxChunk;   // one thread a position in the softmax
@@ -268,16 +275,6 @@ struct TcdSmem {  // every array at a 32-byte multiple (the wmma pointers' align
   float red_m[kTcdWarps][kTcdRows], red_l[kTcdWarps][kTcdRows];
   float w[kTcdRows][kMaxAttnSplits];                   // the combine's weight of each split
 };
-
-using TcdFragA = wm::fragment<wm::matrix_a, 16, 16, 16, __half, wm::row_major>;
-using TcdFragBCol = wm::fragment<wm::matrix_b, 16, 16, 16, __half, wm::col_major>;
-using TcdFragBRow = wm::fragment<wm::matrix_b, 16, 16, 16, __half, wm::row_major>;
-using TcdFragAcc = wm::fragment<wm::accumulator, 16, 16, 16, float>;
-
-__device__ __forceinline__ void tcd_split(float v, __half& hi, __half& lo) {
-  hi = __float2half_rn(v);
-  lo = __float2half_rn(v - __half2float(hi));
-}
 
 // HPB: query heads per KV head (the group), at most kTcdRows. Grid (n_kv_heads, max_splits); splits =
 // attn_splits(pos + 1), blocks past it exit at once; chunks of at most kTcDecodeMaxChunk positions.
@@ -342,10 +339,10 @@ __global__ void __launch_bounds__(kTcdThreads) attention_decode_tc_kernel(const 
 #pragma unroll
   for (int u = 0; u < kQ4; ++u) {
     const int i = tid + u * kTcdThreads, r = i / (kTcdHd / 4), c = (i % (kTcdHd / 4)) * 4;
-    tcd_split(qv[u].x * scale, sm.q_hi[r][c], sm.q_lo[r][c]);
-    tcd_split(qv[u].y * scale, sm.q_hi[r][c + 1], sm.q_lo[r][c + 1]);
-    tcd_split(qv[u].z * scale, sm.q_hi[r][c + 2], sm.q_lo[r][c + 2]);
-    tcd_split(qv[u].w * scale, sm.q_hi[r][c + 3], sm.q_lo[r][c + 3]);
+    split_half(qv[u].x * scale, sm.q_hi[r][c], sm.q_lo[r][c]);
+    split_half(qv[u].y * scale, sm.q_hi[r][c + 1], sm.q_lo[r][c + 1]);
+    split_half(qv[u].z * scale, sm.q_hi[r][c + 2], sm.q_lo[r][c + 2]);
+    split_half(qv[u].w * scale, sm.q_hi[r][c + 3], sm.q_lo[r][c + 3]);
   }
   cp_async_wait_all();
   __syncthreads();
@@ -353,18 +350,18 @@ __global__ void __launch_bounds__(kTcdThreads) attention_decode_tc_kernel(const 
 
   // Scores: warp w takes the 16-key tiles w, w + 8, ...: S = q_hi K^T + q_lo K^T over four 16-dim steps.
   {
-    TcdFragA qa_hi[kTcdHd / 16], qa_lo[kTcdHd / 16];
+    FragA qa_hi[kTcdHd / 16], qa_lo[kTcdHd / 16];
 #pragma unroll
     for (int ks = 0; ks < kTcdHd / 16; ++ks) {
       wm::load_matrix_sync(qa_hi[ks], &sm.q_hi[0][ks * 16], kTcdHalfLd);
       wm::load_matrix_sync(qa_lo[ks], &sm.q_lo[0][ks * 16], kTcdHalfLd);
     }
     for (int kt = warp; kt * 16 < len; kt += kTcdWarps) {
-      TcdFragAcc acc;
+      FragAcc acc;
       wm::fill_fragment(acc, 0.f);
 #pragma unroll
       for (int ks = 0; ks < kTcdHd / 16; ++ks) {
-        TcdFragBCol kb;
+        FragBCol kb;
         wm::load_matrix_sync(kb, &sm.k[kt * 16][ks * 16], kTcdHalfLd);
         wm::mma_sync(acc, qa_hi[ks], kb, acc);
         wm::mma_sync(acc, qa_lo[ks], kb, acc);
@@ -394,7 +391,7 @@ __global__ void __launch_bounds__(kTcdThreads) attention_decode_tc_kernel(const 
     for (int w = 1; w < kTcdWarps; ++w) mx = fmaxf(mx, sm.red_m[w][g]);
     mrow[g] = mx;
     const float e = t < len ? expf(sv[g] - mx) : 0.f;
-    if (t < len16) tcd_split(e, sm.p_hi[g][t], sm.p_lo[g][t]);
+    if (t < len16) split_half(e, sm.p_hi[g][t], sm.p_lo[g][t]);
     const float lw = detail::warp_sum(e);
     if (lane == 0) sm.red_l[warp][g] = lw;
   }
@@ -409,11 +406,11 @@ __global__ void __launch_bounds__(kTcdThreads) attention_decode_tc_kernel(const 
   // column tile); O = P_hi V + P_lo V.
   {
     const int ct = warp % 4, parity = warp / 4;
-    TcdFragAcc acc;
+    FragAcc acc;
     wm::fill_fragment(acc, 0.f);
     for (int ks = parity; ks * 16 < len; ks += 2) {
-      TcdFragA pa_hi, pa_lo;
-      TcdFragBRow vb;
+      FragA pa_hi, pa_lo;
+      FragBRow vb;
       wm::load_matrix_sync(pa_hi, &sm.p_hi[0][ks * 16], kTcdPLd);
       wm::load_matrix_sync(pa_lo, &sm.p_lo[0][ks * 16], kTcdPLd);
       wm::load_matrix_sync(vb, &sm.v[ks * 16][ct * 16], kTcdHalfLd);
@@ -435,8 +432,8 @@ __global__ void __launch_bounds__(kTcdThreads) attention_decode_tc_kernel(const 
     }
     return;
   }
-  // Split: post this chunk's partial (unnormalized output, max, sum); the last block of this KV head combines them:
-  // o = sum_s o_s e^(m_s - M) / sum_s l_s e^(m_s - M), M = max_s m_s.
+  // Split: post this chunk's partial (unnormalized output, max, sum); the last block of this KV head combines them
+  // (combine_splits).
   for (int i = tid; i < HPB * kTcdHd; i += kTcdThreads) {
     const int g = i / kTcdHd, d = i % kTcdHd;
     p.o[(static_cast<int64_t>(head0 + g) * p.max_splits + split) * kTcdHd + d] = sm.o[0][g][d] + sm.o[1][g][d];
@@ -454,25 +451,7 @@ __global__ void __launch_bounds__(kTcdThreads) attention_decode_tc_kernel(const 
     ml[1] = l_g;
   }
   if (!detail::last_block_to_arrive(p.counters + kvh, n_splits)) return;
-  for (int g = warp; g < HPB; g += kTcdWarps) {
-    const float* ml = p.ml + static_cast<int64_t>(head0 + g) * p.max_splits * 2;
-    const float2 ml_s = lane < n_splits ? __ldcg(reinterpret_cast<const float2*>(ml) + lane) : make_float2(-INFINITY, 0.f);
-    const float m = detail::warp_max(ml_s.x);
-    const float w = lane < n_splits ? expf(ml_s.x - m) : 0.f;
-    const float den = detail::warp_sum(ml_s.y * w);
-    if (lane < n_splits) sm.w[g][lane] = w / den;
-  }
-  __syncthreads();
-  for (int i = tid; i < HPB * kTcdHd; i += kTcdThreads) {
-    const int g = i / kTcdHd, d = i % kTcdHd;
-    const int64_t head = head0 + g;
-    const float* po = p.o + head * p.max_splits * kTcdHd + d;
-    float num = 0.f;
-#pragma unroll 8
-    for (int s2 = 0; s2 < n_splits; ++s2) num += __ldcg(po + static_cast<int64_t>(s2) * kTcdHd) * sm.w[g][s2];
-    out[head * kTcdHd + d] = num;
-  }
-  if (tid == 0) p.counters[kvh] = 0u;  // re-armed for the next launch
+  combine_splits<HPB, kTcdHd, kTcdThreads>(p, head0, n_splits, sm.w, p.counters + kvh, out);
 }
 
 // ------------------------------------------------------------------ short-context decode attention

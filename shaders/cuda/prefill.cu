@@ -8,10 +8,9 @@
 #include <cmath>
 #include <utility>
 
-#include <mma.h>
-
 #include "cuda/cuda_check.h"
 #include "kernels.cuh"
+#include "wmma_frags.cuh"
 
 namespace metalattn::cuda {
 
@@ -159,7 +158,6 @@ __global__ void __launch_bounds__(256) attention_prefill_kernel(const float* __r
 // which keeps about 21 bits of them: plain fp16 would put ~1e-3 relative error on the scores and the output.
 // A block: one query head, 64 queries, 4 warps of 16 query rows; it streams 64-key K/V tiles through shared
 // memory. Scores live in log2 units (log2(e)/sqrt(64) is folded into Q) so the softmax uses exp2f.
-namespace wm = nvcuda::wmma;
 constexpr int kTcHeadDim = 64;
 constexpr int kTcRows = 16;  // query rows per warp: one wmma tile
 constexpr int kTcWarps = 4;
@@ -175,15 +173,6 @@ struct TcAttnSmem {
   __half p_hi[kTcWarps][kTcRows][kTcHalfLd], p_lo[kTcWarps][kTcRows][kTcHalfLd];  // Q staging, then P
 };
 
-using FragA = wm::fragment<wm::matrix_a, 16, 16, 16, __half, wm::row_major>;
-using FragBCol = wm::fragment<wm::matrix_b, 16, 16, 16, __half, wm::col_major>;
-using FragBRow = wm::fragment<wm::matrix_b, 16, 16, 16, __half, wm::row_major>;
-using FragAcc = wm::fragment<wm::accumulator, 16, 16, 16, float>;
-
-__device__ __forceinline__ void split_half(float v, __half& hi, __half& lo) {
-  hi = __float2half_rn(v);
-  lo = __float2half_rn(v - __half2float(hi));
-}
 
 // Where the kernel reads its queries and the chunk's keys: either roped q rows plus a cache that already holds the
 // chunk (qkv == nullptr), or the raw QKV GEMM rows of the chunk, roped here; then the first query head of each KV
