@@ -213,7 +213,8 @@ TEST(CudaFused, DecodeAttentionSinglePassAndSplit) {
 }
 
 // The split decode attention on tensor cores against the reference, for the groups the models use (SmolLM2 9/3,
-// Qwen2.5 14/2, Llama 3.2 32/8, SmolLM2-1.7B 32/32, and 8/1), contexts and split capacities whose chunks fit its 256
+// Qwen2.5 14/2, Llama 3.2 32/8, SmolLM2-1.7B 32/32) and every other instantiated group (15/3, 12/2, 8/4 and 8/1:
+// groups past 4 need more than the first 256 threads' heads, a bug the first GPU run found), contexts and split capacities whose chunks fit its 256
 // positions (one split up to 256 positions; 8 and 32 splits), positions around its 16-key tiles and the split
 // boundaries; partials poisoned first, done-counters re-armed after. Contexts whose chunks do not fit are refused.
 TEST(CudaFused, DecodeAttentionTensorCoresSplit) {
@@ -227,7 +228,8 @@ TEST(CudaFused, DecodeAttentionTensorCoresSplit) {
   };
   const int hd = 64;
   const std::vector<Shape> shapes = quick ? std::vector<Shape>{{9, 3}}
-                                          : std::vector<Shape>{{9, 3}, {14, 2}, {32, 8}, {32, 32}, {8, 1}};
+                                          : std::vector<Shape>{{9, 3}, {14, 2}, {32, 8}, {32, 32}, {15, 3},
+                                                               {12, 2}, {8, 4}, {8, 1}};
   const std::vector<Ctx> ctxs = quick ? std::vector<Ctx>{{8192, 32}} : std::vector<Ctx>{{200, 1}, {2048, 8}, {8192, 32}};
   const std::vector<int> positions = {1, 2, 15, 16, 17, 63, 64, 65, 129, 200, 256, 257, 1000, 2048, 4097, 8191, 8192};
   for (const Shape sh : shapes) {
