@@ -1,0 +1,474 @@
+// Issue 13's second step: a persistent decode prototype on SmolLM2-135M's layer shapes, to measure what a layer costs
+// when one resident block per SM runs every instruction of the step and the hand-overs are counters instead of kernel
+// boundaries, with each block's weights for its next task copied into shared memory (cp.async) while it waits.
+//
+// One launch runs L layers of one decode step: per layer five instructions, each split into tasks of a few rows:
+//   QKV    norm(x) . Wqkv (960 x 576), 120 tasks of 8 rows; the k and v rows also go to the cache at position P - 1
+//   ATTN   one query head over P cached positions (softmax scale 1/8, no RoPE: the cost, not the model), 9 tasks
+//   O      x += Wo . attn (576 x 576), 72 tasks of 8 rows
+//   GU     act = silu(gate) * up of norm(x) (2 x 1536 x 576), 128 tasks of 12 units (24 rows)
+//   DOWN   x += Wdown . act (576 x 1536), 72 tasks of 8 rows
+// Task t of an instruction runs on block (t + offset) % blocks, the offset rotating by each instruction's task count so
+// the work spreads over the SMs. An instruction's tasks wait (thread 0 spinning on an acquire load) until the counter
+// of the instruction they read reaches its task count, and each task adds one to its own instruction's counter with a
+// release after a barrier. Every block walks the same instruction order, so with one resident block per SM (grid =
+// SM count, checked by the occupancy query) the schedule cannot deadlock; a spin of 2^22 loads traps instead of hanging.
+// Weights are Q4_0 (the engine's layout: 16 bytes of nibbles and an fp16 scale per 32 weights), activations fp32, the
+// cache fp32. The result (x after L layers) is checked against a float64 CPU reference of the same computation.
+//
+// Measured: median of graph replays (counters zeroed and x reset inside the graph) for L = 2 and L = 30; the per-layer
+// cost is the slope. PREFETCH=0 copies each task's weights after its wait instead (the prefetch's share).
+// Build and run (H100): nvcc -O3 -arch=sm_90 -std=c++17 benchmarks/bench_megakernel.cu -o /tmp/bench_megakernel &&
+//   /tmp/bench_megakernel          (the engine's graph path takes ~11.9 us a layer on this shape: RESULTS, session 16)
+#include <cuda_fp16.h>
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstdio>
+#include <cstdlib>
+#include <random>
+#include <vector>
+
+#define CK(x)                                                                                  \
+  do {                                                                                         \
+    cudaError_t e_ = (x);                                                                      \
+    if (e_ != cudaSuccess) {                                                                   \
+      std::fprintf(stderr, "%s:%d %s: %s\n", __FILE__, __LINE__, #x, cudaGetErrorString(e_)); \
+      std::exit(1);                                                                            \
+    }                                                                                          \
+  } while (0)
+
+namespace {
+
+constexpr int D = 576, NB = D / 32, NH = 9, NKV = 3, HD = 64, KVD = NKV * HD, QKV = D + 2 * KVD;
+constexpr int FF = 1536, NBF = FF / 32, P = 32;  // P: positions attended (the new one is P - 1)
+constexpr int kThreads = 256, kWarps = kThreads / 32;
+constexpr int kQkvRows = 8, kORows = 8, kGuUnits = 12, kDownRows = 8;
+enum Instr { kQkv = 0, kAttn = 1, kO = 2, kGu = 3, kDown = 4 };
+__host__ __device__ constexpr int task_count(int in) {
+  return in == kQkv ? QKV / kQkvRows : in == kAttn ? NH : in == kO ? D / kORows : in == kGu ? FF / kGuUnits : D / kDownRows;
+}
+constexpr int kLayerTasks = task_count(0) + task_count(1) + task_count(2) + task_count(3) + task_count(4);
+constexpr int kMaxTaskBlocks = 2 * kGuUnits * NB > kDownRows * NBF ? 2 * kGuUnits * NB : kDownRows * NBF;  // 432
+constexpr int kStride = 36;  // padded 32-float blocks of staged activations
+
+struct Matrix {
+  const uint4* q;      // [rows][nb] nibbles
+  const __half* d;     // [rows][nb] scales
+  int nb;
+};
+struct LayerW {
+  Matrix qkv, o, gu, down;  // gu: gate rows 0 .. FF - 1, up rows FF .. 2 FF - 1
+  const float* attn_norm;
+  const float* ffn_norm;
+};
+struct Args {
+  const LayerW* layers;
+  int n_layers;
+  float* x;       // [D] residual stream
+  float* qkv;     // [QKV]
+  float* attn;    // [D]
+  float* act;     // [FF]
+  float* kc;      // [L][P][KVD]
+  float* vc;
+  unsigned* counters;  // [L][5], zero at launch
+  int prefetch;
+};
+
+__device__ __forceinline__ unsigned ld_acquire(const unsigned* p) {
+  unsigned v;
+  asm volatile("ld.acquire.gpu.global.u32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
+  return v;
+}
+__device__ __forceinline__ void cp16(void* s, const void* g) {
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(static_cast<unsigned>(__cvta_generic_to_shared(s))),
+               "l"(g) : "memory");
+}
+__device__ __forceinline__ void cp4(void* s, const void* g) {
+  asm volatile("cp.async.ca.shared.global [%0], [%1], 4;" ::"r"(static_cast<unsigned>(__cvta_generic_to_shared(s))),
+               "l"(g) : "memory");
+}
+__device__ __forceinline__ void cp_commit() { asm volatile("cp.async.commit_group;" ::: "memory"); }
+template <int N>
+__device__ __forceinline__ void cp_wait() { asm volatile("cp.async.wait_group %0;" ::"n"(N) : "memory"); }
+
+__device__ __forceinline__ float warp_sum(float v) {
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+  return v;
+}
+__device__ __forceinline__ float warp_max(float v) {
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, o));
+  return v;
+}
+
+// Q4_0 block (q - 8) . 32 staged floats.
+__device__ __forceinline__ float q4_dot(uint4 q, float d, const float* xb) {
+  const uint32_t w[4] = {q.x, q.y, q.z, q.w};
+  float s = 0.f;
+#pragma unroll
+  for (int i = 0; i < 4; ++i)
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+      const int lo = static_cast<int>((w[i] >> (8 * j)) & 0xf) - 8, hi = static_cast<int>((w[i] >> (8 * j + 4)) & 0xf) - 8;
+      s += xb[4 * i + j] * static_cast<float>(lo) + xb[16 + 4 * i + j] * static_cast<float>(hi);
+    }
+  return d * s;
+}
+
+struct Smem {
+  uint4 wq[2][kMaxTaskBlocks];
+  __half wd[2][kMaxTaskBlocks + 8];
+  float x[NBF * kStride];
+  float y[2 * kGuUnits];
+  float red[kWarps];
+  float sc[P];
+};
+
+// The rows of instruction `in`'s task t as up to two contiguous ranges of its matrix: (first row, count) each.
+struct Rows {
+  const Matrix* m;
+  int r0, n0, r1, n1;
+};
+__device__ __forceinline__ Rows task_rows(const LayerW& L, int in, int t) {
+  switch (in) {
+    case kQkv: return {&L.qkv, t * kQkvRows, kQkvRows, 0, 0};
+    case kO: return {&L.o, t * kORows, kORows, 0, 0};
+    case kGu: return {&L.gu, t * kGuUnits, kGuUnits, FF + t * kGuUnits, kGuUnits};
+    case kDown: return {&L.down, t * kDownRows, kDownRows, 0, 0};
+    default: return {nullptr, 0, 0, 0, 0};
+  }
+}
+
+// Copies a task's weight blocks (both ranges, rows in order) into buffer b; commits one group (empty for attention).
+__device__ __forceinline__ void fetch(Smem& sm, int b, const LayerW& L, int in, int t) {
+  const Rows r = task_rows(L, in, t);
+  if (r.m != nullptr) {
+    const int nb = r.m->nb;
+    for (int part = 0; part < 2; ++part) {
+      const int row0 = part == 0 ? r.r0 : r.r1, n = part == 0 ? r.n0 : r.n1, base = part == 0 ? 0 : r.n0 * nb;
+      for (int i = threadIdx.x; i < n * nb; i += kThreads) cp16(&sm.wq[b][base + i], r.m->q + row0 * nb + i);
+      for (int i = threadIdx.x; i < n * nb / 2; i += kThreads)  // scales two at a time (nb is even)
+        cp4(&sm.wd[b][base + 2 * i], r.m->d + row0 * nb + 2 * i);
+    }
+  }
+  cp_commit();
+}
+
+// Stages v[0 .. n) (read through L2) into the padded layout, times norm_w if given; returns 1/rms (or 1).
+__device__ __forceinline__ float stage(Smem& sm, const float* v, int n, const float* norm_w) {
+  float ss = 0.f;
+  for (int i = threadIdx.x; i < n; i += kThreads) {
+    const float a = __ldcg(v + i);
+    ss += a * a;
+    sm.x[(i >> 5) * kStride + (i & 31)] = norm_w != nullptr ? a * norm_w[i] : a;
+  }
+  if (norm_w == nullptr) return 1.f;
+  ss = warp_sum(ss);
+  if ((threadIdx.x & 31) == 0) sm.red[threadIdx.x >> 5] = ss;
+  __syncthreads();
+  float t = 0.f;
+#pragma unroll
+  for (int w = 0; w < kWarps; ++w) t += sm.red[w];
+  return rsqrtf(t / n + 1e-5f);
+}
+
+// Local row r of the task (rows of both ranges in order) . staged x, a warp a row.
+__device__ __forceinline__ float row_dot(const Smem& sm, int b, int r, int nb) {
+  const int lane = threadIdx.x & 31;
+  float acc = 0.f;
+  for (int k = lane; k < nb; k += 32)
+    acc += q4_dot(sm.wq[b][r * nb + k], __half2float(sm.wd[b][r * nb + k]), sm.x + k * kStride);
+  return warp_sum(acc);
+}
+
+__global__ void __launch_bounds__(kThreads, 1) megakernel(Args a) {
+  extern __shared__ __align__(16) unsigned char raw[];
+  Smem& sm = *reinterpret_cast<Smem*>(raw);
+  const int G = gridDim.x, warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  const int n_instr = a.n_layers * 5;
+  // This block's task of instruction k (k = layer * 5 + in), or -1.
+  auto my_task = [&](int k) {
+    int off = (k / 5) * kLayerTasks;
+    for (int j = 0; j < k % 5; ++j) off += task_count(j);
+    const int t = ((static_cast<int>(blockIdx.x) - off) % G + G) % G;
+    return t < task_count(k % 5) ? t : -1;
+  };
+  auto next_mine = [&](int k) {
+    for (++k; k < n_instr; ++k)
+      if (my_task(k) >= 0) return k;
+    return n_instr;
+  };
+  int buf = 0;
+  int k = next_mine(-1);
+  if (a.prefetch && k < n_instr) fetch(sm, buf, a.layers[k / 5], k % 5, my_task(k));
+  for (int nk; k < n_instr; k = nk) {
+    const int l = k / 5, in = k % 5, t = my_task(k);
+    const LayerW& L = a.layers[l];
+    nk = next_mine(k);
+    if (a.prefetch) {
+      if (nk < n_instr) fetch(sm, buf ^ 1, a.layers[nk / 5], nk % 5, my_task(nk));
+      else cp_commit();
+    }
+    // Wait for the instruction this one reads.
+    const int dep = in == kQkv ? (l == 0 ? -1 : (l - 1) * 5 + kDown) : k - 1;
+    if (threadIdx.x == 0 && dep >= 0) {
+      const unsigned target = task_count(dep % 5);
+      long long spins = 0;
+      while (ld_acquire(a.counters + dep) < target)
+        if (++spins > (1ll << 22)) __trap();  // ~2-4 s: a schedule that cannot finish
+    }
+    __syncthreads();
+    if (!a.prefetch) fetch(sm, buf, L, in, t);
+    float scale = 1.f;
+    if (in == kQkv || in == kGu) scale = stage(sm, a.x, D, in == kQkv ? L.attn_norm : L.ffn_norm);
+    else if (in == kO) scale = stage(sm, a.attn, D, nullptr);
+    else if (in == kDown) scale = stage(sm, a.act, FF, nullptr);
+    if (a.prefetch) cp_wait<1>();
+    else cp_wait<0>();
+    __syncthreads();
+    if (in == kQkv) {
+      const int r = warp, row = t * kQkvRows + r;
+      const float v = row_dot(sm, buf, r, NB) * scale;
+      if (lane == 0) {
+        a.qkv[row] = v;
+        if (row >= D && row < D + KVD) a.kc[(static_cast<size_t>(l) * P + P - 1) * KVD + row - D] = v;
+        if (row >= D + KVD) a.vc[(static_cast<size_t>(l) * P + P - 1) * KVD + row - D - KVD] = v;
+      }
+    } else if (in == kO || in == kDown) {
+      const int r = warp, row = t * kORows + r;
+      const float v = row_dot(sm, buf, r, in == kO ? NB : NBF);
+      if (lane == 0) a.x[row] = __ldcg(a.x + row) + v;
+    } else if (in == kGu) {
+      for (int r = warp; r < 2 * kGuUnits; r += kWarps) {
+        const float v = row_dot(sm, buf, r, NB) * scale;
+        if (lane == 0) sm.y[r] = v;
+      }
+      __syncthreads();
+      if (threadIdx.x < kGuUnits) {
+        const float g = sm.y[threadIdx.x], u = sm.y[kGuUnits + threadIdx.x];
+        a.act[t * kGuUnits + threadIdx.x] = g / (1.f + expf(-g)) * u;
+      }
+    } else {  // attention of head t over P positions
+      const int h = t, kvh = h / (NH / NKV);
+      const float* kc = a.kc + static_cast<size_t>(l) * P * KVD + kvh * HD;
+      const float* vc = a.vc + static_cast<size_t>(l) * P * KVD + kvh * HD;
+      float* q = sm.x;  // 64 floats
+      if (threadIdx.x < HD) q[threadIdx.x] = __ldcg(a.qkv + h * HD + threadIdx.x);
+      __syncthreads();
+      if (threadIdx.x < P) {
+        float s = 0.f;
+        for (int c = 0; c < HD; ++c) s += q[c] * __ldcg(kc + threadIdx.x * KVD + c);
+        sm.sc[threadIdx.x] = s * 0.125f;
+      }
+      __syncthreads();
+      if (warp == 0) {
+        const float s = lane < P ? sm.sc[lane] : -INFINITY;
+        const float m = warp_max(s);
+        const float e = lane < P ? expf(s - m) : 0.f;
+        const float den = warp_sum(e);
+        if (lane < P) sm.sc[lane] = e / den;
+      }
+      __syncthreads();
+      if (threadIdx.x < HD) {
+        float o = 0.f;
+        for (int p = 0; p < P; ++p) o += sm.sc[p] * __ldcg(vc + p * KVD + threadIdx.x);
+        a.attn[h * HD + threadIdx.x] = o;
+      }
+    }
+    __syncthreads();  // every thread's stores (and reads of buffer buf) before the release
+    if (threadIdx.x == 0) asm volatile("red.release.gpu.global.add.u32 [%0], 1;" ::"l"(a.counters + k) : "memory");
+    if (a.prefetch) buf ^= 1;
+  }
+  cp_wait<0>();
+}
+
+// ---------------------------------------------------------------- host: random model, reference, timing
+std::mt19937 rng(7);
+
+struct HostMatrix {
+  int rows, nb;
+  std::vector<uint4> q;
+  std::vector<__half> d;
+  float w(int r, int c) const {
+    const uint4 b = q[r * nb + c / 32];
+    const uint32_t words[4] = {b.x, b.y, b.z, b.w};
+    const int j = c % 32, byte = j % 16, word = byte / 4, sh = 8 * (byte % 4) + (j < 16 ? 0 : 4);
+    return __half2float(d[r * nb + c / 32]) * static_cast<float>(static_cast<int>((words[word] >> sh) & 0xf) - 8);
+  }
+};
+HostMatrix random_q4(int rows, int cols, float scale) {
+  HostMatrix m{rows, cols / 32, {}, {}};
+  std::uniform_int_distribution<uint32_t> u32;
+  std::uniform_real_distribution<float> ud(0.5f * scale, 1.5f * scale);
+  for (int i = 0; i < rows * m.nb; ++i) {
+    m.q.push_back(make_uint4(u32(rng), u32(rng), u32(rng), u32(rng)));
+    m.d.push_back(__float2half(ud(rng) * (u32(rng) & 1 ? 1.f : -1.f)));
+  }
+  return m;
+}
+std::vector<float> random_vec(int n, float lo, float hi) {
+  std::uniform_real_distribution<float> u(lo, hi);
+  std::vector<float> v(n);
+  for (auto& x : v) x = u(rng);
+  return v;
+}
+
+struct HostLayer {
+  HostMatrix qkv, o, gu, down;
+  std::vector<float> an, fn;
+};
+
+std::vector<double> matvec(const HostMatrix& m, const std::vector<double>& x) {
+  std::vector<double> y(m.rows, 0.0);
+  for (int r = 0; r < m.rows; ++r)
+    for (int c = 0; c < m.nb * 32; ++c) y[r] += m.w(r, c) * x[c];
+  return y;
+}
+std::vector<double> rmsnorm(const std::vector<double>& x, const std::vector<float>& w) {
+  double ss = 0.0;
+  for (double v : x) ss += v * v;
+  const double inv = 1.0 / std::sqrt(ss / x.size() + 1e-5);
+  std::vector<double> y(x.size());
+  for (size_t i = 0; i < x.size(); ++i) y[i] = x[i] * inv * w[i];
+  return y;
+}
+
+// The same computation in float64; kc / vc as the kernel leaves them (row P - 1 recomputed here).
+std::vector<double> reference(const std::vector<HostLayer>& layers, int n_layers, const std::vector<float>& x0,
+                              std::vector<float> kc, std::vector<float> vc) {
+  std::vector<double> x(x0.begin(), x0.end());
+  for (int l = 0; l < n_layers; ++l) {
+    const HostLayer& L = layers[l];
+    const std::vector<double> qkv = matvec(L.qkv, rmsnorm(x, L.an));
+    std::vector<double> k(kc.begin() + static_cast<size_t>(l) * P * KVD, kc.begin() + static_cast<size_t>(l + 1) * P * KVD);
+    std::vector<double> v(vc.begin() + static_cast<size_t>(l) * P * KVD, vc.begin() + static_cast<size_t>(l + 1) * P * KVD);
+    for (int c = 0; c < KVD; ++c) {
+      k[(P - 1) * KVD + c] = qkv[D + c];
+      v[(P - 1) * KVD + c] = qkv[D + KVD + c];
+    }
+    std::vector<double> attn(D);
+    for (int h = 0; h < NH; ++h) {
+      const int kvh = h / (NH / NKV);
+      std::vector<double> s(P);
+      double m = -1e300, den = 0.0;
+      for (int p = 0; p < P; ++p) {
+        double dot = 0.0;
+        for (int c = 0; c < HD; ++c) dot += qkv[h * HD + c] * k[p * KVD + kvh * HD + c];
+        s[p] = dot * 0.125;
+        m = std::max(m, s[p]);
+      }
+      for (int p = 0; p < P; ++p) den += (s[p] = std::exp(s[p] - m));
+      for (int c = 0; c < HD; ++c) {
+        double o = 0.0;
+        for (int p = 0; p < P; ++p) o += s[p] / den * v[p * KVD + kvh * HD + c];
+        attn[h * HD + c] = o;
+      }
+    }
+    const std::vector<double> ov = matvec(L.o, attn);
+    for (int i = 0; i < D; ++i) x[i] += ov[i];
+    const std::vector<double> gu = matvec(L.gu, rmsnorm(x, L.fn));
+    std::vector<double> act(FF);
+    for (int i = 0; i < FF; ++i) act[i] = gu[i] / (1.0 + std::exp(-gu[i])) * gu[FF + i];
+    const std::vector<double> dv = matvec(L.down, act);
+    for (int i = 0; i < D; ++i) x[i] += dv[i];
+  }
+  return x;
+}
+
+template <typename T>
+T* upload(const std::vector<T>& v) {
+  T* p = nullptr;
+  CK(cudaMalloc(&p, v.size() * sizeof(T)));
+  CK(cudaMemcpy(p, v.data(), v.size() * sizeof(T), cudaMemcpyHostToDevice));
+  return p;
+}
+Matrix upload(const HostMatrix& m) { return Matrix{upload(m.q), upload(m.d), m.nb}; }
+
+}  // namespace
+
+int main() {
+  int n_sms = 0, per_sm = 0;
+  CK(cudaDeviceGetAttribute(&n_sms, cudaDevAttrMultiProcessorCount, 0));
+  const size_t smem = sizeof(Smem);
+  CK(cudaFuncSetAttribute(megakernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem)));
+  CK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, megakernel, kThreads, smem));
+  if (per_sm < 1) {
+    std::printf("the kernel does not fit an SM\n");
+    return 1;
+  }
+  const int max_layers = 30;
+  std::vector<HostLayer> hl;
+  std::vector<LayerW> dl;
+  const float sd = 1.f / std::sqrt(static_cast<float>(D)), sf = 1.f / std::sqrt(static_cast<float>(FF));
+  for (int l = 0; l < max_layers; ++l) {
+    // Scales so that a dot product of unit-size inputs has about unit size (Q4_0 values are -8 .. 7, rms ~4.6).
+    HostLayer L{random_q4(QKV, D, sd / 4.6f), random_q4(D, D, 0.5f * sd / 4.6f), random_q4(2 * FF, D, sd / 4.6f),
+                random_q4(D, FF, 0.5f * sf / 4.6f), random_vec(D, 0.5f, 1.5f), random_vec(D, 0.5f, 1.5f)};
+    dl.push_back(LayerW{upload(L.qkv), upload(L.o), upload(L.gu), upload(L.down), upload(L.an), upload(L.fn)});
+    hl.push_back(std::move(L));
+  }
+  const std::vector<float> x0 = random_vec(D, -1.f, 1.f);
+  const std::vector<float> kc = random_vec(max_layers * P * KVD, -1.f, 1.f), vc = random_vec(max_layers * P * KVD, -1.f, 1.f);
+  Args a{};
+  a.layers = upload(dl);
+  a.x = upload(x0);
+  float* x_init = upload(x0);
+  a.qkv = upload(std::vector<float>(QKV));
+  a.attn = upload(std::vector<float>(D));
+  a.act = upload(std::vector<float>(FF));
+  a.kc = upload(kc);
+  a.vc = upload(vc);
+  a.counters = upload(std::vector<unsigned>(max_layers * 5));
+  cudaStream_t st;
+  CK(cudaStreamCreate(&st));
+  std::printf("%d SMs, %d block(s) a SM fit, %zu bytes of shared memory a block\n", n_sms, per_sm, smem);
+  for (int prefetch : {1, 0}) {
+    for (int n_layers : {2, max_layers}) {
+      a.n_layers = n_layers;
+      a.prefetch = prefetch;
+      cudaGraph_t g;
+      cudaGraphExec_t ge;
+      CK(cudaStreamBeginCapture(st, cudaStreamCaptureModeGlobal));
+      CK(cudaMemsetAsync(a.counters, 0, max_layers * 5 * sizeof(unsigned), st));
+      CK(cudaMemcpyAsync(a.x, x_init, D * sizeof(float), cudaMemcpyDeviceToDevice, st));
+      megakernel<<<n_sms, kThreads, smem, st>>>(a);
+      CK(cudaGetLastError());
+      CK(cudaStreamEndCapture(st, &g));
+      CK(cudaGraphInstantiate(&ge, g, 0));
+      CK(cudaGraphLaunch(ge, st));
+      CK(cudaStreamSynchronize(st));
+      std::vector<float> x(D);
+      CK(cudaMemcpy(x.data(), a.x, D * sizeof(float), cudaMemcpyDeviceToHost));
+      const std::vector<double> ref = reference(hl, n_layers, x0, kc, vc);
+      double err = 0.0, mag = 0.0;
+      for (int i = 0; i < D; ++i) {
+        err = std::max(err, std::fabs(x[i] - ref[i]));
+        mag = std::max(mag, std::fabs(ref[i]));
+      }
+      cudaEvent_t e0, e1;
+      CK(cudaEventCreate(&e0));
+      CK(cudaEventCreate(&e1));
+      std::vector<float> ms;
+      for (int it = 0; it < 220; ++it) {
+        CK(cudaEventRecord(e0, st));
+        CK(cudaGraphLaunch(ge, st));
+        CK(cudaEventRecord(e1, st));
+        CK(cudaEventSynchronize(e1));
+        float t = 0.f;
+        CK(cudaEventElapsedTime(&t, e0, e1));
+        if (it >= 20) ms.push_back(t);
+      }
+      std::sort(ms.begin(), ms.end());
+      std::printf("prefetch %d, %2d layers: %8.1f us a step (median of 200; min %.1f), max |x - ref| %.2e (max |ref| %.2f)%s\n",
+                  prefetch, n_layers, ms[ms.size() / 2] * 1e3, ms.front() * 1e3, err, mag,
+                  err <= 1e-3 * std::max(1.0, mag) ? "" : "  <-- MISMATCH");
+      CK(cudaGraphExecDestroy(ge));
+      CK(cudaGraphDestroy(g));
+    }
+  }
+  return 0;
+}
