@@ -9,7 +9,7 @@
 //   GU     act = silu(gate) * up of norm(x) (2 x 1536 x 576), 128 tasks of 12 units (24 rows)
 //   DOWN   x += Wdown . act (576 x 1536), 72 tasks of 8 rows
 // Task t of an instruction runs on block (t + offset) % blocks, the offset rotating by each instruction's task count so
-// the work spreads over the SMs. An instruction's tasks wait (thread 0 spinning on an acquire load) until the counter
+// the work spreads over the SMs (a block takes several tasks of one instruction where it has more tasks than blocks). An instruction's tasks wait (thread 0 spinning on an acquire load) until the counter
 // of the instruction they read reaches its task count, and each task adds one to its own instruction's counter with a
 // release after a barrier. Every block walks the same instruction order, so with one resident block per SM (grid =
 // SM count, checked by the occupancy query) the schedule cannot deadlock; a spin of 2^22 loads traps instead of hanging.
@@ -190,27 +190,32 @@ __global__ void __launch_bounds__(kThreads, 1) megakernel(Args a) {
   Smem& sm = *reinterpret_cast<Smem*>(raw);
   const int G = gridDim.x, warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   const int n_instr = a.n_layers * 5;
-  // This block's task of instruction k (k = layer * 5 + in), or -1.
-  auto my_task = [&](int k) {
+  // This block's tasks, in schedule order: of instruction k (k = layer * 5 + in) the tasks t0, t0 + G, ... below its
+  // task count, t0 = (block - offset) mod G (more than one only where an instruction has more tasks than blocks).
+  struct Pos {
+    int k, t;
+  };
+  auto first_task = [&](int k) {
     int off = (k / 5) * kLayerTasks;
     for (int j = 0; j < k % 5; ++j) off += task_count(j);
     const int t = ((static_cast<int>(blockIdx.x) - off) % G + G) % G;
     return t < task_count(k % 5) ? t : -1;
   };
-  auto next_mine = [&](int k) {
-    for (++k; k < n_instr; ++k)
-      if (my_task(k) >= 0) return k;
-    return n_instr;
+  auto next = [&](Pos p) {
+    if (p.k >= 0 && p.t + G < task_count(p.k % 5)) return Pos{p.k, p.t + G};
+    for (int k = p.k + 1; k < n_instr; ++k)
+      if (const int t = first_task(k); t >= 0) return Pos{k, t};
+    return Pos{n_instr, 0};
   };
   int buf = 0;
-  int k = next_mine(-1);
-  if (a.prefetch && k < n_instr) fetch(sm, buf, a.layers[k / 5], k % 5, my_task(k));
-  for (int nk; k < n_instr; k = nk) {
-    const int l = k / 5, in = k % 5, t = my_task(k);
+  Pos cur = next(Pos{-1, 0});
+  if (a.prefetch && cur.k < n_instr) fetch(sm, buf, a.layers[cur.k / 5], cur.k % 5, cur.t);
+  for (Pos nxt; cur.k < n_instr; cur = nxt) {
+    const int k = cur.k, l = k / 5, in = k % 5, t = cur.t;
     const LayerW& L = a.layers[l];
-    nk = next_mine(k);
+    nxt = next(cur);
     if (a.prefetch) {
-      if (nk < n_instr) fetch(sm, buf ^ 1, a.layers[nk / 5], nk % 5, my_task(nk));
+      if (nxt.k < n_instr) fetch(sm, buf ^ 1, a.layers[nxt.k / 5], nxt.k % 5, nxt.t);
       else cp_commit();
     }
     // Wait for the instruction this one reads.
