@@ -53,6 +53,7 @@ __host__ __device__ constexpr int task_count(int in) {
 constexpr int kLayerTasks = task_count(0) + task_count(1) + task_count(2) + task_count(3) + task_count(4);
 constexpr int kMaxTaskBlocks = 2 * kGuUnits * NB > kDownRows * NBF ? 2 * kGuUnits * NB : kDownRows * NBF;  // 432
 constexpr int kStride = 36;  // padded 32-float blocks of staged activations
+static_assert(P <= 32 && P * HD % kThreads == 0, "attention: one warp's softmax, whole staging passes");
 
 struct Matrix {
   const uint4* q;      // [rows][nb] nibbles
@@ -126,6 +127,7 @@ struct Smem {
   float y[2 * kGuUnits];
   float red[kWarps];
   float sc[P];
+  float kv[2][P][HD + 1];  // attention: the head's K and V rows (padded: a warp's lanes read different rows)
 };
 
 // The rows of instruction `in`'s task t as up to two contiguous ranges of its matrix: (first row, count) each.
@@ -257,17 +259,31 @@ __global__ void __launch_bounds__(kThreads, 1) megakernel(Args a) {
         const float g = sm.y[threadIdx.x], u = sm.y[kGuUnits + threadIdx.x];
         a.act[t * kGuUnits + threadIdx.x] = g / (1.f + expf(-g)) * u;
       }
-    } else {  // attention of head t over P positions
+    } else {  // attention of head t over P positions: K, V and q staged first (one round trip), then from smem
       const int h = t, kvh = h / (NH / NKV);
       const float* kc = a.kc + static_cast<size_t>(l) * P * KVD + kvh * HD;
       const float* vc = a.vc + static_cast<size_t>(l) * P * KVD + kvh * HD;
       float* q = sm.x;  // 64 floats
-      if (threadIdx.x < HD) q[threadIdx.x] = __ldcg(a.qkv + h * HD + threadIdx.x);
+      constexpr int kPer = P * HD / kThreads;  // values of K (and of V) a thread stages
+      float kr[kPer], vr[kPer];
+#pragma unroll
+      for (int u = 0; u < kPer; ++u) {
+        const int i = threadIdx.x + u * kThreads, p = i / HD, c = i % HD;
+        kr[u] = __ldcg(kc + p * KVD + c);
+        vr[u] = __ldcg(vc + p * KVD + c);
+      }
+      const float qv = threadIdx.x < HD ? __ldcg(a.qkv + h * HD + threadIdx.x) : 0.f;
+#pragma unroll
+      for (int u = 0; u < kPer; ++u) {
+        const int i = threadIdx.x + u * kThreads, p = i / HD, c = i % HD;
+        sm.kv[0][p][c] = kr[u];
+        sm.kv[1][p][c] = vr[u];
+      }
+      if (threadIdx.x < HD) q[threadIdx.x] = qv;
       __syncthreads();
-      if (threadIdx.x < P) {
-        float s = 0.f;
-        for (int c = 0; c < HD; ++c) s += q[c] * __ldcg(kc + threadIdx.x * KVD + c);
-        sm.sc[threadIdx.x] = s * 0.125f;
+      for (int p = warp; p < P; p += kWarps) {  // a warp a position, lanes over dimension pairs
+        const float s = warp_sum(q[lane] * sm.kv[0][p][lane] + q[lane + 32] * sm.kv[0][p][lane + 32]);
+        if (lane == 0) sm.sc[p] = s * 0.125f;
       }
       __syncthreads();
       if (warp == 0) {
@@ -280,7 +296,7 @@ __global__ void __launch_bounds__(kThreads, 1) megakernel(Args a) {
       __syncthreads();
       if (threadIdx.x < HD) {
         float o = 0.f;
-        for (int p = 0; p < P; ++p) o += sm.sc[p] * __ldcg(vc + p * KVD + threadIdx.x);
+        for (int p = 0; p < P; ++p) o += sm.sc[p] * sm.kv[1][p][threadIdx.x];
         a.attn[h * HD + threadIdx.x] = o;
       }
     }
