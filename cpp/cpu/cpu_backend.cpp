@@ -464,11 +464,9 @@ class CpuBackend final : public Backend {
         rope_from_table(qt + q0, (h1 - h0) * group, hd, s_.rope_style, cs, sn);
         rope_from_table(kt + k0, h1 - h0, hd, s_.rope_style, cs, sn);
         uint16_t* kc = k_layer(row_slot_[t], l);
-        for (int i = k0; i < k1; ++i)  // KV head i / hd, dim i % hd, in the 16-position block of pos
-          kc[static_cast<size_t>(i / hd) * hd * k_cap_ + static_cast<size_t>(pos / 16) * 16 * hd + 16 * (i % hd) + pos % 16] =
-              float_to_fp16_rne(kt[i]);
+        for (int i = k0; i < k1; ++i) kc[k_index(i, pos)] = float_to_fp16_rne(kt[i]);
         for (int h = h0; h < h1; ++h) {  // KV head h's row pos
-          uint16_t* vc = v_layer(row_slot_[t], l) + (static_cast<size_t>(h) * k_cap_ + pos) * hd;
+          uint16_t* vc = v_layer(row_slot_[t], l) + v_index(h * hd, pos);
           for (int j = 0; j < hd; ++j) vc[j] = float_to_fp16_rne(vt[h * hd + j]);
         }
       };
@@ -633,17 +631,14 @@ class CpuBackend final : public Backend {
 
   void read_kv_rows(int layer, int slot, int pos0, int n, float* k, float* v) const override {
     check_kv_rows(s_, layer, slot, pos0, n);
-    const int hd = s_.head_dim, kv = s_.kv_dim();
+    const int kv = s_.kv_dim();
     const uint16_t* kc = k_layer(slot, layer);
     const uint16_t* vc = v_layer(slot, layer);
-    for (int t = 0; t < n; ++t) {
-      const size_t pos = static_cast<size_t>(pos0 + t);
+    for (int t = 0; t < n; ++t)
       for (int i = 0; i < kv; ++i) {
-        const size_t h = i / hd, d = i % hd;
-        k[static_cast<size_t>(t) * kv + i] = fp16_to_float(kc[h * hd * k_cap_ + pos / 16 * 16 * hd + 16 * d + pos % 16]);
-        v[static_cast<size_t>(t) * kv + i] = fp16_to_float(vc[(h * k_cap_ + pos) * hd + d]);
+        k[static_cast<size_t>(t) * kv + i] = fp16_to_float(kc[k_index(i, pos0 + t)]);
+        v[static_cast<size_t>(t) * kv + i] = fp16_to_float(vc[v_index(i, pos0 + t)]);
       }
-    }
   }
 
   // Layer l of slot s, fp16 (IEEE half bits): K [kv_head][k_cap / 16][head_dim][16] (transposed by blocks, see
@@ -654,6 +649,16 @@ class CpuBackend final : public Backend {
   }
   uint16_t* v_layer(int slot, int l) const {
     return v_cache_.get() + (static_cast<size_t>(slot) * s_.n_layers + l) * k_cap_ * s_.kv_dim();
+  }
+  // Where value i of the K (V) row of position pos lies in a layer's cache: KV head i / head_dim, dimension
+  // i % head_dim; K in the 16-position block of pos.
+  size_t k_index(int i, int pos) const {
+    const int hd = s_.head_dim;
+    return static_cast<size_t>(i / hd) * hd * k_cap_ + static_cast<size_t>(pos / 16) * 16 * hd + 16 * (i % hd) + pos % 16;
+  }
+  size_t v_index(int i, int pos) const {
+    const int hd = s_.head_dim;
+    return (static_cast<size_t>(i / hd) * k_cap_ + pos) * hd + i % hd;
   }
 
   struct HalfFreeDeleter {
