@@ -9,10 +9,11 @@
 //   GU     act = silu(gate) * up of norm(x) (2 x 1536 x 576), 128 tasks of 12 units (24 rows)
 //   DOWN   x += Wdown . act (576 x 1536), 72 tasks of 8 rows
 // Task t of an instruction runs on block (t + offset) % blocks, the offset rotating by each instruction's task count so
-// the work spreads over the SMs (a block takes several tasks of one instruction where it has more tasks than blocks). An instruction's tasks wait (thread 0 spinning on an acquire load) until the counter
-// of the instruction they read reaches its task count, and each task adds one to its own instruction's counter with a
-// release after a barrier. Every block walks the same instruction order, so with one resident block per SM (grid =
-// SM count, checked by the occupancy query) the schedule cannot deadlock; a spin of 2^22 loads traps instead of hanging.
+// the work spreads over the SMs (a block takes several tasks of one instruction where it has more tasks than blocks).
+// An instruction's tasks wait (thread 0 spinning on an acquire load) until the counter of the instruction they read
+// reaches its task count, and each task adds one to its own instruction's counter with a release after a barrier. Every
+// block walks the same instruction order, so with one resident block per SM (grid = SM count, checked by the occupancy
+// query) the schedule cannot deadlock; a spin of 2^22 loads traps instead of hanging.
 // Weights are Q4_0 (the engine's layout: 16 bytes of nibbles and an fp16 scale per 32 weights), activations fp32, the
 // cache fp32. The result (x after L layers) is checked against a float64 CPU reference of the same computation.
 //
@@ -48,7 +49,11 @@ constexpr int kThreads = 256, kWarps = kThreads / 32;
 constexpr int kQkvRows = 8, kORows = 8, kGuUnits = 12, kDownRows = 8;
 enum Instr { kQkv = 0, kAttn = 1, kO = 2, kGu = 3, kDown = 4 };
 __host__ __device__ constexpr int task_count(int in) {
-  return in == kQkv ? QKV / kQkvRows : in == kAttn ? NH : in == kO ? D / kORows : in == kGu ? FF / kGuUnits : D / kDownRows;
+  return in == kQkv    ? QKV / kQkvRows
+         : in == kAttn ? NH
+         : in == kO    ? D / kORows
+         : in == kGu   ? FF / kGuUnits
+                       : D / kDownRows;
 }
 constexpr int kLayerTasks = task_count(0) + task_count(1) + task_count(2) + task_count(3) + task_count(4);
 constexpr int kMaxTaskBlocks = 2 * kGuUnits * NB > kDownRows * NBF ? 2 * kGuUnits * NB : kDownRows * NBF;  // 432
@@ -114,7 +119,8 @@ __device__ __forceinline__ float q4_dot(uint4 q, float d, const float* xb) {
   for (int i = 0; i < 4; ++i)
 #pragma unroll
     for (int j = 0; j < 4; ++j) {
-      const int lo = static_cast<int>((w[i] >> (8 * j)) & 0xf) - 8, hi = static_cast<int>((w[i] >> (8 * j + 4)) & 0xf) - 8;
+      const int lo = static_cast<int>((w[i] >> (8 * j)) & 0xf) - 8;
+      const int hi = static_cast<int>((w[i] >> (8 * j + 4)) & 0xf) - 8;
       s += xb[4 * i + j] * static_cast<float>(lo) + xb[16 + 4 * i + j] * static_cast<float>(hi);
     }
   return d * s;
@@ -365,8 +371,8 @@ std::vector<double> reference(const std::vector<HostLayer>& layers, int n_layers
   for (int l = 0; l < n_layers; ++l) {
     const HostLayer& L = layers[l];
     const std::vector<double> qkv = matvec(L.qkv, rmsnorm(x, L.an));
-    std::vector<double> k(kc.begin() + static_cast<size_t>(l) * P * KVD, kc.begin() + static_cast<size_t>(l + 1) * P * KVD);
-    std::vector<double> v(vc.begin() + static_cast<size_t>(l) * P * KVD, vc.begin() + static_cast<size_t>(l + 1) * P * KVD);
+    const size_t c0 = static_cast<size_t>(l) * P * KVD, c1 = c0 + static_cast<size_t>(P) * KVD;
+    std::vector<double> k(kc.begin() + c0, kc.begin() + c1), v(vc.begin() + c0, vc.begin() + c1);
     for (int c = 0; c < KVD; ++c) {
       k[(P - 1) * KVD + c] = qkv[D + c];
       v[(P - 1) * KVD + c] = qkv[D + KVD + c];
@@ -433,7 +439,8 @@ int main() {
     hl.push_back(std::move(L));
   }
   const std::vector<float> x0 = random_vec(D, -1.f, 1.f);
-  const std::vector<float> kc = random_vec(max_layers * P * KVD, -1.f, 1.f), vc = random_vec(max_layers * P * KVD, -1.f, 1.f);
+  const std::vector<float> kc = random_vec(max_layers * P * KVD, -1.f, 1.f);
+  const std::vector<float> vc = random_vec(max_layers * P * KVD, -1.f, 1.f);
   Args a{};
   a.layers = upload(dl);
   a.x = upload(x0);
@@ -484,7 +491,8 @@ int main() {
         if (it >= 20) ms.push_back(t);
       }
       std::sort(ms.begin(), ms.end());
-      std::printf("prefetch %d, %2d layers: %8.1f us a step (median of 200; min %.1f), max |x - ref| %.2e (max |ref| %.2f)%s\n",
+      std::printf("prefetch %d, %2d layers: %8.1f us a step (median of 200; min %.1f), max |x - ref| %.2e "
+                  "(max |ref| %.2f)%s\n",
                   prefetch, n_layers, ms[ms.size() / 2] * 1e3, ms.front() * 1e3, err, mag,
                   err <= 1e-3 * std::max(1.0, mag) ? "" : "  <-- MISMATCH");
       CK(cudaGraphExecDestroy(ge));

@@ -549,10 +549,10 @@ __device__ __forceinline__ bool last_block_to_arrive(unsigned* counter, unsigned
   return last;
 }
 
-// Raises `kernel`'s dynamic shared memory limit to `smem` where the default is too little: without the opt-in a
-// block's static and dynamic shared memory together must fit 48 KiB (a 512-thread trial of the split decode attention,
-// 48,896 dynamic bytes beside 410 static ones, failed to launch). Only ever raised: the limit belongs to the kernel function, and a graph captured earlier
-// (another backend, a larger n_ctx) may launch it with more than this call needs.
+// Raises `kernel`'s dynamic shared memory limit to `smem` where the default is too little: without the opt-in a block's
+// static and dynamic shared memory together must fit 48 KiB (a 512-thread trial of the split decode attention, 48,896
+// dynamic bytes beside 410 static ones, failed to launch). Only ever raised: the limit belongs to the kernel function,
+// and a graph captured earlier (another backend, a larger n_ctx) may launch it with more than this call needs.
 template <typename K>
 void allow_dynamic_smem(K kernel, size_t smem) {
   constexpr size_t kDefaultLimit = 48 * 1024;
