@@ -81,6 +81,7 @@ struct Args {
   float* vc;
   unsigned* counters;  // [L][5], zero at launch
   int prefetch;
+  unsigned long long* trace;  // null, or [instruction][task][4] %globaltimer ns: waiting, released, staged, done
 };
 
 __device__ __forceinline__ unsigned ld_acquire(const unsigned* p) {
@@ -95,6 +96,11 @@ __device__ __forceinline__ void cp16(void* s, const void* g) {
 __device__ __forceinline__ void cp4(void* s, const void* g) {
   asm volatile("cp.async.ca.shared.global [%0], [%1], 4;" ::"r"(static_cast<unsigned>(__cvta_generic_to_shared(s))),
                "l"(g) : "memory");
+}
+__device__ __forceinline__ unsigned long long now_ns() {
+  unsigned long long t;
+  asm volatile("mov.u64 %0, %globaltimer;" : "=l"(t));
+  return t;
 }
 __device__ __forceinline__ void cp_commit() { asm volatile("cp.async.commit_group;" ::: "memory"); }
 template <int N>
@@ -226,6 +232,9 @@ __global__ void __launch_bounds__(kThreads, 1) megakernel(Args a) {
       if (nxt.k < n_instr) fetch(sm, buf ^ 1, a.layers[nxt.k / 5], nxt.k % 5, nxt.t);
       else cp_commit();
     }
+    unsigned long long* tr = a.trace != nullptr && threadIdx.x == 0 ? a.trace + (static_cast<size_t>(k) * 128 + t) * 4
+                                                                      : nullptr;
+    if (tr) tr[0] = now_ns();
     // Wait for the instruction this one reads.
     const int dep = in == kQkv ? (l == 0 ? -1 : (l - 1) * 5 + kDown) : k - 1;
     if (threadIdx.x == 0 && dep >= 0) {
@@ -235,6 +244,7 @@ __global__ void __launch_bounds__(kThreads, 1) megakernel(Args a) {
         if (++spins > (1ll << 22)) __trap();  // ~2-4 s: a schedule that cannot finish
     }
     __syncthreads();
+    if (tr) tr[1] = now_ns();
     if (!a.prefetch) fetch(sm, buf, L, in, t);
     float scale = 1.f;
     if (in == kQkv || in == kGu) scale = stage(sm, a.x, D, in == kQkv ? L.attn_norm : L.ffn_norm);
@@ -243,6 +253,7 @@ __global__ void __launch_bounds__(kThreads, 1) megakernel(Args a) {
     if (a.prefetch) cp_wait<1>();
     else cp_wait<0>();
     __syncthreads();
+    if (tr) tr[2] = now_ns();
     if (in == kQkv) {
       const int r = warp, row = t * kQkvRows + r;
       const float v = row_dot(sm, buf, r, NB) * scale;
@@ -307,6 +318,7 @@ __global__ void __launch_bounds__(kThreads, 1) megakernel(Args a) {
       }
     }
     __syncthreads();  // every thread's stores (and reads of buffer buf) before the release
+    if (tr) tr[3] = now_ns();
     if (threadIdx.x == 0) asm volatile("red.release.gpu.global.add.u32 [%0], 1;" ::"l"(a.counters + k) : "memory");
     if (a.prefetch) buf ^= 1;
   }
@@ -498,6 +510,54 @@ int main() {
       CK(cudaGraphExecDestroy(ge));
       CK(cudaGraphDestroy(g));
     }
+  }
+  // One traced run (30 layers, prefetch on): where an instruction's time goes, averaged over layers 5 .. 24.
+  {
+    a.n_layers = max_layers;
+    a.prefetch = 1;
+    const size_t n = static_cast<size_t>(max_layers) * 5 * 128 * 4;
+    a.trace = upload(std::vector<unsigned long long>(n, 0ull));
+    for (int rep = 0; rep < 3; ++rep) {  // the last of three runs
+      CK(cudaMemsetAsync(a.counters, 0, max_layers * 5 * sizeof(unsigned), st));
+      megakernel<<<n_sms, kThreads, smem, st>>>(a);
+      CK(cudaGetLastError());
+      CK(cudaStreamSynchronize(st));
+    }
+    std::vector<unsigned long long> tr(n);
+    CK(cudaMemcpy(tr.data(), a.trace, n * sizeof(unsigned long long), cudaMemcpyDeviceToHost));
+    auto at = [&](int k, int t, int j) { return static_cast<double>(tr[(static_cast<size_t>(k) * 128 + t) * 4 + j]); };
+    const char* names[5] = {"QKV", "ATTN", "O", "GU", "DOWN"};
+    std::printf("traced, us, averages over layers 5..24: hand-over = first release seen - last task of the read "
+                "instruction done; span = last done - last done of the read instruction\n");
+    std::printf("%-5s %6s %9s %9s %9s %9s %9s %8s\n", "instr", "tasks", "hand-over", "seen-skew", "staging",
+                "compute", "release", "span");
+    double layer = 0.0;
+    for (int in = 0; in < 5; ++in) {
+      double ho = 0, skew = 0, stg = 0, cmp = 0, spn = 0, rel = 0;
+      int cnt = 0;
+      for (int l = 5; l < 25; ++l, ++cnt) {
+        const int k = l * 5 + in, dep = k - 1, nt = task_count(in), nd = task_count(dep % 5);
+        double dep_done = 0, first_seen = 1e300, last_seen = 0, last_done = 0, s_stg = 0, s_cmp = 0;
+        for (int t = 0; t < nd; ++t) dep_done = std::max(dep_done, at(dep, t, 3));
+        for (int t = 0; t < nt; ++t) {
+          first_seen = std::min(first_seen, at(k, t, 1));
+          last_seen = std::max(last_seen, at(k, t, 1));
+          last_done = std::max(last_done, at(k, t, 3));
+          s_stg += at(k, t, 2) - at(k, t, 1);
+          s_cmp += at(k, t, 3) - at(k, t, 2);
+        }
+        ho += first_seen - dep_done;
+        skew += last_seen - first_seen;
+        stg += s_stg / nt;
+        cmp += s_cmp / nt;
+        rel += last_done - last_seen;
+        spn += last_done - dep_done;
+      }
+      std::printf("%-5s %6d %9.2f %9.2f %9.2f %9.2f %9.2f %8.2f\n", names[in], task_count(in), ho / cnt / 1e3,
+                  skew / cnt / 1e3, stg / cnt / 1e3, cmp / cnt / 1e3, rel / cnt / 1e3, spn / cnt / 1e3);
+      layer += spn / cnt / 1e3;
+    }
+    std::printf("layer (sum of spans): %.2f us\n", layer);
   }
   return 0;
 }
