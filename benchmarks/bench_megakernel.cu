@@ -17,10 +17,16 @@
 // Weights are Q4_0 (the engine's layout: 16 bytes of nibbles and an fp16 scale per 32 weights), activations fp32, the
 // cache fp32. The result (x after L layers) is checked against a float64 CPU reference of the same computation.
 //
+// Two hand-overs (the template parameter LL): the counters above, or "LL": every activation value travels as one
+// 64-bit word {value, generation} written by one store, and a consumer polls the words it needs until each carries the
+// generation it waits for (no counter, no fence; the idea of NCCL's LL protocol).
+//
 // Measured: median of graph replays (counters zeroed and x reset inside the graph) for L = 2 and L = 30; the per-layer
-// cost is the slope. PREFETCH=0 copies each task's weights after its wait instead (the prefetch's share).
+// cost is the slope; prefetch 0 copies each task's weights after its wait instead (the prefetch's share). Then one
+// traced run of each hand-over (%globaltimer by each task's thread 0) prints where an instruction's time goes.
+// Session 22 (RESULTS, NOTES): counters 14.2 us a layer, LL 12.7-13.2; the engine's graph path ~11.9.
 // Build and run (H100): nvcc -O3 -arch=sm_90 -std=c++17 benchmarks/bench_megakernel.cu -o /tmp/bench_megakernel &&
-//   /tmp/bench_megakernel          (the engine's graph path takes ~11.9 us a layer on this shape: RESULTS, session 16)
+//   /tmp/bench_megakernel
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
 
@@ -29,6 +35,7 @@
 #include <cstdint>
 #include <cstdio>
 #include <cstdlib>
+#include <cstring>
 #include <random>
 #include <vector>
 
@@ -81,7 +88,13 @@ struct Args {
   float* vc;
   unsigned* counters;  // [L][5], zero at launch
   int prefetch;
-  unsigned long long* trace;  // null, or [instruction][task][4] %globaltimer ns: waiting, released, staged, done
+  // LL hand-over (megakernel<true>): every activation travels as one 64-bit word {value, generation}, written with
+  // one store, so a consumer polls the data itself and needs no counter and no fence; generation = producing
+  // instruction + 1 (x starts at 0).
+  unsigned long long *xll, *qkvll, *attnll, *actll;
+  // null, or [instruction][task][6] %globaltimer ns: waiting, released, staged, done; counters mode also: the
+  // staging loads stored (4), the norm reduced (5)
+  unsigned long long* trace;
 };
 
 __device__ __forceinline__ unsigned ld_acquire(const unsigned* p) {
@@ -101,6 +114,22 @@ __device__ __forceinline__ unsigned long long now_ns() {
   unsigned long long t;
   asm volatile("mov.u64 %0, %globaltimer;" : "=l"(t));
   return t;
+}
+__device__ __forceinline__ unsigned long long ld_relaxed64(const unsigned long long* p) {
+  unsigned long long v;
+  asm volatile("ld.relaxed.gpu.global.b64 %0, [%1];" : "=l"(v) : "l"(p) : "memory");
+  return v;
+}
+__device__ __forceinline__ void st_relaxed64(unsigned long long* p, float v, unsigned gen) {
+  const unsigned long long w = static_cast<unsigned long long>(gen) << 32 | __float_as_uint(v);
+  asm volatile("st.relaxed.gpu.global.b64 [%0], %1;" ::"l"(p), "l"(w) : "memory");
+}
+// The value at p once its generation is gen (spins; traps after ~2^22 polls: a schedule that cannot finish).
+__device__ __forceinline__ float ll_wait(const unsigned long long* p, unsigned gen) {
+  unsigned long long w = ld_relaxed64(p);
+  for (long long spins = 0; static_cast<unsigned>(w >> 32) != gen; w = ld_relaxed64(p))
+    if (++spins > (1ll << 22)) __trap();
+  return __uint_as_float(static_cast<unsigned>(w));
 }
 __device__ __forceinline__ void cp_commit() { asm volatile("cp.async.commit_group;" ::: "memory"); }
 template <int N>
@@ -136,7 +165,6 @@ struct Smem {
   uint4 wq[2][kMaxTaskBlocks];
   __half wd[2][kMaxTaskBlocks + 8];
   float x[NBF * kStride];
-  float y[2 * kGuUnits];
   float red[kWarps];
   float sc[P];
   float kv[2][P][HD + 1];  // attention: the head's K and V rows (padded: a warp's lanes read different rows)
@@ -172,13 +200,55 @@ __device__ __forceinline__ void fetch(Smem& sm, int b, const LayerW& L, int in, 
   cp_commit();
 }
 
-// Stages v[0 .. n) (read through L2) into the padded layout, times norm_w if given; returns 1/rms (or 1).
-__device__ __forceinline__ float stage(Smem& sm, const float* v, int n, const float* norm_w) {
+// Stages v[0 .. n) (read through L2) into the padded layout, times norm_w if given; returns 1/rms (or 1). tr: trace
+// slot 4 (thread 0's loads stored) when tracing.
+__device__ __forceinline__ float stage(Smem& sm, const float* v, int n, const float* norm_w, unsigned long long* tr) {
   float ss = 0.f;
   for (int i = threadIdx.x; i < n; i += kThreads) {
     const float a = __ldcg(v + i);
     ss += a * a;
     sm.x[(i >> 5) * kStride + (i & 31)] = norm_w != nullptr ? a * norm_w[i] : a;
+  }
+  if (tr) tr[4] = now_ns();
+  if (norm_w == nullptr) return 1.f;
+  ss = warp_sum(ss);
+  if ((threadIdx.x & 31) == 0) sm.red[threadIdx.x >> 5] = ss;
+  __syncthreads();
+  float t = 0.f;
+#pragma unroll
+  for (int w = 0; w < kWarps; ++w) t += sm.red[w];
+  return rsqrtf(t / n + 1e-5f);
+}
+
+// stage() for the LL hand-over: every thread issues all its loads first, then re-polls the words not yet at gen.
+__device__ __forceinline__ float stage_ll(Smem& sm, const unsigned long long* v, int n, const float* norm_w,
+                                          unsigned gen) {
+  constexpr int kPer = (FF + kThreads - 1) / kThreads;
+  unsigned long long w[kPer];
+#pragma unroll
+  for (int u = 0; u < kPer; ++u)
+    if (threadIdx.x + u * kThreads < n) w[u] = ld_relaxed64(v + threadIdx.x + u * kThreads);
+  for (long long spins = 0;; ++spins) {  // re-poll every stale word at once, not one round trip a word
+    bool ready = true;
+#pragma unroll
+    for (int u = 0; u < kPer; ++u)
+      if (threadIdx.x + u * kThreads < n && static_cast<unsigned>(w[u] >> 32) != gen) ready = false;
+    if (ready) break;
+    if (spins > (1ll << 22)) __trap();
+#pragma unroll
+    for (int u = 0; u < kPer; ++u)
+      if (threadIdx.x + u * kThreads < n && static_cast<unsigned>(w[u] >> 32) != gen)
+        w[u] = ld_relaxed64(v + threadIdx.x + u * kThreads);
+  }
+  float ss = 0.f;
+#pragma unroll
+  for (int u = 0; u < kPer; ++u) {
+    const int i = threadIdx.x + u * kThreads;
+    if (i < n) {
+      const float a = __uint_as_float(static_cast<unsigned>(w[u]));
+      ss += a * a;
+      sm.x[(i >> 5) * kStride + (i & 31)] = norm_w != nullptr ? a * norm_w[i] : a;
+    }
   }
   if (norm_w == nullptr) return 1.f;
   ss = warp_sum(ss);
@@ -199,6 +269,7 @@ __device__ __forceinline__ float row_dot(const Smem& sm, int b, int r, int nb) {
   return warp_sum(acc);
 }
 
+template <bool LL>
 __global__ void __launch_bounds__(kThreads, 1) megakernel(Args a) {
   extern __shared__ __align__(16) unsigned char raw[];
   Smem& sm = *reinterpret_cast<Smem*>(raw);
@@ -232,24 +303,33 @@ __global__ void __launch_bounds__(kThreads, 1) megakernel(Args a) {
       if (nxt.k < n_instr) fetch(sm, buf ^ 1, a.layers[nxt.k / 5], nxt.k % 5, nxt.t);
       else cp_commit();
     }
-    unsigned long long* tr = a.trace != nullptr && threadIdx.x == 0 ? a.trace + (static_cast<size_t>(k) * 128 + t) * 4
+    unsigned long long* tr = a.trace != nullptr && threadIdx.x == 0 ? a.trace + (static_cast<size_t>(k) * 128 + t) * 6
                                                                       : nullptr;
     if (tr) tr[0] = now_ns();
-    // Wait for the instruction this one reads.
+    // Wait for the instruction this one reads (LL: each thread waits for the words it loads, below).
     const int dep = in == kQkv ? (l == 0 ? -1 : (l - 1) * 5 + kDown) : k - 1;
-    if (threadIdx.x == 0 && dep >= 0) {
+    const unsigned gen = static_cast<unsigned>(k) + 1, dep_gen = static_cast<unsigned>(k);  // dep_gen: of k - 1
+    if (!LL && threadIdx.x == 0 && dep >= 0) {
       const unsigned target = task_count(dep % 5);
       long long spins = 0;
       while (ld_acquire(a.counters + dep) < target)
         if (++spins > (1ll << 22)) __trap();  // ~2-4 s: a schedule that cannot finish
     }
-    __syncthreads();
-    if (tr) tr[1] = now_ns();
+    if (!LL) __syncthreads();
+    if (tr && !LL) tr[1] = now_ns();
     if (!a.prefetch) fetch(sm, buf, L, in, t);
     float scale = 1.f;
-    if (in == kQkv || in == kGu) scale = stage(sm, a.x, D, in == kQkv ? L.attn_norm : L.ffn_norm);
-    else if (in == kO) scale = stage(sm, a.attn, D, nullptr);
-    else if (in == kDown) scale = stage(sm, a.act, FF, nullptr);
+    if constexpr (LL) {
+      if (in == kQkv || in == kGu) scale = stage_ll(sm, a.xll, D, in == kQkv ? L.attn_norm : L.ffn_norm, dep_gen);
+      else if (in == kO) scale = stage_ll(sm, a.attnll, D, nullptr, dep_gen);
+      else if (in == kDown) scale = stage_ll(sm, a.actll, FF, nullptr, dep_gen);
+      if (tr && in != kAttn) tr[1] = now_ns();
+    } else {
+      if (in == kQkv || in == kGu) scale = stage(sm, a.x, D, in == kQkv ? L.attn_norm : L.ffn_norm, tr);
+      else if (in == kO) scale = stage(sm, a.attn, D, nullptr, tr);
+      else if (in == kDown) scale = stage(sm, a.act, FF, nullptr, tr);
+      if (tr) tr[5] = now_ns();
+    }
     if (a.prefetch) cp_wait<1>();
     else cp_wait<0>();
     __syncthreads();
@@ -258,23 +338,35 @@ __global__ void __launch_bounds__(kThreads, 1) megakernel(Args a) {
       const int r = warp, row = t * kQkvRows + r;
       const float v = row_dot(sm, buf, r, NB) * scale;
       if (lane == 0) {
-        a.qkv[row] = v;
+        if constexpr (LL) st_relaxed64(a.qkvll + row, v, gen);
+        else a.qkv[row] = v;
         if (row >= D && row < D + KVD) a.kc[(static_cast<size_t>(l) * P + P - 1) * KVD + row - D] = v;
         if (row >= D + KVD) a.vc[(static_cast<size_t>(l) * P + P - 1) * KVD + row - D - KVD] = v;
       }
     } else if (in == kO || in == kDown) {
       const int r = warp, row = t * kORows + r;
       const float v = row_dot(sm, buf, r, in == kO ? NB : NBF);
-      if (lane == 0) a.x[row] = __ldcg(a.x + row) + v;
-    } else if (in == kGu) {
-      for (int r = warp; r < 2 * kGuUnits; r += kWarps) {
-        const float v = row_dot(sm, buf, r, NB) * scale;
-        if (lane == 0) sm.y[r] = v;
+      if (lane == 0) {
+        // LL: x[row] as the last down (for O: generation k - 2) or this layer's O (for down: k - 1) left it.
+        if constexpr (LL)
+          st_relaxed64(a.xll + row, ll_wait(a.xll + row, in == kO ? k - 2 : k - 1) + v, gen);
+        else
+          a.x[row] = __ldcg(a.x + row) + v;
       }
-      __syncthreads();
-      if (threadIdx.x < kGuUnits) {
-        const float g = sm.y[threadIdx.x], u = sm.y[kGuUnits + threadIdx.x];
-        a.act[t * kGuUnits + threadIdx.x] = g / (1.f + expf(-g)) * u;
+    } else if (in == kGu) {  // 8 lanes a row: a warp's lanes 0-7 gate row u, 8-15 up row u, 16-31 unit u + 1
+      const int u = warp * 2 + (lane >> 4), r = (lane & 8) ? kGuUnits + u : u, sub = lane & 7;
+      float acc = 0.f;
+      if (u < kGuUnits)
+        for (int kb = sub; kb < NB; kb += 8)
+          acc += q4_dot(sm.wq[buf][r * NB + kb], __half2float(sm.wd[buf][r * NB + kb]), sm.x + kb * kStride);
+#pragma unroll
+      for (int o = 4; o > 0; o >>= 1) acc += __shfl_xor_sync(0xffffffffu, acc, o);
+      acc *= scale;
+      const float up = __shfl_xor_sync(0xffffffffu, acc, 8);
+      if (u < kGuUnits && (lane & 15) == 0) {
+        const float act = acc / (1.f + expf(-acc)) * up;
+        if constexpr (LL) st_relaxed64(a.actll + t * kGuUnits + u, act, gen);
+        else a.act[t * kGuUnits + u] = act;
       }
     } else {  // attention of head t over P positions: K, V and q staged first (one round trip), then from smem
       const int h = t, kvh = h / (NH / NKV);
@@ -289,13 +381,23 @@ __global__ void __launch_bounds__(kThreads, 1) megakernel(Args a) {
         kr[u] = __ldcg(kc + p * KVD + c);
         vr[u] = __ldcg(vc + p * KVD + c);
       }
-      const float qv = threadIdx.x < HD ? __ldcg(a.qkv + h * HD + threadIdx.x) : 0.f;
+      float qv = 0.f, knew = 0.f;  // LL: q, and the new position's k (threads 0-63) and v (64-127) rows, polled
+      if constexpr (LL) {
+        if (threadIdx.x < HD) qv = ll_wait(a.qkvll + h * HD + threadIdx.x, dep_gen);
+        if (threadIdx.x < 2 * HD)
+          knew = ll_wait(a.qkvll + D + (threadIdx.x < HD ? 0 : KVD) + kvh * HD + threadIdx.x % HD, dep_gen);
+        if (tr) tr[1] = now_ns();
+      } else {
+        qv = threadIdx.x < HD ? __ldcg(a.qkv + h * HD + threadIdx.x) : 0.f;
+      }
 #pragma unroll
       for (int u = 0; u < kPer; ++u) {
         const int i = threadIdx.x + u * kThreads, p = i / HD, c = i % HD;
+        if (LL && p == P - 1) continue;  // the new position comes from the LL words
         sm.kv[0][p][c] = kr[u];
         sm.kv[1][p][c] = vr[u];
       }
+      if (LL && threadIdx.x < 2 * HD) sm.kv[threadIdx.x / HD][P - 1][threadIdx.x % HD] = knew;
       if (threadIdx.x < HD) q[threadIdx.x] = qv;
       __syncthreads();
       for (int p = warp; p < P; p += kWarps) {  // a warp a position, lanes over dimension pairs
@@ -314,12 +416,14 @@ __global__ void __launch_bounds__(kThreads, 1) megakernel(Args a) {
       if (threadIdx.x < HD) {
         float o = 0.f;
         for (int p = 0; p < P; ++p) o += sm.sc[p] * sm.kv[1][p][threadIdx.x];
-        a.attn[h * HD + threadIdx.x] = o;
+        if constexpr (LL) st_relaxed64(a.attnll + h * HD + threadIdx.x, o, gen);
+        else a.attn[h * HD + threadIdx.x] = o;
       }
     }
     __syncthreads();  // every thread's stores (and reads of buffer buf) before the release
     if (tr) tr[3] = now_ns();
-    if (threadIdx.x == 0) asm volatile("red.release.gpu.global.add.u32 [%0], 1;" ::"l"(a.counters + k) : "memory");
+    if (!LL && threadIdx.x == 0)
+      asm volatile("red.release.gpu.global.add.u32 [%0], 1;" ::"l"(a.counters + k) : "memory");
     if (a.prefetch) buf ^= 1;
   }
   cp_wait<0>();
@@ -433,8 +537,9 @@ int main() {
   int n_sms = 0, per_sm = 0;
   CK(cudaDeviceGetAttribute(&n_sms, cudaDevAttrMultiProcessorCount, 0));
   const size_t smem = sizeof(Smem);
-  CK(cudaFuncSetAttribute(megakernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem)));
-  CK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, megakernel, kThreads, smem));
+  for (auto k : {megakernel<false>, megakernel<true>})
+    CK(cudaFuncSetAttribute(k, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem)));
+  CK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, megakernel<true>, kThreads, smem));
   if (per_sm < 1) {
     std::printf("the kernel does not fit an SM\n");
     return 1;
@@ -463,81 +568,117 @@ int main() {
   a.kc = upload(kc);
   a.vc = upload(vc);
   a.counters = upload(std::vector<unsigned>(max_layers * 5));
+  std::vector<unsigned long long> x0ll(D);  // x0 as generation-0 words
+  for (int i = 0; i < D; ++i) {
+    unsigned u;
+    std::memcpy(&u, &x0[i], 4);
+    x0ll[i] = u;
+  }
+  a.xll = upload(x0ll);
+  unsigned long long* xll_init = upload(x0ll);
+  a.qkvll = upload(std::vector<unsigned long long>(QKV));
+  a.attnll = upload(std::vector<unsigned long long>(D));
+  a.actll = upload(std::vector<unsigned long long>(FF));
   cudaStream_t st;
   CK(cudaStreamCreate(&st));
   std::printf("%d SMs, %d block(s) a SM fit, %zu bytes of shared memory a block\n", n_sms, per_sm, smem);
-  for (int prefetch : {1, 0}) {
-    for (int n_layers : {2, max_layers}) {
-      a.n_layers = n_layers;
-      a.prefetch = prefetch;
-      cudaGraph_t g;
-      cudaGraphExec_t ge;
-      CK(cudaStreamBeginCapture(st, cudaStreamCaptureModeGlobal));
-      CK(cudaMemsetAsync(a.counters, 0, max_layers * 5 * sizeof(unsigned), st));
-      CK(cudaMemcpyAsync(a.x, x_init, D * sizeof(float), cudaMemcpyDeviceToDevice, st));
-      megakernel<<<n_sms, kThreads, smem, st>>>(a);
-      CK(cudaGetLastError());
-      CK(cudaStreamEndCapture(st, &g));
-      CK(cudaGraphInstantiate(&ge, g, 0));
-      CK(cudaGraphLaunch(ge, st));
-      CK(cudaStreamSynchronize(st));
-      std::vector<float> x(D);
-      CK(cudaMemcpy(x.data(), a.x, D * sizeof(float), cudaMemcpyDeviceToHost));
-      const std::vector<double> ref = reference(hl, n_layers, x0, kc, vc);
-      double err = 0.0, mag = 0.0;
+  // One step as the graph replays it: the hand-over state reset, x restored, the kernel.
+  auto enqueue = [&](bool ll) {
+    CK(cudaMemsetAsync(a.counters, 0, max_layers * 5 * sizeof(unsigned), st));
+    CK(cudaMemcpyAsync(a.x, x_init, D * sizeof(float), cudaMemcpyDeviceToDevice, st));
+    CK(cudaMemcpyAsync(a.xll, xll_init, D * 8, cudaMemcpyDeviceToDevice, st));
+    CK(cudaMemsetAsync(a.qkvll, 0, QKV * 8, st));
+    CK(cudaMemsetAsync(a.attnll, 0, D * 8, st));
+    CK(cudaMemsetAsync(a.actll, 0, FF * 8, st));
+    if (ll) megakernel<true><<<n_sms, kThreads, smem, st>>>(a);
+    else megakernel<false><<<n_sms, kThreads, smem, st>>>(a);
+    CK(cudaGetLastError());
+  };
+  auto result = [&](bool ll) {
+    std::vector<float> x(D);
+    if (ll) {
+      std::vector<unsigned long long> w(D);
+      CK(cudaMemcpy(w.data(), a.xll, D * 8, cudaMemcpyDeviceToHost));
       for (int i = 0; i < D; ++i) {
-        err = std::max(err, std::fabs(x[i] - ref[i]));
-        mag = std::max(mag, std::fabs(ref[i]));
+        const unsigned u = static_cast<unsigned>(w[i]);
+        std::memcpy(&x[i], &u, 4);
       }
-      cudaEvent_t e0, e1;
-      CK(cudaEventCreate(&e0));
-      CK(cudaEventCreate(&e1));
-      std::vector<float> ms;
-      for (int it = 0; it < 220; ++it) {
-        CK(cudaEventRecord(e0, st));
+    } else {
+      CK(cudaMemcpy(x.data(), a.x, D * sizeof(float), cudaMemcpyDeviceToHost));
+    }
+    return x;
+  };
+  for (bool ll : {false, true}) {
+    for (int prefetch : {1, 0}) {
+      for (int n_layers : {2, max_layers}) {
+        a.n_layers = n_layers;
+        a.prefetch = prefetch;
+        cudaGraph_t g;
+        cudaGraphExec_t ge;
+        CK(cudaStreamBeginCapture(st, cudaStreamCaptureModeGlobal));
+        enqueue(ll);
+        CK(cudaStreamEndCapture(st, &g));
+        CK(cudaGraphInstantiate(&ge, g, 0));
         CK(cudaGraphLaunch(ge, st));
-        CK(cudaEventRecord(e1, st));
-        CK(cudaEventSynchronize(e1));
-        float t = 0.f;
-        CK(cudaEventElapsedTime(&t, e0, e1));
-        if (it >= 20) ms.push_back(t);
+        CK(cudaStreamSynchronize(st));
+        const std::vector<float> x = result(ll);
+        const std::vector<double> ref = reference(hl, n_layers, x0, kc, vc);
+        double err = 0.0, mag = 0.0;
+        for (int i = 0; i < D; ++i) {
+          err = std::max(err, std::fabs(x[i] - ref[i]));
+          mag = std::max(mag, std::fabs(ref[i]));
+        }
+        cudaEvent_t e0, e1;
+        CK(cudaEventCreate(&e0));
+        CK(cudaEventCreate(&e1));
+        std::vector<float> ms;
+        for (int it = 0; it < 220; ++it) {
+          CK(cudaEventRecord(e0, st));
+          CK(cudaGraphLaunch(ge, st));
+          CK(cudaEventRecord(e1, st));
+          CK(cudaEventSynchronize(e1));
+          float t = 0.f;
+          CK(cudaEventElapsedTime(&t, e0, e1));
+          if (it >= 20) ms.push_back(t);
+        }
+        std::sort(ms.begin(), ms.end());
+        std::printf("%-8s prefetch %d, %2d layers: %8.1f us a step (median of 200; min %.1f), max |x - ref| %.2e "
+                    "(max |ref| %.2f)%s\n",
+                    ll ? "LL" : "counters", prefetch, n_layers, ms[ms.size() / 2] * 1e3, ms.front() * 1e3, err, mag,
+                    err <= 1e-3 * std::max(1.0, mag) ? "" : "  <-- MISMATCH");
+        CK(cudaGraphExecDestroy(ge));
+        CK(cudaGraphDestroy(g));
       }
-      std::sort(ms.begin(), ms.end());
-      std::printf("prefetch %d, %2d layers: %8.1f us a step (median of 200; min %.1f), max |x - ref| %.2e "
-                  "(max |ref| %.2f)%s\n",
-                  prefetch, n_layers, ms[ms.size() / 2] * 1e3, ms.front() * 1e3, err, mag,
-                  err <= 1e-3 * std::max(1.0, mag) ? "" : "  <-- MISMATCH");
-      CK(cudaGraphExecDestroy(ge));
-      CK(cudaGraphDestroy(g));
     }
   }
-  // One traced run (30 layers, prefetch on): where an instruction's time goes, averaged over layers 5 .. 24.
-  {
+  // Traced runs (30 layers, prefetch on): where an instruction's time goes, averaged over layers 5 .. 24.
+  const size_t n = static_cast<size_t>(max_layers) * 5 * 128 * 6;
+  unsigned long long* trace = upload(std::vector<unsigned long long>(n, 0ull));
+  for (bool ll : {false, true}) {
     a.n_layers = max_layers;
     a.prefetch = 1;
-    const size_t n = static_cast<size_t>(max_layers) * 5 * 128 * 4;
-    a.trace = upload(std::vector<unsigned long long>(n, 0ull));
-    for (int rep = 0; rep < 3; ++rep) {  // the last of three runs
-      CK(cudaMemsetAsync(a.counters, 0, max_layers * 5 * sizeof(unsigned), st));
-      megakernel<<<n_sms, kThreads, smem, st>>>(a);
-      CK(cudaGetLastError());
-      CK(cudaStreamSynchronize(st));
-    }
+    a.trace = trace;
+    CK(cudaMemset(trace, 0, n * sizeof(unsigned long long)));
+    for (int rep = 0; rep < 3; ++rep) enqueue(ll);  // the last of three runs
+    CK(cudaStreamSynchronize(st));
+    a.trace = nullptr;
     std::vector<unsigned long long> tr(n);
-    CK(cudaMemcpy(tr.data(), a.trace, n * sizeof(unsigned long long), cudaMemcpyDeviceToHost));
-    auto at = [&](int k, int t, int j) { return static_cast<double>(tr[(static_cast<size_t>(k) * 128 + t) * 4 + j]); };
+    CK(cudaMemcpy(tr.data(), trace, n * sizeof(unsigned long long), cudaMemcpyDeviceToHost));
+    auto at = [&](int k, int t, int j) { return static_cast<double>(tr[(static_cast<size_t>(k) * 128 + t) * 6 + j]); };
     const char* names[5] = {"QKV", "ATTN", "O", "GU", "DOWN"};
-    std::printf("traced, us, averages over layers 5..24: hand-over = first release seen - last task of the read "
-                "instruction done; span = last done - last done of the read instruction\n");
-    std::printf("%-5s %6s %9s %9s %9s %9s %9s %8s\n", "instr", "tasks", "hand-over", "seen-skew", "staging",
-                "compute", "release", "span");
+    std::printf("%s, traced, us, averages over layers 5..24: hand-over = first release seen (LL: first thread 0 with "
+                "its words) - last task of the read instruction done; span = last done - last done of the read "
+                "instruction\n", ll ? "LL" : "counters");
+    std::printf("%-5s %6s %9s %9s %9s %9s %9s %8s   staging = loads + norm + weights (counters only)\n", "instr",
+                "tasks", "hand-over", "seen-skew", "staging", "compute", "release", "span");
     double layer = 0.0;
     for (int in = 0; in < 5; ++in) {
-      double ho = 0, skew = 0, stg = 0, cmp = 0, spn = 0, rel = 0;
+      double ho = 0, skew = 0, stg = 0, cmp = 0, spn = 0, rel = 0, lds = 0, nrm = 0, wts = 0;
       int cnt = 0;
       for (int l = 5; l < 25; ++l, ++cnt) {
         const int k = l * 5 + in, dep = k - 1, nt = task_count(in), nd = task_count(dep % 5);
-        double dep_done = 0, first_seen = 1e300, last_seen = 0, last_done = 0, s_stg = 0, s_cmp = 0;
+        double dep_done = 0, first_seen = 1e300, last_seen = 0, last_done = 0, s_stg = 0, s_cmp = 0, s_ld = 0,
+               s_nrm = 0, s_wts = 0;
         for (int t = 0; t < nd; ++t) dep_done = std::max(dep_done, at(dep, t, 3));
         for (int t = 0; t < nt; ++t) {
           first_seen = std::min(first_seen, at(k, t, 1));
@@ -545,7 +686,15 @@ int main() {
           last_done = std::max(last_done, at(k, t, 3));
           s_stg += at(k, t, 2) - at(k, t, 1);
           s_cmp += at(k, t, 3) - at(k, t, 2);
+          if (at(k, t, 4) > 0) {
+            s_ld += at(k, t, 4) - at(k, t, 1);
+            s_nrm += at(k, t, 5) - at(k, t, 4);
+            s_wts += at(k, t, 2) - at(k, t, 5);
+          }
         }
+        lds += s_ld / nt;
+        nrm += s_nrm / nt;
+        wts += s_wts / nt;
         ho += first_seen - dep_done;
         skew += last_seen - first_seen;
         stg += s_stg / nt;
@@ -553,8 +702,10 @@ int main() {
         rel += last_done - last_seen;
         spn += last_done - dep_done;
       }
-      std::printf("%-5s %6d %9.2f %9.2f %9.2f %9.2f %9.2f %8.2f\n", names[in], task_count(in), ho / cnt / 1e3,
+      std::printf("%-5s %6d %9.2f %9.2f %9.2f %9.2f %9.2f %8.2f", names[in], task_count(in), ho / cnt / 1e3,
                   skew / cnt / 1e3, stg / cnt / 1e3, cmp / cnt / 1e3, rel / cnt / 1e3, spn / cnt / 1e3);
+      if (!ll) std::printf("   %.2f + %.2f + %.2f", lds / cnt / 1e3, nrm / cnt / 1e3, wts / cnt / 1e3);
+      std::printf("\n");
       layer += spn / cnt / 1e3;
     }
     std::printf("layer (sum of spans): %.2f us\n", layer);
