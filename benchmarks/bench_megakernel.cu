@@ -36,6 +36,7 @@
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <map>
 #include <random>
 #include <vector>
 
@@ -50,10 +51,18 @@
 
 namespace {
 
-constexpr int D = 576, NB = D / 32, NH = 9, NKV = 3, HD = 64, KVD = NKV * HD, QKV = D + 2 * KVD;
-constexpr int FF = 1536, NBF = FF / 32, P = 32;  // P: positions attended (the new one is P - 1)
-constexpr int kThreads = 256, kWarps = kThreads / 32;
+#ifdef MK_1_7B  // SmolLM2-1.7B's decode shapes: tasks of 55-74 KB of weights, about one a SM per instruction
+constexpr int D = 2048, NH = 32, NKV = 32, FF = 8192, kLayers = 24;
+constexpr int kQkvRows = 48, kORows = 16, kGuUnits = 32, kDownRows = 16;
+constexpr const char* kShape = "SmolLM2-1.7B";
+#else  // SmolLM2-135M's
+constexpr int D = 576, NH = 9, NKV = 3, FF = 1536, kLayers = 30;
 constexpr int kQkvRows = 8, kORows = 8, kGuUnits = 12, kDownRows = 8;
+constexpr const char* kShape = "SmolLM2-135M";
+#endif
+constexpr int NB = D / 32, HD = 64, KVD = NKV * HD, QKV = D + 2 * KVD;
+constexpr int NBF = FF / 32, P = 32;  // P: positions attended (the new one is P - 1)
+constexpr int kThreads = 256, kWarps = kThreads / 32;
 enum Instr { kQkv = 0, kAttn = 1, kO = 2, kGu = 3, kDown = 4 };
 __host__ __device__ constexpr int task_count(int in) {
   return in == kQkv    ? QKV / kQkvRows
@@ -63,7 +72,10 @@ __host__ __device__ constexpr int task_count(int in) {
                        : D / kDownRows;
 }
 constexpr int kLayerTasks = task_count(0) + task_count(1) + task_count(2) + task_count(3) + task_count(4);
-constexpr int kMaxTaskBlocks = 2 * kGuUnits * NB > kDownRows * NBF ? 2 * kGuUnits * NB : kDownRows * NBF;  // 432
+constexpr int cmax(int a, int b) { return a > b ? a : b; }
+constexpr int kMaxTaskBlocks = cmax(cmax(kQkvRows * NB, kORows * NB), cmax(2 * kGuUnits * NB, kDownRows * NBF));
+constexpr int kMaxTasks = cmax(cmax(task_count(0), task_count(1)), cmax(task_count(2), cmax(task_count(3),
+                                                                                               task_count(4))));
 constexpr int kStride = 36;  // padded 32-float blocks of staged activations
 static_assert(P <= 32 && P * HD % kThreads == 0, "attention: one warp's softmax, whole staging passes");
 
@@ -303,8 +315,8 @@ __global__ void __launch_bounds__(kThreads, 1) megakernel(Args a) {
       if (nxt.k < n_instr) fetch(sm, buf ^ 1, a.layers[nxt.k / 5], nxt.k % 5, nxt.t);
       else cp_commit();
     }
-    unsigned long long* tr = a.trace != nullptr && threadIdx.x == 0 ? a.trace + (static_cast<size_t>(k) * 128 + t) * 6
-                                                                      : nullptr;
+    unsigned long long* tr = nullptr;  // thread 0's six timestamps of this task, when tracing
+    if (a.trace != nullptr && threadIdx.x == 0) tr = a.trace + (static_cast<size_t>(k) * kMaxTasks + t) * 6;
     if (tr) tr[0] = now_ns();
     // Wait for the instruction this one reads (LL: each thread waits for the words it loads, below).
     const int dep = in == kQkv ? (l == 0 ? -1 : (l - 1) * 5 + kDown) : k - 1;
@@ -335,38 +347,45 @@ __global__ void __launch_bounds__(kThreads, 1) megakernel(Args a) {
     __syncthreads();
     if (tr) tr[2] = now_ns();
     if (in == kQkv) {
-      const int r = warp, row = t * kQkvRows + r;
-      const float v = row_dot(sm, buf, r, NB) * scale;
-      if (lane == 0) {
-        if constexpr (LL) st_relaxed64(a.qkvll + row, v, gen);
-        else a.qkv[row] = v;
-        if (row >= D && row < D + KVD) a.kc[(static_cast<size_t>(l) * P + P - 1) * KVD + row - D] = v;
-        if (row >= D + KVD) a.vc[(static_cast<size_t>(l) * P + P - 1) * KVD + row - D - KVD] = v;
+      for (int r = warp; r < kQkvRows; r += kWarps) {
+        const int row = t * kQkvRows + r;
+        const float v = row_dot(sm, buf, r, NB) * scale;
+        if (lane == 0) {
+          if constexpr (LL) st_relaxed64(a.qkvll + row, v, gen);
+          else a.qkv[row] = v;
+          if (row >= D && row < D + KVD) a.kc[(static_cast<size_t>(l) * P + P - 1) * KVD + row - D] = v;
+          if (row >= D + KVD) a.vc[(static_cast<size_t>(l) * P + P - 1) * KVD + row - D - KVD] = v;
+        }
       }
     } else if (in == kO || in == kDown) {
-      const int r = warp, row = t * kORows + r;
-      const float v = row_dot(sm, buf, r, in == kO ? NB : NBF);
-      if (lane == 0) {
-        // LL: x[row] as the last down (for O: generation k - 2) or this layer's O (for down: k - 1) left it.
-        if constexpr (LL)
-          st_relaxed64(a.xll + row, ll_wait(a.xll + row, in == kO ? k - 2 : k - 1) + v, gen);
-        else
-          a.x[row] = __ldcg(a.x + row) + v;
+      const int rows = in == kO ? kORows : kDownRows;
+      for (int r = warp; r < rows; r += kWarps) {
+        const int row = t * rows + r;
+        const float v = row_dot(sm, buf, r, in == kO ? NB : NBF);
+        if (lane == 0) {
+          // LL: x[row] as the last down (for O: generation k - 2) or this layer's O (for down: k - 1) left it.
+          if constexpr (LL)
+            st_relaxed64(a.xll + row, ll_wait(a.xll + row, in == kO ? k - 2 : k - 1) + v, gen);
+          else
+            a.x[row] = __ldcg(a.x + row) + v;
+        }
       }
     } else if (in == kGu) {  // 8 lanes a row: a warp's lanes 0-7 gate row u, 8-15 up row u, 16-31 unit u + 1
-      const int u = warp * 2 + (lane >> 4), r = (lane & 8) ? kGuUnits + u : u, sub = lane & 7;
-      float acc = 0.f;
-      if (u < kGuUnits)
-        for (int kb = sub; kb < NB; kb += 8)
-          acc += q4_dot(sm.wq[buf][r * NB + kb], __half2float(sm.wd[buf][r * NB + kb]), sm.x + kb * kStride);
+      for (int u0 = 0; u0 < kGuUnits; u0 += 2 * kWarps) {
+        const int u = u0 + warp * 2 + (lane >> 4), r = (lane & 8) ? kGuUnits + u : u, sub = lane & 7;
+        float acc = 0.f;
+        if (u < kGuUnits)
+          for (int kb = sub; kb < NB; kb += 8)
+            acc += q4_dot(sm.wq[buf][r * NB + kb], __half2float(sm.wd[buf][r * NB + kb]), sm.x + kb * kStride);
 #pragma unroll
-      for (int o = 4; o > 0; o >>= 1) acc += __shfl_xor_sync(0xffffffffu, acc, o);
-      acc *= scale;
-      const float up = __shfl_xor_sync(0xffffffffu, acc, 8);
-      if (u < kGuUnits && (lane & 15) == 0) {
-        const float act = acc / (1.f + expf(-acc)) * up;
-        if constexpr (LL) st_relaxed64(a.actll + t * kGuUnits + u, act, gen);
-        else a.act[t * kGuUnits + u] = act;
+        for (int o = 4; o > 0; o >>= 1) acc += __shfl_xor_sync(0xffffffffu, acc, o);
+        acc *= scale;
+        const float up = __shfl_xor_sync(0xffffffffu, acc, 8);
+        if (u < kGuUnits && (lane & 15) == 0) {
+          const float act = acc / (1.f + expf(-acc)) * up;
+          if constexpr (LL) st_relaxed64(a.actll + t * kGuUnits + u, act, gen);
+          else a.act[t * kGuUnits + u] = act;
+        }
       }
     } else {  // attention of head t over P positions: K, V and q staged first (one round trip), then from smem
       const int h = t, kvh = h / (NH / NKV);
@@ -544,7 +563,7 @@ int main() {
     std::printf("the kernel does not fit an SM\n");
     return 1;
   }
-  const int max_layers = 30;
+  const int max_layers = kLayers;
   std::vector<HostLayer> hl;
   std::vector<LayerW> dl;
   const float sd = 1.f / std::sqrt(static_cast<float>(D)), sf = 1.f / std::sqrt(static_cast<float>(FF));
@@ -581,7 +600,8 @@ int main() {
   a.actll = upload(std::vector<unsigned long long>(FF));
   cudaStream_t st;
   CK(cudaStreamCreate(&st));
-  std::printf("%d SMs, %d block(s) a SM fit, %zu bytes of shared memory a block\n", n_sms, per_sm, smem);
+  std::printf("%s shapes, %d layers; %d SMs, %d block(s) a SM fit, %zu bytes of shared memory a block\n", kShape,
+              max_layers, n_sms, per_sm, smem);
   // One step as the graph replays it: the hand-over state reset, x restored, the kernel.
   auto enqueue = [&](bool ll) {
     CK(cudaMemsetAsync(a.counters, 0, max_layers * 5 * sizeof(unsigned), st));
@@ -608,6 +628,7 @@ int main() {
     }
     return x;
   };
+  std::map<int, std::vector<double>> refs;  // the float64 reference for each layer count
   for (bool ll : {false, true}) {
     for (int prefetch : {1, 0}) {
       for (int n_layers : {2, max_layers}) {
@@ -622,7 +643,8 @@ int main() {
         CK(cudaGraphLaunch(ge, st));
         CK(cudaStreamSynchronize(st));
         const std::vector<float> x = result(ll);
-        const std::vector<double> ref = reference(hl, n_layers, x0, kc, vc);
+        if (refs.count(n_layers) == 0) refs[n_layers] = reference(hl, n_layers, x0, kc, vc);
+        const std::vector<double>& ref = refs[n_layers];
         double err = 0.0, mag = 0.0;
         for (int i = 0; i < D; ++i) {
           err = std::max(err, std::fabs(x[i] - ref[i]));
@@ -652,7 +674,7 @@ int main() {
     }
   }
   // Traced runs (30 layers, prefetch on): where an instruction's time goes, averaged over layers 5 .. 24.
-  const size_t n = static_cast<size_t>(max_layers) * 5 * 128 * 6;
+  const size_t n = static_cast<size_t>(max_layers) * 5 * kMaxTasks * 6;
   unsigned long long* trace = upload(std::vector<unsigned long long>(n, 0ull));
   for (bool ll : {false, true}) {
     a.n_layers = max_layers;
@@ -664,18 +686,20 @@ int main() {
     a.trace = nullptr;
     std::vector<unsigned long long> tr(n);
     CK(cudaMemcpy(tr.data(), trace, n * sizeof(unsigned long long), cudaMemcpyDeviceToHost));
-    auto at = [&](int k, int t, int j) { return static_cast<double>(tr[(static_cast<size_t>(k) * 128 + t) * 6 + j]); };
+    auto at = [&](int k, int t, int j) {
+      return static_cast<double>(tr[(static_cast<size_t>(k) * kMaxTasks + t) * 6 + j]);
+    };
     const char* names[5] = {"QKV", "ATTN", "O", "GU", "DOWN"};
-    std::printf("%s, traced, us, averages over layers 5..24: hand-over = first release seen (LL: first thread 0 with "
+    std::printf("%s, traced, us, averages over layers 5..%d: hand-over = first release seen (LL: first thread 0 with "
                 "its words) - last task of the read instruction done; span = last done - last done of the read "
-                "instruction\n", ll ? "LL" : "counters");
+                "instruction\n", ll ? "LL" : "counters", max_layers - 6);
     std::printf("%-5s %6s %9s %9s %9s %9s %9s %8s   staging = loads + norm + weights (counters only)\n", "instr",
                 "tasks", "hand-over", "seen-skew", "staging", "compute", "release", "span");
     double layer = 0.0;
     for (int in = 0; in < 5; ++in) {
       double ho = 0, skew = 0, stg = 0, cmp = 0, spn = 0, rel = 0, lds = 0, nrm = 0, wts = 0;
       int cnt = 0;
-      for (int l = 5; l < 25; ++l, ++cnt) {
+      for (int l = 5; l < max_layers - 5; ++l, ++cnt) {
         const int k = l * 5 + in, dep = k - 1, nt = task_count(in), nd = task_count(dep % 5);
         double dep_done = 0, first_seen = 1e300, last_seen = 0, last_done = 0, s_stg = 0, s_cmp = 0, s_ld = 0,
                s_nrm = 0, s_wts = 0;
