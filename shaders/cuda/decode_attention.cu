@@ -40,24 +40,42 @@ using detail::cp_async16;
 using detail::cp_async_wait_all;
 
 // The last block's combine of a split decode attention, for the HPB heads head0 .. of its block (all threads call it):
-// o = sum_s o_s e^(m_s - M) / sum_s l_s e^(m_s - M), M = max_s m_s. The splits' (m, l) in one round trip (warp g reads
-// head g's, a lane per split), their weights into w_s, then every partial element at once (the loads of all splits
-// are independent, so they are in flight together). Re-arms the done-counter for the next launch. THREADS: the block's.
+// o = sum_s o_s e^(m_s - M) / sum_s l_s e^(m_s - M), M = max_s m_s. One L2 round trip: each thread's partials of its
+// first output element (every split) and the splits' (m, l) (warp g reads head g's, a lane per split) are loaded
+// together, then the weights go to w_s and the sums come from registers. Output elements past the block's thread
+// count (groups of more than THREADS / HD heads) load theirs after the weights. Re-arms the done-counter for the
+// next launch. THREADS: the block's.
 template <int HPB, int HD, int THREADS>
 __device__ __forceinline__ void combine_splits(const AttnScratch& p, int head0, int n_splits,
                                                float (*w_s)[kMaxAttnSplits], unsigned* counter,
                                                float* __restrict__ out) {
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  const int i0 = threadIdx.x, g0 = i0 / HD, d0 = i0 % HD;
+  const bool own = i0 < HPB * HD;
+  float part[kMaxAttnSplits];
+  if (own) {
+    const float* po = p.o + static_cast<int64_t>(head0 + g0) * p.max_splits * HD + d0;
+#pragma unroll
+    for (int s = 0; s < kMaxAttnSplits; ++s) part[s] = s < n_splits ? __ldcg(po + static_cast<int64_t>(s) * HD) : 0.f;
+  }
   for (int g = warp; g < HPB; g += THREADS / 32) {
     const float* ml = p.ml + static_cast<int64_t>(head0 + g) * p.max_splits * 2;
-    const float2 ml_s = lane < n_splits ? __ldcg(reinterpret_cast<const float2*>(ml) + lane) : make_float2(-INFINITY, 0.f);
+    const float2 ml_s =
+        lane < n_splits ? __ldcg(reinterpret_cast<const float2*>(ml) + lane) : make_float2(-INFINITY, 0.f);
     const float m = detail::warp_max(ml_s.x);
     const float w = lane < n_splits ? expf(ml_s.x - m) : 0.f;
     const float den = detail::warp_sum(ml_s.y * w);
     if (lane < n_splits) w_s[g][lane] = w / den;
   }
   __syncthreads();
-  for (int i = threadIdx.x; i < HPB * HD; i += THREADS) {
+  if (own) {
+    float num = 0.f;
+#pragma unroll
+    for (int s = 0; s < kMaxAttnSplits; ++s)
+      if (s < n_splits) num += part[s] * w_s[g0][s];
+    out[static_cast<int64_t>(head0 + g0) * HD + d0] = num;
+  }
+  for (int i = threadIdx.x + THREADS; i < HPB * HD; i += THREADS) {
     const int g = i / HD, d = i % HD;
     const int64_t head = head0 + g;
     const float* po = p.o + head * p.max_splits * HD + d;
