@@ -1,32 +1,38 @@
-// Issue 13's second step: a persistent decode prototype on SmolLM2-135M's layer shapes, to measure what a layer costs
-// when one resident block per SM runs every instruction of the step and the hand-overs are counters instead of kernel
-// boundaries, with each block's weights for its next task copied into shared memory (cp.async) while it waits.
+// Issue 13's persistent decode prototype, second form: three dependent steps a layer instead of five. One resident
+// block per SM runs every instruction of one decode step (SmolLM2-135M's layer shapes, or SmolLM2-1.7B's with
+// -DMK_1_7B); hand-overs are counters instead of kernel boundaries, and each block copies its next task's weights into
+// shared memory (cp.async) while it waits.
 //
-// One launch runs L layers of one decode step: per layer five instructions, each split into tasks of a few rows:
-//   QKV    norm(x) . Wqkv (960 x 576), 120 tasks of 8 rows; the k and v rows also go to the cache at position P - 1
-//   ATTN   one query head over P cached positions (softmax scale 1/8, no RoPE: the cost, not the model), 9 tasks
-//   O      x += Wo . attn (576 x 576), 72 tasks of 8 rows
-//   GU     act = silu(gate) * up of norm(x) (2 x 1536 x 576), 128 tasks of 12 units (24 rows)
-//   DOWN   x += Wdown . act (576 x 1536), 72 tasks of 8 rows
-// Task t of an instruction runs on block (t + offset) % blocks, the offset rotating by each instruction's task count so
-// the work spreads over the SMs (a block takes several tasks of one instruction where it has more tasks than blocks).
-// An instruction's tasks wait (thread 0 spinning on an acquire load) until the counter of the instruction they read
-// reaches its task count, and each task adds one to its own instruction's counter with a release after a barrier. Every
-// block walks the same instruction order, so with one resident block per SM (grid = SM count, checked by the occupancy
-// query) the schedule cannot deadlock; a spin of 2^22 loads traps instead of hanging.
-// Weights are Q4_0 (the engine's layout: 16 bytes of nibbles and an fp16 scale per 32 weights), activations fp32, the
-// cache fp32. The result (x after L layers) is checked against a float64 CPU reference of the same computation.
+// The first form (five instructions: QKV, attention, O, gate/up, down; session 22) ran a 135M layer in 14.2 us with
+// counters and 12.7-13.2 with LL words, against the engine's graph path at ~11.9: a hand-over inside a busy persistent
+// kernel costs as much as a kernel boundary under programmatic launch, so only fewer dependent steps can win (NOTES,
+// "CUDA, session 22" and "session 23"). Here the O and down projections are split over K and folded into the
+// instruction before them; their partial sums go to the residual stream by vector atomics (red.global.add.v4.f32), so
+// no instruction waits for the attention output or the FFN activations of the whole model:
+//   QKV     norm(x_in) . Wqkv (QKV rows), tasks of kQkvRows rows; the k and v rows also go to the cache at P - 1
+//   ATTN_O  query head h over P cached positions (scale 1/8, no RoPE: the cost, not the model), then its 64 columns
+//           of Wo for a kOParts-th of the rows: x_mid += Wo[rows, h] . attn_h (head 0 also adds x_in); NH x kOParts
+//           tasks (each part recomputes the head's attention: on other SMs, in parallel)
+//   FFN     act = silu(gate) * up of norm(x_mid) for kGuUnits units, then x_out += Wdown[:, units] . act for all D
+//           rows (task 0 also adds x_mid); FF / kGuUnits tasks. With 16 units a task uses one half of each Q4_0
+//           block of its down column (the low nibbles hold weights 0-15, the high ones 16-31)
+// x_in, x_mid and x_out of layer l are xs[2l], xs[2l + 1], xs[2l + 2], zero before the step (but xs[0]).
+// Each instruction waits for the counter of the one before it (thread 0 spinning on an acquire load) to reach its task
+// count; each task adds one to its own counter with a release after a barrier. Task t of an instruction runs on block
+// (t + offset) % blocks, the offset rotating by each instruction's task count; every block walks the same instruction
+// order, so with one resident block per SM (grid = SM count) the schedule cannot deadlock; a spin of 2^22 loads traps
+// instead of hanging.
+// Weights are Q4_0 (the engine's layout), activations fp32, the cache fp32. The result (x after L layers) is checked
+// against a float64 CPU reference of the same computation.
 //
-// Two hand-overs (the template parameter LL): the counters above, or "LL": every activation value travels as one
-// 64-bit word {value, generation} written by one store, and a consumer polls the words it needs until each carries the
-// generation it waits for (no counter, no fence; the idea of NCCL's LL protocol).
-//
-// Measured: median of graph replays (counters zeroed and x reset inside the graph) for L = 2 and L = 30; the per-layer
-// cost is the slope; prefetch 0 copies each task's weights after its wait instead (the prefetch's share). Then one
-// traced run of each hand-over (%globaltimer by each task's thread 0) prints where an instruction's time goes.
-// Session 22 (RESULTS, NOTES): counters 14.2 us a layer, LL 12.7-13.2; the engine's graph path ~11.9.
-// Build and run (H100): nvcc -O3 -arch=sm_90 -std=c++17 benchmarks/bench_megakernel.cu -o /tmp/bench_megakernel &&
-//   /tmp/bench_megakernel
+// Measured: median of graph replays (counters and xs reset inside the graph) for L = 2 and L = all layers; the
+// per-layer cost is the slope; prefetch 0 copies each task's weights after its wait instead. Then one traced run
+// (%globaltimer by each task's thread 0) prints where an instruction's time goes.
+// Session 23 (H200; RESULTS, NOTES): 135M shapes 9.9 us a layer (the five-step form 14.2 in the same call, the
+// engine's graph path ~11.5); 1.7B shapes 52-56 (five-step 44.4, engine ~28: with one 8-warp block a SM the FFN's dots
+// are the bound).
+// Build and run: nvcc -O3 -arch=sm_90 -std=c++17 benchmarks/bench_megakernel.cu -o /tmp/bench_megakernel &&
+//   /tmp/bench_megakernel   (-DMK_1_7B for the 1.7B shapes; -DMK_OPARTS=N, -DMK_UNITS=16|32 for the task sizes)
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
 
@@ -51,37 +57,47 @@
 
 namespace {
 
-#ifdef MK_1_7B  // SmolLM2-1.7B's decode shapes: tasks of 55-74 KB of weights, about one a SM per instruction
+// Task sizes: -DMK_OPARTS (ATTN_O tasks a head, default 4), -DMK_UNITS (FFN units a task, 16 or 32; default 16).
+#ifndef MK_OPARTS
+#define MK_OPARTS 4
+#endif
+#ifndef MK_UNITS
+#define MK_UNITS 16
+#endif
+constexpr int kOParts = MK_OPARTS, kGuUnits = MK_UNITS;
+#ifdef MK_1_7B  // SmolLM2-1.7B's decode shapes
 constexpr int D = 2048, NH = 32, NKV = 32, FF = 8192, kLayers = 24;
-constexpr int kQkvRows = 48, kORows = 16, kGuUnits = 32, kDownRows = 16;
+constexpr int kQkvRows = 48;
 constexpr const char* kShape = "SmolLM2-1.7B";
 #else  // SmolLM2-135M's
 constexpr int D = 576, NH = 9, NKV = 3, FF = 1536, kLayers = 30;
-constexpr int kQkvRows = 8, kORows = 8, kGuUnits = 12, kDownRows = 8;
+constexpr int kQkvRows = 8;
 constexpr const char* kShape = "SmolLM2-135M";
 #endif
 constexpr int NB = D / 32, HD = 64, KVD = NKV * HD, QKV = D + 2 * KVD;
 constexpr int NBF = FF / 32, P = 32;  // P: positions attended (the new one is P - 1)
+constexpr int kORows = D / kOParts;   // rows of Wo an ATTN_O task multiplies
 constexpr int kThreads = 256, kWarps = kThreads / 32;
-enum Instr { kQkv = 0, kAttn = 1, kO = 2, kGu = 3, kDown = 4 };
+constexpr int kSteps = 3;
+enum Instr { kQkv = 0, kAttnO = 1, kFfn = 2 };
 __host__ __device__ constexpr int task_count(int in) {
-  return in == kQkv    ? QKV / kQkvRows
-         : in == kAttn ? NH
-         : in == kO    ? D / kORows
-         : in == kGu   ? FF / kGuUnits
-                       : D / kDownRows;
+  return in == kQkv ? QKV / kQkvRows : in == kAttnO ? NH * kOParts : FF / kGuUnits;
 }
-constexpr int kLayerTasks = task_count(0) + task_count(1) + task_count(2) + task_count(3) + task_count(4);
+constexpr int kLayerTasks = task_count(0) + task_count(1) + task_count(2);
 constexpr int cmax(int a, int b) { return a > b ? a : b; }
-constexpr int kMaxTaskBlocks = cmax(cmax(kQkvRows * NB, kORows * NB), cmax(2 * kGuUnits * NB, kDownRows * NBF));
-constexpr int kMaxTasks = cmax(cmax(task_count(0), task_count(1)), cmax(task_count(2), cmax(task_count(3),
-                                                                                               task_count(4))));
+// Weight blocks of a task: QKV rows; the O rows' two blocks of head h; gate and up rows, then one down block a row.
+constexpr int kMaxTaskBlocks = cmax(kQkvRows * NB, cmax(kORows * 2, 2 * kGuUnits * NB + D));
+constexpr int kMaxTasks = cmax(task_count(0), cmax(task_count(1), task_count(2)));
 constexpr int kStride = 36;  // padded 32-float blocks of staged activations
 static_assert(P <= 32 && P * HD % kThreads == 0, "attention: one warp's softmax, whole staging passes");
+static_assert(kGuUnits == 16 || kGuUnits == 32, "a task's units are one Q4_0 block of the down rows, or half of one");
+static_assert(D % kOParts == 0 && kORows % 4 == 0 && D % 4 == 0, "whole float4 atomics");
+static_assert(QKV % kQkvRows == 0 && FF % kGuUnits == 0, "whole tasks");
+static_assert(NB % 2 == 0 && NBF % 2 == 0, "scales copied in aligned pairs");
 
 struct Matrix {
-  const uint4* q;      // [rows][nb] nibbles
-  const __half* d;     // [rows][nb] scales
+  const uint4* q;   // [rows][nb] nibbles
+  const __half* d;  // [rows][nb] scales
   int nb;
 };
 struct LayerW {
@@ -92,20 +108,13 @@ struct LayerW {
 struct Args {
   const LayerW* layers;
   int n_layers;
-  float* x;       // [D] residual stream
-  float* qkv;     // [QKV]
-  float* attn;    // [D]
-  float* act;     // [FF]
-  float* kc;      // [L][P][KVD]
+  float* xs;   // [2 L + 1][D] residual stream: layer l reads xs[2l], O adds into xs[2l + 1], down into xs[2l + 2]
+  float* qkv;  // [QKV]
+  float* kc;   // [L][P][KVD]
   float* vc;
-  unsigned* counters;  // [L][5], zero at launch
+  unsigned* counters;  // [L][3], zero at launch
   int prefetch;
-  // LL hand-over (megakernel<true>): every activation travels as one 64-bit word {value, generation}, written with
-  // one store, so a consumer polls the data itself and needs no counter and no fence; generation = producing
-  // instruction + 1 (x starts at 0).
-  unsigned long long *xll, *qkvll, *attnll, *actll;
-  // null, or [instruction][task][6] %globaltimer ns: waiting, released, staged, done; counters mode also: the
-  // staging loads stored (4), the norm reduced (5)
+  // null, or [instruction][task][6] %globaltimer ns: waiting, released, staged, done, staging loads stored, norm
   unsigned long long* trace;
 };
 
@@ -126,22 +135,6 @@ __device__ __forceinline__ unsigned long long now_ns() {
   unsigned long long t;
   asm volatile("mov.u64 %0, %globaltimer;" : "=l"(t));
   return t;
-}
-__device__ __forceinline__ unsigned long long ld_relaxed64(const unsigned long long* p) {
-  unsigned long long v;
-  asm volatile("ld.relaxed.gpu.global.b64 %0, [%1];" : "=l"(v) : "l"(p) : "memory");
-  return v;
-}
-__device__ __forceinline__ void st_relaxed64(unsigned long long* p, float v, unsigned gen) {
-  const unsigned long long w = static_cast<unsigned long long>(gen) << 32 | __float_as_uint(v);
-  asm volatile("st.relaxed.gpu.global.b64 [%0], %1;" ::"l"(p), "l"(w) : "memory");
-}
-// The value at p once its generation is gen (spins; traps after ~2^22 polls: a schedule that cannot finish).
-__device__ __forceinline__ float ll_wait(const unsigned long long* p, unsigned gen) {
-  unsigned long long w = ld_relaxed64(p);
-  for (long long spins = 0; static_cast<unsigned>(w >> 32) != gen; w = ld_relaxed64(p))
-    if (++spins > (1ll << 22)) __trap();
-  return __uint_as_float(static_cast<unsigned>(w));
 }
 __device__ __forceinline__ void cp_commit() { asm volatile("cp.async.commit_group;" ::: "memory"); }
 template <int N>
@@ -172,226 +165,178 @@ __device__ __forceinline__ float q4_dot(uint4 q, float d, const float* xb) {
     }
   return d * s;
 }
+// One half of a Q4_0 block (half 0: weights 0-15, the low nibbles; half 1: weights 16-31) . 16 floats.
+__device__ __forceinline__ float q4_half_dot(uint4 q, float d, int half, const float* xh) {
+  const uint32_t w[4] = {q.x, q.y, q.z, q.w};
+  const int sh = 4 * half;
+  float s = 0.f;
+#pragma unroll
+  for (int i = 0; i < 4; ++i)
+#pragma unroll
+    for (int j = 0; j < 4; ++j) s += xh[4 * i + j] * static_cast<float>(static_cast<int>((w[i] >> (8 * j + sh)) & 0xf) - 8);
+  return d * s;
+}
 
 struct Smem {
   uint4 wq[2][kMaxTaskBlocks];
   __half wd[2][kMaxTaskBlocks + 8];
-  float x[NBF * kStride];
+  float x[NB * kStride];
   float red[kWarps];
   float sc[P];
+  float o[HD];             // ATTN_O: the head's attention output
+  float act[kGuUnits];     // FFN: the task's activations
   float kv[2][P][HD + 1];  // attention: the head's K and V rows (padded: a warp's lanes read different rows)
+  __half2 dsc[2][D];       // FFN: each down row's scale pair that holds its column's scale
 };
 
-// The rows of instruction `in`'s task t as up to two contiguous ranges of its matrix: (first row, count) each.
-struct Rows {
-  const Matrix* m;
-  int r0, n0, r1, n1;
-};
-__device__ __forceinline__ Rows task_rows(const LayerW& L, int in, int t) {
-  switch (in) {
-    case kQkv: return {&L.qkv, t * kQkvRows, kQkvRows, 0, 0};
-    case kO: return {&L.o, t * kORows, kORows, 0, 0};
-    case kGu: return {&L.gu, t * kGuUnits, kGuUnits, FF + t * kGuUnits, kGuUnits};
-    case kDown: return {&L.down, t * kDownRows, kDownRows, 0, 0};
-    default: return {nullptr, 0, 0, 0, 0};
-  }
-}
-
-// Copies a task's weight blocks (both ranges, rows in order) into buffer b; commits one group (empty for attention).
+// Copies a task's weight blocks into buffer b (layout: see kMaxTaskBlocks); commits one group.
 __device__ __forceinline__ void fetch(Smem& sm, int b, const LayerW& L, int in, int t) {
-  const Rows r = task_rows(L, in, t);
-  if (r.m != nullptr) {
-    const int nb = r.m->nb;
-    for (int part = 0; part < 2; ++part) {
-      const int row0 = part == 0 ? r.r0 : r.r1, n = part == 0 ? r.n0 : r.n1, base = part == 0 ? 0 : r.n0 * nb;
-      for (int i = threadIdx.x; i < n * nb; i += kThreads) cp16(&sm.wq[b][base + i], r.m->q + row0 * nb + i);
-      for (int i = threadIdx.x; i < n * nb / 2; i += kThreads)  // scales two at a time (nb is even)
-        cp4(&sm.wd[b][base + 2 * i], r.m->d + row0 * nb + 2 * i);
+  auto copy = [&](const Matrix& m, int dst, int row0, int rows, int blk0, int blks) {
+    for (int i = threadIdx.x; i < rows * blks; i += kThreads) {
+      const int r = row0 + i / blks, c = blk0 + i % blks;
+      cp16(&sm.wq[b][dst + i], m.q + r * m.nb + c);
     }
+  };
+  auto copy_scales = [&](const Matrix& m, int dst, int row0, int rows, int blk0, int blks) {  // two at a time
+    for (int i = threadIdx.x; i < rows * blks / 2; i += kThreads) {
+      const int r = row0 + (2 * i) / blks, c = blk0 + (2 * i) % blks;
+      cp4(&sm.wd[b][dst + 2 * i], m.d + r * m.nb + c);
+    }
+  };
+  if (in == kQkv) {
+    copy(L.qkv, 0, t * kQkvRows, kQkvRows, 0, NB);
+    copy_scales(L.qkv, 0, t * kQkvRows, kQkvRows, 0, NB);
+  } else if (in == kAttnO) {
+    const int h = t / kOParts, j = t % kOParts;
+    copy(L.o, 0, j * kORows, kORows, 2 * h, 2);
+    copy_scales(L.o, 0, j * kORows, kORows, 2 * h, 2);
+  } else {
+    const int u0 = t * kGuUnits;
+    copy(L.gu, 0, u0, kGuUnits, 0, NB);
+    copy(L.gu, kGuUnits * NB, FF + u0, kGuUnits, 0, NB);
+    copy(L.down, 2 * kGuUnits * NB, 0, D, u0 / 32, 1);
+    copy_scales(L.gu, 0, u0, kGuUnits, 0, NB);
+    copy_scales(L.gu, kGuUnits * NB, FF + u0, kGuUnits, 0, NB);
+    // the down column's scales: the aligned pair that holds each (cp.async copies 4 bytes at least)
+    for (int r = threadIdx.x; r < D; r += kThreads) cp4(&sm.dsc[b][r], L.down.d + r * NBF + (u0 / 32 & ~1));
   }
   cp_commit();
 }
 
-// Stages v[0 .. n) (read through L2) into the padded layout, times norm_w if given; returns 1/rms (or 1). tr: trace
-// slot 4 (thread 0's loads stored) when tracing.
-__device__ __forceinline__ float stage(Smem& sm, const float* v, int n, const float* norm_w, unsigned long long* tr) {
-  float ss = 0.f;
-  for (int i = threadIdx.x; i < n; i += kThreads) {
-    const float a = __ldcg(v + i);
-    ss += a * a;
-    sm.x[(i >> 5) * kStride + (i & 31)] = norm_w != nullptr ? a * norm_w[i] : a;
-  }
-  if (tr) tr[4] = now_ns();
-  if (norm_w == nullptr) return 1.f;
-  ss = warp_sum(ss);
-  if ((threadIdx.x & 31) == 0) sm.red[threadIdx.x >> 5] = ss;
-  __syncthreads();
-  float t = 0.f;
+// Stages v[0 .. D) (read through L2, every load of a thread issued before the first store) into the padded layout,
+// times norm_w; returns 1/rms. tr: trace slot 4 (thread 0's loads stored) when tracing.
+__device__ __forceinline__ float stage(Smem& sm, const float* v, const float* norm_w, unsigned long long* tr) {
+  constexpr int kPer = (D + kThreads - 1) / kThreads;
+  float a[kPer], w[kPer];
 #pragma unroll
-  for (int w = 0; w < kWarps; ++w) t += sm.red[w];
-  return rsqrtf(t / n + 1e-5f);
-}
-
-// stage() for the LL hand-over: every thread issues all its loads first, then re-polls the words not yet at gen.
-__device__ __forceinline__ float stage_ll(Smem& sm, const unsigned long long* v, int n, const float* norm_w,
-                                          unsigned gen) {
-  constexpr int kPer = (FF + kThreads - 1) / kThreads;
-  unsigned long long w[kPer];
-#pragma unroll
-  for (int u = 0; u < kPer; ++u)
-    if (threadIdx.x + u * kThreads < n) w[u] = ld_relaxed64(v + threadIdx.x + u * kThreads);
-  for (long long spins = 0;; ++spins) {  // re-poll every stale word at once, not one round trip a word
-    bool ready = true;
-#pragma unroll
-    for (int u = 0; u < kPer; ++u)
-      if (threadIdx.x + u * kThreads < n && static_cast<unsigned>(w[u] >> 32) != gen) ready = false;
-    if (ready) break;
-    if (spins > (1ll << 22)) __trap();
-#pragma unroll
-    for (int u = 0; u < kPer; ++u)
-      if (threadIdx.x + u * kThreads < n && static_cast<unsigned>(w[u] >> 32) != gen)
-        w[u] = ld_relaxed64(v + threadIdx.x + u * kThreads);
+  for (int u = 0; u < kPer; ++u) {
+    const int i = threadIdx.x + u * kThreads;
+    a[u] = i < D ? __ldcg(v + i) : 0.f;
+    w[u] = i < D ? __ldg(norm_w + i) : 0.f;
   }
   float ss = 0.f;
 #pragma unroll
   for (int u = 0; u < kPer; ++u) {
     const int i = threadIdx.x + u * kThreads;
-    if (i < n) {
-      const float a = __uint_as_float(static_cast<unsigned>(w[u]));
-      ss += a * a;
-      sm.x[(i >> 5) * kStride + (i & 31)] = norm_w != nullptr ? a * norm_w[i] : a;
+    if (i < D) {
+      ss += a[u] * a[u];
+      sm.x[(i >> 5) * kStride + (i & 31)] = a[u] * w[u];
     }
   }
-  if (norm_w == nullptr) return 1.f;
+  if (tr) tr[4] = now_ns();
   ss = warp_sum(ss);
   if ((threadIdx.x & 31) == 0) sm.red[threadIdx.x >> 5] = ss;
   __syncthreads();
   float t = 0.f;
 #pragma unroll
-  for (int w = 0; w < kWarps; ++w) t += sm.red[w];
-  return rsqrtf(t / n + 1e-5f);
+  for (int w2 = 0; w2 < kWarps; ++w2) t += sm.red[w2];
+  return rsqrtf(t / D + 1e-5f);
 }
 
-// Local row r of the task (rows of both ranges in order) . staged x, a warp a row.
-__device__ __forceinline__ float row_dot(const Smem& sm, int b, int r, int nb) {
-  const int lane = threadIdx.x & 31;
-  float acc = 0.f;
-  for (int k = lane; k < nb; k += 32)
-    acc += q4_dot(sm.wq[b][r * nb + k], __half2float(sm.wd[b][r * nb + k]), sm.x + k * kStride);
-  return warp_sum(acc);
+// y[r .. r + 4) += v (and, with add, += add[r .. r + 4)): one vector atomic.
+__device__ __forceinline__ void add4(float* y, int r, float4 v, const float* add) {
+  if (add != nullptr) {
+    const float4 b = __ldcg(reinterpret_cast<const float4*>(add + r));
+    v.x += b.x;
+    v.y += b.y;
+    v.z += b.z;
+    v.w += b.w;
+  }
+  atomicAdd(reinterpret_cast<float4*>(y + r), v);
 }
 
-template <bool LL>
 __global__ void __launch_bounds__(kThreads, 1) megakernel(Args a) {
   extern __shared__ __align__(16) unsigned char raw[];
   Smem& sm = *reinterpret_cast<Smem*>(raw);
   const int G = gridDim.x, warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-  const int n_instr = a.n_layers * 5;
-  // This block's tasks, in schedule order: of instruction k (k = layer * 5 + in) the tasks t0, t0 + G, ... below its
-  // task count, t0 = (block - offset) mod G (more than one only where an instruction has more tasks than blocks).
+  const int n_instr = a.n_layers * kSteps;
+  // This block's tasks, in schedule order: of instruction k (k = layer * kSteps + in) the tasks t0, t0 + G, ... below
+  // its task count, t0 = (block - offset) mod G.
   struct Pos {
     int k, t;
   };
   auto first_task = [&](int k) {
-    int off = (k / 5) * kLayerTasks;
-    for (int j = 0; j < k % 5; ++j) off += task_count(j);
+    int off = (k / kSteps) * kLayerTasks;
+    for (int j = 0; j < k % kSteps; ++j) off += task_count(j);
     const int t = ((static_cast<int>(blockIdx.x) - off) % G + G) % G;
-    return t < task_count(k % 5) ? t : -1;
+    return t < task_count(k % kSteps) ? t : -1;
   };
   auto next = [&](Pos p) {
-    if (p.k >= 0 && p.t + G < task_count(p.k % 5)) return Pos{p.k, p.t + G};
+    if (p.k >= 0 && p.t + G < task_count(p.k % kSteps)) return Pos{p.k, p.t + G};
     for (int k = p.k + 1; k < n_instr; ++k)
       if (const int t = first_task(k); t >= 0) return Pos{k, t};
     return Pos{n_instr, 0};
   };
   int buf = 0;
   Pos cur = next(Pos{-1, 0});
-  if (a.prefetch && cur.k < n_instr) fetch(sm, buf, a.layers[cur.k / 5], cur.k % 5, cur.t);
+  if (a.prefetch && cur.k < n_instr) fetch(sm, buf, a.layers[cur.k / kSteps], cur.k % kSteps, cur.t);
   for (Pos nxt; cur.k < n_instr; cur = nxt) {
-    const int k = cur.k, l = k / 5, in = k % 5, t = cur.t;
+    const int k = cur.k, l = k / kSteps, in = k % kSteps, t = cur.t;
     const LayerW& L = a.layers[l];
+    float* x_in = a.xs + static_cast<size_t>(2 * l) * D;
+    float* x_mid = x_in + D;
+    float* x_out = x_mid + D;
     nxt = next(cur);
     if (a.prefetch) {
-      if (nxt.k < n_instr) fetch(sm, buf ^ 1, a.layers[nxt.k / 5], nxt.k % 5, nxt.t);
+      if (nxt.k < n_instr) fetch(sm, buf ^ 1, a.layers[nxt.k / kSteps], nxt.k % kSteps, nxt.t);
       else cp_commit();
     }
     unsigned long long* tr = nullptr;  // thread 0's six timestamps of this task, when tracing
     if (a.trace != nullptr && threadIdx.x == 0) tr = a.trace + (static_cast<size_t>(k) * kMaxTasks + t) * 6;
     if (tr) tr[0] = now_ns();
-    // Wait for the instruction this one reads (LL: each thread waits for the words it loads, below).
-    const int dep = in == kQkv ? (l == 0 ? -1 : (l - 1) * 5 + kDown) : k - 1;
-    const unsigned gen = static_cast<unsigned>(k) + 1, dep_gen = static_cast<unsigned>(k);  // dep_gen: of k - 1
-    if (!LL && threadIdx.x == 0 && dep >= 0) {
-      const unsigned target = task_count(dep % 5);
+    if (threadIdx.x == 0 && k > 0) {  // every instruction reads the one before it
+      const unsigned target = task_count((k - 1) % kSteps);
       long long spins = 0;
-      while (ld_acquire(a.counters + dep) < target)
+      while (ld_acquire(a.counters + k - 1) < target)
         if (++spins > (1ll << 22)) __trap();  // ~2-4 s: a schedule that cannot finish
     }
-    if (!LL) __syncthreads();
-    if (tr && !LL) tr[1] = now_ns();
-    if (!a.prefetch) fetch(sm, buf, L, in, t);
-    float scale = 1.f;
-    if constexpr (LL) {
-      if (in == kQkv || in == kGu) scale = stage_ll(sm, a.xll, D, in == kQkv ? L.attn_norm : L.ffn_norm, dep_gen);
-      else if (in == kO) scale = stage_ll(sm, a.attnll, D, nullptr, dep_gen);
-      else if (in == kDown) scale = stage_ll(sm, a.actll, FF, nullptr, dep_gen);
-      if (tr && in != kAttn) tr[1] = now_ns();
-    } else {
-      if (in == kQkv || in == kGu) scale = stage(sm, a.x, D, in == kQkv ? L.attn_norm : L.ffn_norm, tr);
-      else if (in == kO) scale = stage(sm, a.attn, D, nullptr, tr);
-      else if (in == kDown) scale = stage(sm, a.act, FF, nullptr, tr);
-      if (tr) tr[5] = now_ns();
-    }
-    if (a.prefetch) cp_wait<1>();
-    else cp_wait<0>();
     __syncthreads();
-    if (tr) tr[2] = now_ns();
+    if (tr) tr[1] = now_ns();
+    if (!a.prefetch) fetch(sm, buf, L, in, t);
     if (in == kQkv) {
+      const float scale = stage(sm, x_in, L.attn_norm, tr);
+      if (tr) tr[5] = now_ns();
+      if (a.prefetch) cp_wait<1>();
+      else cp_wait<0>();
+      __syncthreads();
+      if (tr) tr[2] = now_ns();
       for (int r = warp; r < kQkvRows; r += kWarps) {
         const int row = t * kQkvRows + r;
-        const float v = row_dot(sm, buf, r, NB) * scale;
+        float acc = 0.f;
+        for (int kb = lane; kb < NB; kb += 32)
+          acc += q4_dot(sm.wq[buf][r * NB + kb], __half2float(sm.wd[buf][r * NB + kb]), sm.x + kb * kStride);
+        const float v = warp_sum(acc) * scale;
         if (lane == 0) {
-          if constexpr (LL) st_relaxed64(a.qkvll + row, v, gen);
-          else a.qkv[row] = v;
+          a.qkv[row] = v;
           if (row >= D && row < D + KVD) a.kc[(static_cast<size_t>(l) * P + P - 1) * KVD + row - D] = v;
           if (row >= D + KVD) a.vc[(static_cast<size_t>(l) * P + P - 1) * KVD + row - D - KVD] = v;
         }
       }
-    } else if (in == kO || in == kDown) {
-      const int rows = in == kO ? kORows : kDownRows;
-      for (int r = warp; r < rows; r += kWarps) {
-        const int row = t * rows + r;
-        const float v = row_dot(sm, buf, r, in == kO ? NB : NBF);
-        if (lane == 0) {
-          // LL: x[row] as the last down (for O: generation k - 2) or this layer's O (for down: k - 1) left it.
-          if constexpr (LL)
-            st_relaxed64(a.xll + row, ll_wait(a.xll + row, in == kO ? k - 2 : k - 1) + v, gen);
-          else
-            a.x[row] = __ldcg(a.x + row) + v;
-        }
-      }
-    } else if (in == kGu) {  // 8 lanes a row: a warp's lanes 0-7 gate row u, 8-15 up row u, 16-31 unit u + 1
-      for (int u0 = 0; u0 < kGuUnits; u0 += 2 * kWarps) {
-        const int u = u0 + warp * 2 + (lane >> 4), r = (lane & 8) ? kGuUnits + u : u, sub = lane & 7;
-        float acc = 0.f;
-        if (u < kGuUnits)
-          for (int kb = sub; kb < NB; kb += 8)
-            acc += q4_dot(sm.wq[buf][r * NB + kb], __half2float(sm.wd[buf][r * NB + kb]), sm.x + kb * kStride);
-#pragma unroll
-        for (int o = 4; o > 0; o >>= 1) acc += __shfl_xor_sync(0xffffffffu, acc, o);
-        acc *= scale;
-        const float up = __shfl_xor_sync(0xffffffffu, acc, 8);
-        if (u < kGuUnits && (lane & 15) == 0) {
-          const float act = acc / (1.f + expf(-acc)) * up;
-          if constexpr (LL) st_relaxed64(a.actll + t * kGuUnits + u, act, gen);
-          else a.act[t * kGuUnits + u] = act;
-        }
-      }
-    } else {  // attention of head t over P positions: K, V and q staged first (one round trip), then from smem
-      const int h = t, kvh = h / (NH / NKV);
+    } else if (in == kAttnO) {
+      // Attention of head h over P positions: K, V and q staged first (one round trip), then from shared memory.
+      const int h = t / kOParts, part = t % kOParts, kvh = h / (NH / NKV);
       const float* kc = a.kc + static_cast<size_t>(l) * P * KVD + kvh * HD;
       const float* vc = a.vc + static_cast<size_t>(l) * P * KVD + kvh * HD;
-      float* q = sm.x;  // 64 floats
       constexpr int kPer = P * HD / kThreads;  // values of K (and of V) a thread stages
       float kr[kPer], vr[kPer];
 #pragma unroll
@@ -400,27 +345,20 @@ __global__ void __launch_bounds__(kThreads, 1) megakernel(Args a) {
         kr[u] = __ldcg(kc + p * KVD + c);
         vr[u] = __ldcg(vc + p * KVD + c);
       }
-      float qv = 0.f, knew = 0.f;  // LL: q, and the new position's k (threads 0-63) and v (64-127) rows, polled
-      if constexpr (LL) {
-        if (threadIdx.x < HD) qv = ll_wait(a.qkvll + h * HD + threadIdx.x, dep_gen);
-        if (threadIdx.x < 2 * HD)
-          knew = ll_wait(a.qkvll + D + (threadIdx.x < HD ? 0 : KVD) + kvh * HD + threadIdx.x % HD, dep_gen);
-        if (tr) tr[1] = now_ns();
-      } else {
-        qv = threadIdx.x < HD ? __ldcg(a.qkv + h * HD + threadIdx.x) : 0.f;
-      }
+      const float qv = threadIdx.x < HD ? __ldcg(a.qkv + h * HD + threadIdx.x) : 0.f;
 #pragma unroll
       for (int u = 0; u < kPer; ++u) {
         const int i = threadIdx.x + u * kThreads, p = i / HD, c = i % HD;
-        if (LL && p == P - 1) continue;  // the new position comes from the LL words
         sm.kv[0][p][c] = kr[u];
         sm.kv[1][p][c] = vr[u];
       }
-      if (LL && threadIdx.x < 2 * HD) sm.kv[threadIdx.x / HD][P - 1][threadIdx.x % HD] = knew;
-      if (threadIdx.x < HD) q[threadIdx.x] = qv;
+      if (threadIdx.x < HD) sm.x[threadIdx.x] = qv;
+      if (a.prefetch) cp_wait<1>();
+      else cp_wait<0>();
       __syncthreads();
+      if (tr) tr[2] = now_ns();
       for (int p = warp; p < P; p += kWarps) {  // a warp a position, lanes over dimension pairs
-        const float s = warp_sum(q[lane] * sm.kv[0][p][lane] + q[lane + 32] * sm.kv[0][p][lane + 32]);
+        const float s = warp_sum(sm.x[lane] * sm.kv[0][p][lane] + sm.x[lane + 32] * sm.kv[0][p][lane + 32]);
         if (lane == 0) sm.sc[p] = s * 0.125f;
       }
       __syncthreads();
@@ -435,13 +373,64 @@ __global__ void __launch_bounds__(kThreads, 1) megakernel(Args a) {
       if (threadIdx.x < HD) {
         float o = 0.f;
         for (int p = 0; p < P; ++p) o += sm.sc[p] * sm.kv[1][p][threadIdx.x];
-        if constexpr (LL) st_relaxed64(a.attnll + h * HD + threadIdx.x, o, gen);
-        else a.attn[h * HD + threadIdx.x] = o;
+        sm.o[threadIdx.x] = o;
+      }
+      __syncthreads();
+      // Wo[rows of this part, head h's 64 columns] . o: a thread a row (two blocks), four rows a vector atomic
+      // (lanes 4i .. 4i + 3 gather theirs to lane 4i).
+      for (int r0 = 0; r0 < kORows; r0 += kThreads) {
+        const int r = r0 + threadIdx.x;
+        float v = 0.f;
+        if (r < kORows)
+          v = q4_dot(sm.wq[buf][2 * r], __half2float(sm.wd[buf][2 * r]), sm.o) +
+              q4_dot(sm.wq[buf][2 * r + 1], __half2float(sm.wd[buf][2 * r + 1]), sm.o + 32);
+        const int base = lane & ~3;
+        const float4 v4 = make_float4(__shfl_sync(0xffffffffu, v, base), __shfl_sync(0xffffffffu, v, base + 1),
+                                      __shfl_sync(0xffffffffu, v, base + 2), __shfl_sync(0xffffffffu, v, base + 3));
+        if (r < kORows && (lane & 3) == 0) add4(x_mid, part * kORows + r, v4, h == 0 ? x_in : nullptr);
+      }
+    } else {  // FFN
+      const float scale = stage(sm, x_mid, L.ffn_norm, tr);
+      if (tr) tr[5] = now_ns();
+      if (a.prefetch) cp_wait<1>();
+      else cp_wait<0>();
+      __syncthreads();
+      if (tr) tr[2] = now_ns();
+      // gate/up: 8 lanes a row; a warp's lanes 0-7 gate row u, 8-15 up row u, 16-31 unit u + 1
+      for (int u0 = 0; u0 < kGuUnits; u0 += 2 * kWarps) {
+        const int u = u0 + warp * 2 + (lane >> 4), r = (lane & 8) ? kGuUnits + u : u, sub = lane & 7;
+        float acc = 0.f;
+        if (u < kGuUnits)
+          for (int kb = sub; kb < NB; kb += 8)
+            acc += q4_dot(sm.wq[buf][r * NB + kb], __half2float(sm.wd[buf][r * NB + kb]), sm.x + kb * kStride);
+#pragma unroll
+        for (int o = 4; o > 0; o >>= 1) acc += __shfl_xor_sync(0xffffffffu, acc, o);
+        acc *= scale;
+        const float up = __shfl_xor_sync(0xffffffffu, acc, 8);
+        if (u < kGuUnits && (lane & 15) == 0) sm.act[u] = acc / (1.f + expf(-acc)) * up;
+      }
+      __syncthreads();
+      // Wdown[:, units] . act: a thread a row (one block or half of one), four rows a vector atomic.
+      const int u0 = t * kGuUnits, half = kGuUnits == 16 ? (u0 / 16) % 2 : 0;
+      const int dn = 2 * kGuUnits * NB;  // the down blocks' offset in the buffer
+      for (int r0 = 0; r0 < D; r0 += kThreads) {
+        const int r = r0 + threadIdx.x;
+        float v = 0.f;
+        if (r < D) {
+          const uint4 q = sm.wq[buf][dn + r];
+          const __half2 d2 = sm.dsc[buf][r];
+          const float d = __half2float((u0 / 32) % 2 == 0 ? __low2half(d2) : __high2half(d2));
+          v = kGuUnits == 16 ? q4_half_dot(q, d, half, sm.act) : q4_dot(q, d, sm.act);
+        }
+        const int base = lane & ~3;
+        const float4 v4 = make_float4(__shfl_sync(0xffffffffu, v, base), __shfl_sync(0xffffffffu, v, base + 1),
+                                      __shfl_sync(0xffffffffu, v, base + 2), __shfl_sync(0xffffffffu, v, base + 3));
+        if (r < D && (lane & 3) == 0) add4(x_out, r, v4, t == 0 ? x_mid : nullptr);
       }
     }
-    __syncthreads();  // every thread's stores (and reads of buffer buf) before the release
+    __syncthreads();  // every thread's stores and atomics (and reads of buffer buf) before the release
     if (tr) tr[3] = now_ns();
-    if (!LL && threadIdx.x == 0)
+    if (threadIdx.x == 0)
       asm volatile("red.release.gpu.global.add.u32 [%0], 1;" ::"l"(a.counters + k) : "memory");
     if (a.prefetch) buf ^= 1;
   }
@@ -501,7 +490,7 @@ std::vector<double> rmsnorm(const std::vector<double>& x, const std::vector<floa
 
 // The same computation in float64; kc / vc as the kernel leaves them (row P - 1 recomputed here).
 std::vector<double> reference(const std::vector<HostLayer>& layers, int n_layers, const std::vector<float>& x0,
-                              std::vector<float> kc, std::vector<float> vc) {
+                              const std::vector<float>& kc, const std::vector<float>& vc) {
   std::vector<double> x(x0.begin(), x0.end());
   for (int l = 0; l < n_layers; ++l) {
     const HostLayer& L = layers[l];
@@ -556,9 +545,8 @@ int main() {
   int n_sms = 0, per_sm = 0;
   CK(cudaDeviceGetAttribute(&n_sms, cudaDevAttrMultiProcessorCount, 0));
   const size_t smem = sizeof(Smem);
-  for (auto k : {megakernel<false>, megakernel<true>})
-    CK(cudaFuncSetAttribute(k, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem)));
-  CK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, megakernel<true>, kThreads, smem));
+  CK(cudaFuncSetAttribute(megakernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem)));
+  CK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, megakernel, kThreads, smem));
   if (per_sm < 1) {
     std::printf("the kernel does not fit an SM\n");
     return 1;
@@ -579,160 +567,125 @@ int main() {
   const std::vector<float> vc = random_vec(max_layers * P * KVD, -1.f, 1.f);
   Args a{};
   a.layers = upload(dl);
-  a.x = upload(x0);
-  float* x_init = upload(x0);
+  std::vector<float> xs0(static_cast<size_t>(2 * max_layers + 1) * D, 0.f);
+  std::copy(x0.begin(), x0.end(), xs0.begin());
+  a.xs = upload(xs0);
   a.qkv = upload(std::vector<float>(QKV));
-  a.attn = upload(std::vector<float>(D));
-  a.act = upload(std::vector<float>(FF));
   a.kc = upload(kc);
   a.vc = upload(vc);
-  a.counters = upload(std::vector<unsigned>(max_layers * 5));
-  std::vector<unsigned long long> x0ll(D);  // x0 as generation-0 words
-  for (int i = 0; i < D; ++i) {
-    unsigned u;
-    std::memcpy(&u, &x0[i], 4);
-    x0ll[i] = u;
-  }
-  a.xll = upload(x0ll);
-  unsigned long long* xll_init = upload(x0ll);
-  a.qkvll = upload(std::vector<unsigned long long>(QKV));
-  a.attnll = upload(std::vector<unsigned long long>(D));
-  a.actll = upload(std::vector<unsigned long long>(FF));
+  a.counters = upload(std::vector<unsigned>(max_layers * kSteps));
   cudaStream_t st;
   CK(cudaStreamCreate(&st));
-  std::printf("%s shapes, %d layers; %d SMs, %d block(s) a SM fit, %zu bytes of shared memory a block\n", kShape,
-              max_layers, n_sms, per_sm, smem);
-  // One step as the graph replays it: the hand-over state reset, x restored, the kernel.
-  auto enqueue = [&](bool ll) {
-    CK(cudaMemsetAsync(a.counters, 0, max_layers * 5 * sizeof(unsigned), st));
-    CK(cudaMemcpyAsync(a.x, x_init, D * sizeof(float), cudaMemcpyDeviceToDevice, st));
-    CK(cudaMemcpyAsync(a.xll, xll_init, D * 8, cudaMemcpyDeviceToDevice, st));
-    CK(cudaMemsetAsync(a.qkvll, 0, QKV * 8, st));
-    CK(cudaMemsetAsync(a.attnll, 0, D * 8, st));
-    CK(cudaMemsetAsync(a.actll, 0, FF * 8, st));
-    if (ll) megakernel<true><<<n_sms, kThreads, smem, st>>>(a);
-    else megakernel<false><<<n_sms, kThreads, smem, st>>>(a);
+  std::printf("%s shapes, %d layers, 3 steps a layer (tasks %d / %d / %d); %d SMs, %d block(s) a SM fit, %zu bytes "
+              "of shared memory a block\n",
+              kShape, max_layers, task_count(0), task_count(1), task_count(2), n_sms, per_sm, smem);
+  // One step as the graph replays it: the counters and the accumulated residuals reset, the kernel.
+  auto enqueue = [&]() {
+    CK(cudaMemsetAsync(a.counters, 0, max_layers * kSteps * sizeof(unsigned), st));
+    CK(cudaMemsetAsync(a.xs + D, 0, static_cast<size_t>(2 * max_layers) * D * sizeof(float), st));
+    megakernel<<<n_sms, kThreads, smem, st>>>(a);
     CK(cudaGetLastError());
   };
-  auto result = [&](bool ll) {
-    std::vector<float> x(D);
-    if (ll) {
-      std::vector<unsigned long long> w(D);
-      CK(cudaMemcpy(w.data(), a.xll, D * 8, cudaMemcpyDeviceToHost));
-      for (int i = 0; i < D; ++i) {
-        const unsigned u = static_cast<unsigned>(w[i]);
-        std::memcpy(&x[i], &u, 4);
-      }
-    } else {
-      CK(cudaMemcpy(x.data(), a.x, D * sizeof(float), cudaMemcpyDeviceToHost));
-    }
-    return x;
-  };
   std::map<int, std::vector<double>> refs;  // the float64 reference for each layer count
-  for (bool ll : {false, true}) {
-    for (int prefetch : {1, 0}) {
-      for (int n_layers : {2, max_layers}) {
-        a.n_layers = n_layers;
-        a.prefetch = prefetch;
-        cudaGraph_t g;
-        cudaGraphExec_t ge;
-        CK(cudaStreamBeginCapture(st, cudaStreamCaptureModeGlobal));
-        enqueue(ll);
-        CK(cudaStreamEndCapture(st, &g));
-        CK(cudaGraphInstantiate(&ge, g, 0));
+  for (int prefetch : {1, 0}) {
+    for (int n_layers : {2, max_layers}) {
+      a.n_layers = n_layers;
+      a.prefetch = prefetch;
+      cudaGraph_t g;
+      cudaGraphExec_t ge;
+      CK(cudaStreamBeginCapture(st, cudaStreamCaptureModeGlobal));
+      enqueue();
+      CK(cudaStreamEndCapture(st, &g));
+      CK(cudaGraphInstantiate(&ge, g, 0));
+      CK(cudaGraphLaunch(ge, st));
+      CK(cudaStreamSynchronize(st));
+      std::vector<float> x(D);
+      CK(cudaMemcpy(x.data(), a.xs + static_cast<size_t>(2 * n_layers) * D, D * sizeof(float),
+                    cudaMemcpyDeviceToHost));
+      if (refs.count(n_layers) == 0) refs[n_layers] = reference(hl, n_layers, x0, kc, vc);
+      const std::vector<double>& ref = refs[n_layers];
+      double err = 0.0, mag = 0.0;
+      for (int i = 0; i < D; ++i) {
+        err = std::max(err, std::fabs(x[i] - ref[i]));
+        mag = std::max(mag, std::fabs(ref[i]));
+      }
+      cudaEvent_t e0, e1;
+      CK(cudaEventCreate(&e0));
+      CK(cudaEventCreate(&e1));
+      std::vector<float> ms;
+      for (int it = 0; it < 220; ++it) {
+        CK(cudaEventRecord(e0, st));
         CK(cudaGraphLaunch(ge, st));
-        CK(cudaStreamSynchronize(st));
-        const std::vector<float> x = result(ll);
-        if (refs.count(n_layers) == 0) refs[n_layers] = reference(hl, n_layers, x0, kc, vc);
-        const std::vector<double>& ref = refs[n_layers];
-        double err = 0.0, mag = 0.0;
-        for (int i = 0; i < D; ++i) {
-          err = std::max(err, std::fabs(x[i] - ref[i]));
-          mag = std::max(mag, std::fabs(ref[i]));
-        }
-        cudaEvent_t e0, e1;
-        CK(cudaEventCreate(&e0));
-        CK(cudaEventCreate(&e1));
-        std::vector<float> ms;
-        for (int it = 0; it < 220; ++it) {
-          CK(cudaEventRecord(e0, st));
-          CK(cudaGraphLaunch(ge, st));
-          CK(cudaEventRecord(e1, st));
-          CK(cudaEventSynchronize(e1));
-          float t = 0.f;
-          CK(cudaEventElapsedTime(&t, e0, e1));
-          if (it >= 20) ms.push_back(t);
-        }
-        std::sort(ms.begin(), ms.end());
-        std::printf("%-8s prefetch %d, %2d layers: %8.1f us a step (median of 200; min %.1f), max |x - ref| %.2e "
-                    "(max |ref| %.2f)%s\n",
-                    ll ? "LL" : "counters", prefetch, n_layers, ms[ms.size() / 2] * 1e3, ms.front() * 1e3, err, mag,
-                    err <= 1e-3 * std::max(1.0, mag) ? "" : "  <-- MISMATCH");
-        CK(cudaGraphExecDestroy(ge));
-        CK(cudaGraphDestroy(g));
+        CK(cudaEventRecord(e1, st));
+        CK(cudaEventSynchronize(e1));
+        float tm = 0.f;
+        CK(cudaEventElapsedTime(&tm, e0, e1));
+        if (it >= 20) ms.push_back(tm);
       }
+      std::sort(ms.begin(), ms.end());
+      std::printf("prefetch %d, %2d layers: %8.1f us a step (median of 200; min %.1f), max |x - ref| %.2e "
+                  "(max |ref| %.2f)%s\n",
+                  prefetch, n_layers, ms[ms.size() / 2] * 1e3, ms.front() * 1e3, err, mag,
+                  err <= 1e-3 * std::max(1.0, mag) ? "" : "  <-- MISMATCH");
+      CK(cudaGraphExecDestroy(ge));
+      CK(cudaGraphDestroy(g));
     }
   }
-  // Traced runs (30 layers, prefetch on): where an instruction's time goes, averaged over layers 5 .. 24.
-  const size_t n = static_cast<size_t>(max_layers) * 5 * kMaxTasks * 6;
+  // One traced run (all layers, prefetch on): where an instruction's time goes, averaged over the middle layers.
+  const size_t n = static_cast<size_t>(max_layers) * kSteps * kMaxTasks * 6;
   unsigned long long* trace = upload(std::vector<unsigned long long>(n, 0ull));
-  for (bool ll : {false, true}) {
-    a.n_layers = max_layers;
-    a.prefetch = 1;
-    a.trace = trace;
-    CK(cudaMemset(trace, 0, n * sizeof(unsigned long long)));
-    for (int rep = 0; rep < 3; ++rep) enqueue(ll);  // the last of three runs
-    CK(cudaStreamSynchronize(st));
-    a.trace = nullptr;
-    std::vector<unsigned long long> tr(n);
-    CK(cudaMemcpy(tr.data(), trace, n * sizeof(unsigned long long), cudaMemcpyDeviceToHost));
-    auto at = [&](int k, int t, int j) {
-      return static_cast<double>(tr[(static_cast<size_t>(k) * kMaxTasks + t) * 6 + j]);
-    };
-    const char* names[5] = {"QKV", "ATTN", "O", "GU", "DOWN"};
-    std::printf("%s, traced, us, averages over layers 5..%d: hand-over = first release seen (LL: first thread 0 with "
-                "its words) - last task of the read instruction done; span = last done - last done of the read "
-                "instruction\n", ll ? "LL" : "counters", max_layers - 6);
-    std::printf("%-5s %6s %9s %9s %9s %9s %9s %8s   staging = loads + norm + weights (counters only)\n", "instr",
-                "tasks", "hand-over", "seen-skew", "staging", "compute", "release", "span");
-    double layer = 0.0;
-    for (int in = 0; in < 5; ++in) {
-      double ho = 0, skew = 0, stg = 0, cmp = 0, spn = 0, rel = 0, lds = 0, nrm = 0, wts = 0;
-      int cnt = 0;
-      for (int l = 5; l < max_layers - 5; ++l, ++cnt) {
-        const int k = l * 5 + in, dep = k - 1, nt = task_count(in), nd = task_count(dep % 5);
-        double dep_done = 0, first_seen = 1e300, last_seen = 0, last_done = 0, s_stg = 0, s_cmp = 0, s_ld = 0,
-               s_nrm = 0, s_wts = 0;
-        for (int t = 0; t < nd; ++t) dep_done = std::max(dep_done, at(dep, t, 3));
-        for (int t = 0; t < nt; ++t) {
-          first_seen = std::min(first_seen, at(k, t, 1));
-          last_seen = std::max(last_seen, at(k, t, 1));
-          last_done = std::max(last_done, at(k, t, 3));
-          s_stg += at(k, t, 2) - at(k, t, 1);
-          s_cmp += at(k, t, 3) - at(k, t, 2);
-          if (at(k, t, 4) > 0) {
-            s_ld += at(k, t, 4) - at(k, t, 1);
-            s_nrm += at(k, t, 5) - at(k, t, 4);
-            s_wts += at(k, t, 2) - at(k, t, 5);
-          }
+  a.n_layers = max_layers;
+  a.prefetch = 1;
+  a.trace = trace;
+  for (int rep = 0; rep < 3; ++rep) enqueue();  // the last of three runs
+  CK(cudaStreamSynchronize(st));
+  std::vector<unsigned long long> tr(n);
+  CK(cudaMemcpy(tr.data(), trace, n * sizeof(unsigned long long), cudaMemcpyDeviceToHost));
+  auto at = [&](int k, int t, int j) {
+    return static_cast<double>(tr[(static_cast<size_t>(k) * kMaxTasks + t) * 6 + j]);
+  };
+  const char* names[kSteps] = {"QKV", "ATTN_O", "FFN"};
+  std::printf("traced, us, averages over layers 5..%d: hand-over = first release seen - last task of the read "
+              "instruction done; span = last done - last done of the read instruction\n", max_layers - 6);
+  std::printf("%-6s %6s %9s %9s %9s %9s %9s %8s   staging = x loads + norm + weights (QKV, FFN)\n", "instr", "tasks",
+              "hand-over", "seen-skew", "staging", "compute", "release", "span");
+  double layer = 0.0;
+  for (int in = 0; in < kSteps; ++in) {
+    double ho = 0, skew = 0, stg = 0, cmp = 0, spn = 0, rel = 0, lds = 0, nrm = 0, wts = 0;
+    int cnt = 0;
+    for (int l = 5; l < max_layers - 5; ++l, ++cnt) {
+      const int k = l * kSteps + in, dep = k - 1, nt = task_count(in), nd = task_count(dep % kSteps);
+      double dep_done = 0, first_seen = 1e300, last_seen = 0, last_done = 0, s_stg = 0, s_cmp = 0, s_ld = 0,
+             s_nrm = 0, s_wts = 0;
+      for (int t = 0; t < nd; ++t) dep_done = std::max(dep_done, at(dep, t, 3));
+      for (int t = 0; t < nt; ++t) {
+        first_seen = std::min(first_seen, at(k, t, 1));
+        last_seen = std::max(last_seen, at(k, t, 1));
+        last_done = std::max(last_done, at(k, t, 3));
+        s_stg += at(k, t, 2) - at(k, t, 1);
+        s_cmp += at(k, t, 3) - at(k, t, 2);
+        if (at(k, t, 4) > 0) {
+          s_ld += at(k, t, 4) - at(k, t, 1);
+          s_nrm += at(k, t, 5) - at(k, t, 4);
+          s_wts += at(k, t, 2) - at(k, t, 5);
         }
-        lds += s_ld / nt;
-        nrm += s_nrm / nt;
-        wts += s_wts / nt;
-        ho += first_seen - dep_done;
-        skew += last_seen - first_seen;
-        stg += s_stg / nt;
-        cmp += s_cmp / nt;
-        rel += last_done - last_seen;
-        spn += last_done - dep_done;
       }
-      std::printf("%-5s %6d %9.2f %9.2f %9.2f %9.2f %9.2f %8.2f", names[in], task_count(in), ho / cnt / 1e3,
-                  skew / cnt / 1e3, stg / cnt / 1e3, cmp / cnt / 1e3, rel / cnt / 1e3, spn / cnt / 1e3);
-      if (!ll) std::printf("   %.2f + %.2f + %.2f", lds / cnt / 1e3, nrm / cnt / 1e3, wts / cnt / 1e3);
-      std::printf("\n");
-      layer += spn / cnt / 1e3;
+      lds += s_ld / nt;
+      nrm += s_nrm / nt;
+      wts += s_wts / nt;
+      ho += first_seen - dep_done;
+      skew += last_seen - first_seen;
+      stg += s_stg / nt;
+      cmp += s_cmp / nt;
+      rel += last_done - last_seen;
+      spn += last_done - dep_done;
     }
-    std::printf("layer (sum of spans): %.2f us\n", layer);
+    std::printf("%-6s %6d %9.2f %9.2f %9.2f %9.2f %9.2f %8.2f", names[in], task_count(in), ho / cnt / 1e3,
+                skew / cnt / 1e3, stg / cnt / 1e3, cmp / cnt / 1e3, rel / cnt / 1e3, spn / cnt / 1e3);
+    if (in != kAttnO) std::printf("   %.2f + %.2f + %.2f", lds / cnt / 1e3, nrm / cnt / 1e3, wts / cnt / 1e3);
+    std::printf("\n");
+    layer += spn / cnt / 1e3;
   }
+  std::printf("layer (sum of spans): %.2f us\n", layer);
   return 0;
 }
