@@ -11,7 +11,8 @@
 // replay, effective GB/s of the GPU layout's bytes); `bench_cuda <n_ctx> decode` stops after the decode tg128 line.
 // METALATTN_BENCH_SHAPE=qwen takes Qwen2.5-0.5B's shape instead (24 layers, d 896, ffn 4864, 14/2 heads, vocab
 // 151,936) with its Q4_K_M file's types (no biases: the same decode kernels); METALATTN_BENCH_SHAPE=1.7b takes
-// SmolLM2-1.7B's (24 layers, d 2048, ffn 8192, 32/32 heads, vocab 49,152) with the 135M's types.
+// SmolLM2-1.7B's (24 layers, d 2048, ffn 8192, 32/32 heads, vocab 49,152) with the 135M's types; =360m SmolLM2-360M's
+// (32 layers, d 960, ffn 2560, 15/5 heads).
 #include <algorithm>
 #include <chrono>
 #include <cmath>
@@ -309,16 +310,18 @@ int main(int argc, char** argv) {
       return 0;
     }
     // METALATTN_BENCH_SHAPE=qwen: Qwen2.5-0.5B's shape (llama layers, no biases) with its Q4_K_M file's types;
-    // 1.7b: SmolLM2-1.7B's with Q4_0 layers; otherwise SmolLM2-135M's.
+    // 1.7b: SmolLM2-1.7B's with Q4_0 layers; 360m: SmolLM2-360M's likewise; otherwise SmolLM2-135M's.
     const char* shape = std::getenv("METALATTN_BENCH_SHAPE");
     const bool qwen = shape != nullptr && std::strcmp(shape, "qwen") == 0;
     const bool big = shape != nullptr && std::strcmp(shape, "1.7b") == 0;
+    const bool mid = shape != nullptr && std::strcmp(shape, "360m") == 0;
     struct Shape {
       int layers, d, ff, heads, kv_heads, vocab;
       float rope_base, eps;
     };
     const Shape sh = qwen  ? Shape{24, 896, 4864, 14, 2, 151936, 1e6f, 1e-6f}
                      : big ? Shape{24, 2048, 8192, 32, 32, 49152, 1.3e5f, 1e-5f}
+                     : mid ? Shape{32, 960, 2560, 15, 5, 49152, 1e5f, 1e-5f}
                            : Shape{30, 576, 1536, 9, 3, 49152, 1e5f, 1e-5f};
     ModelSpec s;
     s.n_layers = sh.layers;

@@ -65,19 +65,32 @@ namespace {
 #define MK_UNITS 16
 #endif
 constexpr int kOParts = MK_OPARTS, kGuUnits = MK_UNITS;
-#ifdef MK_1_7B  // SmolLM2-1.7B's decode shapes
-constexpr int D = 2048, NH = 32, NKV = 32, FF = 8192, kLayers = 24;
-constexpr int kQkvRows = 48;
+#if defined(MK_1_7B)  // SmolLM2-1.7B's decode shapes
+constexpr int D = 2048, NH = 32, NKV = 32, FF = 8192, kLayers = 24, kQkvRowsDefault = 48;
 constexpr const char* kShape = "SmolLM2-1.7B";
+#elif defined(MK_360M)  // SmolLM2-360M's
+constexpr int D = 960, NH = 15, NKV = 5, FF = 2560, kLayers = 32, kQkvRowsDefault = 8;
+constexpr const char* kShape = "SmolLM2-360M";
 #else  // SmolLM2-135M's
-constexpr int D = 576, NH = 9, NKV = 3, FF = 1536, kLayers = 30;
-constexpr int kQkvRows = 8;
+constexpr int D = 576, NH = 9, NKV = 3, FF = 1536, kLayers = 30, kQkvRowsDefault = 8;
 constexpr const char* kShape = "SmolLM2-135M";
+#endif
+// -DMK_QKV_ROWS (rows a QKV task), -DMK_THREADS (a block's threads, 256 or 512), -DMK_POLL_RELAXED (the counter
+// polled with relaxed loads, one acquire fence after it is reached, instead of an acquire load a poll).
+#ifdef MK_QKV_ROWS
+constexpr int kQkvRows = MK_QKV_ROWS;
+#else
+constexpr int kQkvRows = kQkvRowsDefault;
+#endif
+#ifndef MK_THREADS
+#define MK_THREADS 256
 #endif
 constexpr int NB = D / 32, HD = 64, KVD = NKV * HD, QKV = D + 2 * KVD;
 constexpr int NBF = FF / 32, P = 32;  // P: positions attended (the new one is P - 1)
 constexpr int kORows = D / kOParts;   // rows of Wo an ATTN_O task multiplies
-constexpr int kThreads = 256, kWarps = kThreads / 32;
+constexpr int kThreads = MK_THREADS, kWarps = kThreads / 32;
+// gate/up rows: kGuTpr lanes a row (8, 16 or 32), every row of the task in one pass where the block has the lanes
+constexpr int kGuTpr = kThreads / (2 * kGuUnits) >= 32 ? 32 : kThreads / (2 * kGuUnits) >= 16 ? 16 : 8;
 constexpr int kSteps = 3;
 enum Instr { kQkv = 0, kAttnO = 1, kFfn = 2 };
 __host__ __device__ constexpr int task_count(int in) {
@@ -90,6 +103,7 @@ constexpr int kMaxTaskBlocks = cmax(kQkvRows * NB, cmax(kORows * 2, 2 * kGuUnits
 constexpr int kMaxTasks = cmax(task_count(0), cmax(task_count(1), task_count(2)));
 constexpr int kStride = 36;  // padded 32-float blocks of staged activations
 static_assert(P <= 32 && P * HD % kThreads == 0, "attention: one warp's softmax, whole staging passes");
+static_assert(kThreads >= 2 * HD && kThreads % 32 == 0, "attention: q and the output a thread a dimension");
 static_assert(kGuUnits == 16 || kGuUnits == 32, "a task's units are one Q4_0 block of the down rows, or half of one");
 static_assert(D % kOParts == 0 && kORows % 4 == 0 && D % 4 == 0, "whole float4 atomics");
 static_assert(QKV % kQkvRows == 0 && FF % kGuUnits == 0, "whole tasks");
@@ -121,6 +135,11 @@ struct Args {
 __device__ __forceinline__ unsigned ld_acquire(const unsigned* p) {
   unsigned v;
   asm volatile("ld.acquire.gpu.global.u32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
+  return v;
+}
+__device__ __forceinline__ unsigned ld_relaxed(const unsigned* p) {
+  unsigned v;
+  asm volatile("ld.relaxed.gpu.global.u32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
   return v;
 }
 __device__ __forceinline__ void cp16(void* s, const void* g) {
@@ -184,6 +203,7 @@ struct Smem {
   float red[kWarps];
   float sc[P];
   float o[HD];             // ATTN_O: the head's attention output
+  float gu[2 * kGuUnits];  // FFN: the task's gate and up rows
   float act[kGuUnits];     // FFN: the task's activations
   float kv[2][P][HD + 1];  // attention: the head's K and V rows (padded: a warp's lanes read different rows)
   __half2 dsc[2][D];       // FFN: each down row's scale pair that holds its column's scale
@@ -307,8 +327,14 @@ __global__ void __launch_bounds__(kThreads, 1) megakernel(Args a) {
     if (threadIdx.x == 0 && k > 0) {  // every instruction reads the one before it
       const unsigned target = task_count((k - 1) % kSteps);
       long long spins = 0;
+#ifdef MK_POLL_RELAXED
+      while (ld_relaxed(a.counters + k - 1) < target)
+        if (++spins > (1ll << 22)) __trap();  // ~2-4 s: a schedule that cannot finish
+      asm volatile("fence.acq_rel.gpu;" ::: "memory");
+#else
       while (ld_acquire(a.counters + k - 1) < target)
         if (++spins > (1ll << 22)) __trap();  // ~2-4 s: a schedule that cannot finish
+#endif
     }
     __syncthreads();
     if (tr) tr[1] = now_ns();
@@ -396,18 +422,21 @@ __global__ void __launch_bounds__(kThreads, 1) megakernel(Args a) {
       else cp_wait<0>();
       __syncthreads();
       if (tr) tr[2] = now_ns();
-      // gate/up: 8 lanes a row; a warp's lanes 0-7 gate row u, 8-15 up row u, 16-31 unit u + 1
-      for (int u0 = 0; u0 < kGuUnits; u0 += 2 * kWarps) {
-        const int u = u0 + warp * 2 + (lane >> 4), r = (lane & 8) ? kGuUnits + u : u, sub = lane & 7;
+      // gate/up: kGuTpr lanes a row (rows 0 .. U - 1 gate, U .. 2U - 1 up), the sums to shared memory, then the
+      // activations a thread a unit.
+      for (int r = threadIdx.x / kGuTpr; r < 2 * kGuUnits; r += kThreads / kGuTpr) {
+        const int sub = threadIdx.x % kGuTpr;
         float acc = 0.f;
-        if (u < kGuUnits)
-          for (int kb = sub; kb < NB; kb += 8)
-            acc += q4_dot(sm.wq[buf][r * NB + kb], __half2float(sm.wd[buf][r * NB + kb]), sm.x + kb * kStride);
+        for (int kb = sub; kb < NB; kb += kGuTpr)
+          acc += q4_dot(sm.wq[buf][r * NB + kb], __half2float(sm.wd[buf][r * NB + kb]), sm.x + kb * kStride);
 #pragma unroll
-        for (int o = 4; o > 0; o >>= 1) acc += __shfl_xor_sync(0xffffffffu, acc, o);
-        acc *= scale;
-        const float up = __shfl_xor_sync(0xffffffffu, acc, 8);
-        if (u < kGuUnits && (lane & 15) == 0) sm.act[u] = acc / (1.f + expf(-acc)) * up;
+        for (int o = kGuTpr / 2; o > 0; o >>= 1) acc += __shfl_xor_sync(0xffffffffu, acc, o);
+        if (sub == 0) sm.gu[r] = acc * scale;
+      }
+      __syncthreads();
+      if (threadIdx.x < kGuUnits) {
+        const float g = sm.gu[threadIdx.x], up = sm.gu[kGuUnits + threadIdx.x];
+        sm.act[threadIdx.x] = g / (1.f + expf(-g)) * up;
       }
       __syncthreads();
       // Wdown[:, units] . act: a thread a row (one block or half of one), four rows a vector atomic.
