@@ -310,11 +310,15 @@ int main(int argc, char** argv) {
       return 0;
     }
     // METALATTN_BENCH_SHAPE=qwen: Qwen2.5-0.5B's shape (llama layers, no biases) with its Q4_K_M file's types;
-    // 1.7b: SmolLM2-1.7B's with Q4_0 layers; 360m: SmolLM2-360M's likewise; otherwise SmolLM2-135M's.
+    // 1.7b: SmolLM2-1.7B's with Q4_0 layers; 360m: SmolLM2-360M's likewise; unset or 135m: SmolLM2-135M's.
     const char* shape = std::getenv("METALATTN_BENCH_SHAPE");
     const bool qwen = shape != nullptr && std::strcmp(shape, "qwen") == 0;
     const bool big = shape != nullptr && std::strcmp(shape, "1.7b") == 0;
     const bool mid = shape != nullptr && std::strcmp(shape, "360m") == 0;
+    if (shape != nullptr && *shape != '\0' && !qwen && !big && !mid && std::strcmp(shape, "135m") != 0) {
+      std::fprintf(stderr, "bench_cuda: METALATTN_BENCH_SHAPE=%s: expected 135m, 360m, 1.7b or qwen\n", shape);
+      return 2;
+    }
     struct Shape {
       int layers, d, ff, heads, kv_heads, vocab;
       float rope_base, eps;
