@@ -132,16 +132,6 @@ struct Args {
   unsigned long long* trace;
 };
 
-__device__ __forceinline__ unsigned ld_acquire(const unsigned* p) {
-  unsigned v;
-  asm volatile("ld.acquire.gpu.global.u32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
-  return v;
-}
-__device__ __forceinline__ unsigned ld_relaxed(const unsigned* p) {
-  unsigned v;
-  asm volatile("ld.relaxed.gpu.global.u32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
-  return v;
-}
 __device__ __forceinline__ void cp16(void* s, const void* g) {
   asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(static_cast<unsigned>(__cvta_generic_to_shared(s))),
                "l"(g) : "memory");
@@ -273,16 +263,38 @@ __device__ __forceinline__ float stage(Smem& sm, const float* v, const float* no
   return rsqrtf(t / D + 1e-5f);
 }
 
-// y[r .. r + 4) += v (and, with add, += add[r .. r + 4)): one vector atomic.
-__device__ __forceinline__ void add4(float* y, int r, float4 v, const float* add) {
+// y[r .. r + 4) += the values of lanes 4i .. 4i + 3 (row r = lane 4i's), plus add[r .. r + 4) where add is set: one
+// vector atomic a group of four lanes. Every lane of the warp calls it; live: this lane's row exists.
+__device__ __forceinline__ void add_rows4(float* y, int r, bool live, float v, const float* add) {
+  const int lane = threadIdx.x & 31, base = lane & ~3;
+  float4 v4 = make_float4(__shfl_sync(0xffffffffu, v, base), __shfl_sync(0xffffffffu, v, base + 1),
+                          __shfl_sync(0xffffffffu, v, base + 2), __shfl_sync(0xffffffffu, v, base + 3));
+  if (!live || (lane & 3) != 0) return;
   if (add != nullptr) {
     const float4 b = __ldcg(reinterpret_cast<const float4*>(add + r));
-    v.x += b.x;
-    v.y += b.y;
-    v.z += b.z;
-    v.w += b.w;
+    v4.x += b.x;
+    v4.y += b.y;
+    v4.z += b.z;
+    v4.w += b.w;
   }
-  atomicAdd(reinterpret_cast<float4*>(y + r), v);
+  atomicAdd(reinterpret_cast<float4*>(y + r), v4);
+}
+
+// This task's weights landed: all but the next task's group (prefetch), or every group.
+__device__ __forceinline__ void wait_task_weights(bool prefetch) {
+  if (prefetch) cp_wait<1>();
+  else cp_wait<0>();
+}
+
+// The counter's value: an acquire load, or (-DMK_POLL_RELAXED) a relaxed one, whose caller fences after its last poll.
+__device__ __forceinline__ unsigned poll_counter(const unsigned* p) {
+  unsigned v;
+#ifdef MK_POLL_RELAXED
+  asm volatile("ld.relaxed.gpu.global.u32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
+#else
+  asm volatile("ld.acquire.gpu.global.u32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
+#endif
+  return v;
 }
 
 __global__ void __launch_bounds__(kThreads, 1) megakernel(Args a) {
@@ -327,13 +339,10 @@ __global__ void __launch_bounds__(kThreads, 1) megakernel(Args a) {
     if (threadIdx.x == 0 && k > 0) {  // every instruction reads the one before it
       const unsigned target = task_count((k - 1) % kSteps);
       long long spins = 0;
+      while (poll_counter(a.counters + k - 1) < target)
+        if (++spins > (1ll << 22)) __trap();  // ~2-4 s: a schedule that cannot finish
 #ifdef MK_POLL_RELAXED
-      while (ld_relaxed(a.counters + k - 1) < target)
-        if (++spins > (1ll << 22)) __trap();  // ~2-4 s: a schedule that cannot finish
       asm volatile("fence.acq_rel.gpu;" ::: "memory");
-#else
-      while (ld_acquire(a.counters + k - 1) < target)
-        if (++spins > (1ll << 22)) __trap();  // ~2-4 s: a schedule that cannot finish
 #endif
     }
     __syncthreads();
@@ -342,8 +351,7 @@ __global__ void __launch_bounds__(kThreads, 1) megakernel(Args a) {
     if (in == kQkv) {
       const float scale = stage(sm, x_in, L.attn_norm, tr);
       if (tr) tr[5] = now_ns();
-      if (a.prefetch) cp_wait<1>();
-      else cp_wait<0>();
+      wait_task_weights(a.prefetch);
       __syncthreads();
       if (tr) tr[2] = now_ns();
       for (int r = warp; r < kQkvRows; r += kWarps) {
@@ -379,8 +387,7 @@ __global__ void __launch_bounds__(kThreads, 1) megakernel(Args a) {
         sm.kv[1][p][c] = vr[u];
       }
       if (threadIdx.x < HD) sm.x[threadIdx.x] = qv;
-      if (a.prefetch) cp_wait<1>();
-      else cp_wait<0>();
+      wait_task_weights(a.prefetch);
       __syncthreads();
       if (tr) tr[2] = now_ns();
       for (int p = warp; p < P; p += kWarps) {  // a warp a position, lanes over dimension pairs
@@ -402,24 +409,19 @@ __global__ void __launch_bounds__(kThreads, 1) megakernel(Args a) {
         sm.o[threadIdx.x] = o;
       }
       __syncthreads();
-      // Wo[rows of this part, head h's 64 columns] . o: a thread a row (two blocks), four rows a vector atomic
-      // (lanes 4i .. 4i + 3 gather theirs to lane 4i).
+      // Wo[rows of this part, head h's 64 columns] . o: a thread a row (two blocks), four rows a vector atomic.
       for (int r0 = 0; r0 < kORows; r0 += kThreads) {
         const int r = r0 + threadIdx.x;
         float v = 0.f;
         if (r < kORows)
           v = q4_dot(sm.wq[buf][2 * r], __half2float(sm.wd[buf][2 * r]), sm.o) +
               q4_dot(sm.wq[buf][2 * r + 1], __half2float(sm.wd[buf][2 * r + 1]), sm.o + 32);
-        const int base = lane & ~3;
-        const float4 v4 = make_float4(__shfl_sync(0xffffffffu, v, base), __shfl_sync(0xffffffffu, v, base + 1),
-                                      __shfl_sync(0xffffffffu, v, base + 2), __shfl_sync(0xffffffffu, v, base + 3));
-        if (r < kORows && (lane & 3) == 0) add4(x_mid, part * kORows + r, v4, h == 0 ? x_in : nullptr);
+        add_rows4(x_mid, part * kORows + r, r < kORows, v, h == 0 ? x_in : nullptr);
       }
     } else {  // FFN
       const float scale = stage(sm, x_mid, L.ffn_norm, tr);
       if (tr) tr[5] = now_ns();
-      if (a.prefetch) cp_wait<1>();
-      else cp_wait<0>();
+      wait_task_weights(a.prefetch);
       __syncthreads();
       if (tr) tr[2] = now_ns();
       // gate/up: kGuTpr lanes a row (rows 0 .. U - 1 gate, U .. 2U - 1 up), the sums to shared memory, then the
@@ -451,10 +453,7 @@ __global__ void __launch_bounds__(kThreads, 1) megakernel(Args a) {
           const float d = __half2float((u0 / 32) % 2 == 0 ? __low2half(d2) : __high2half(d2));
           v = kGuUnits == 16 ? q4_half_dot(q, d, half, sm.act) : q4_dot(q, d, sm.act);
         }
-        const int base = lane & ~3;
-        const float4 v4 = make_float4(__shfl_sync(0xffffffffu, v, base), __shfl_sync(0xffffffffu, v, base + 1),
-                                      __shfl_sync(0xffffffffu, v, base + 2), __shfl_sync(0xffffffffu, v, base + 3));
-        if (r < D && (lane & 3) == 0) add4(x_out, r, v4, t == 0 ? x_mid : nullptr);
+        add_rows4(x_out, r, r < D, v, t == 0 ? x_mid : nullptr);
       }
     }
     __syncthreads();  // every thread's stores and atomics (and reads of buffer buf) before the release
