@@ -182,7 +182,10 @@ __device__ __forceinline__ float q4_half_dot(uint4 q, float d, int half, const f
 #pragma unroll
   for (int i = 0; i < 4; ++i)
 #pragma unroll
-    for (int j = 0; j < 4; ++j) s += xh[4 * i + j] * static_cast<float>(static_cast<int>((w[i] >> (8 * j + sh)) & 0xf) - 8);
+    for (int j = 0; j < 4; ++j) {
+      const int q = static_cast<int>((w[i] >> (8 * j + sh)) & 0xf) - 8;
+      s += xh[4 * i + j] * static_cast<float>(q);
+    }
   return d * s;
 }
 
