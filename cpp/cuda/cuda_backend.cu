@@ -285,7 +285,7 @@ void CudaBackend::after_launch() {
 }
 
 void CudaBackend::enqueue_decode(bool capture_hidden, DecodeVariant variant) {
-  if (!fused_decode_) return enqueue_decode_general(capture_hidden);
+  if (!fused_decode_) return enqueue_decode_general(capture_hidden, variant);
   const ModelSpec& s = spec_;
   cudaStream_t st = res_.stream;
   if (s.n_layers == 0) {  // no first layer to fold the embedding gather into

@@ -169,7 +169,9 @@ class CudaBackend final : public Backend {
   // chunk (each KV head's rows read once, one combine per KV head).
   enum DecodeVariant { kDecodeShort = 0, kDecodeLong = 1 };
   DecodeVariant decode_variant_at(int pos) const {
-    if (!fused_decode_) return kDecodeShort;  // one graph: its attention picks the context split at run time
+    // The general path: the short attention kernel up to g_short_cap_ positions (kDecodeShort), then the split one,
+    // which picks its context split at run time (kDecodeLong); one graph where the short kernel serves nothing.
+    if (!fused_decode_) return g_short_cap_ == 0 || pos + 1 <= g_short_cap_ ? kDecodeShort : kDecodeLong;
     return pos + 1 <= short_decode_max() ? kDecodeShort : kDecodeLong;
   }
   // The last context length kDecodeShort serves: head_dim 64 runs the short kernel (every K/V row in shared memory)
@@ -212,7 +214,7 @@ class CudaBackend final : public Backend {
   // The general path (every ModelSpec; see arch.cuh): taken for specs that are not the plain Llama layer, for
   // head_dim > 128 or more than 8 query heads per KV head, or when METALATTN_CUDA_GENERAL=1 forces it.
   void setup_general(const ModelWeights& w);
-  void enqueue_decode_general(bool capture_hidden);
+  void enqueue_decode_general(bool capture_hidden, DecodeVariant variant);
   void enqueue_prefill_chunk_general(int m, const int32_t* io);
   // Embedding and every layer of m rows on the general path: a prompt chunk (tokens = io + 1 at positions *io..) or
   // a batch group (rows.pos set; tokens its token array).
@@ -231,6 +233,7 @@ class CudaBackend final : public Backend {
   float* g_xalt_ = nullptr;    // decode with post-norms: the residual stream's second buffer [d_model] (PreAdd)
   float* g_ptmp_ = nullptr;    // prefill: O / down projection before its post-norm [chunk][d_model]
   int g_max_splits_ = 1;
+  int g_short_cap_ = 0;  // arch_short_attention_cap: decode positions the short attention kernel serves (0: none)
   float *g_part_o_ = nullptr, *g_part_ml_ = nullptr;
   unsigned int* g_counters_ = nullptr;
 

@@ -57,6 +57,7 @@ void CudaBackend::setup_general(const ModelWeights& w) {
   if (s.post_norms) g_xalt_ = activation_alloc<float>(d);
   if (s.post_norms) g_ptmp_ = device_alloc<float>(static_cast<size_t>(chunk_) * d, mem_.scratch);
   g_max_splits_ = arch_attn_max_splits(s.n_ctx);
+  if (!fused_decode_) g_short_cap_ = arch_short_attention_cap(s.head_dim, s.n_ctx);
   g_part_o_ = device_alloc<float>(static_cast<size_t>(s.n_heads) * g_max_splits_ * s.head_dim, mem_.scratch);
   g_part_ml_ = device_alloc<float>(static_cast<size_t>(s.n_heads) * g_max_splits_ * 2, mem_.scratch);
   g_counters_ = device_alloc<unsigned int>(s.n_heads, mem_.scratch);
@@ -115,7 +116,7 @@ ArchAttnArgs CudaBackend::attention_args(const DevLayer& L, const float* q, int 
   return a;
 }
 
-void CudaBackend::enqueue_decode_general(bool capture_hidden) {
+void CudaBackend::enqueue_decode_general(bool capture_hidden, DecodeVariant variant) {
   const ModelSpec& s = spec_;
   const int d = s.d_model;
   cudaStream_t st = res_.stream;
@@ -149,7 +150,8 @@ void CudaBackend::enqueue_decode_general(bool capture_hidden) {
     att.fused_finish = true;
     att.finish = finish_args(L, g_qkv_, 1, pos, nullptr, kc, vc);
     att.out = attn_out_;
-    launch_arch_attention(att, st);
+    if (variant == kDecodeShort && g_short_cap_ > 0) launch_arch_attention_short(att, g_short_cap_, st);
+    else launch_arch_attention(att, st);
     after_launch();
     if (s.post_norms) {
       launch_norm_matvec(L.o, attn_out_, nullptr, 0.f, g_tmp_, st);

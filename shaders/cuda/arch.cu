@@ -7,6 +7,7 @@
 
 #include "arch.cuh"
 #include "cuda/cuda_check.h"
+#include "short_attention.cuh"
 
 namespace metalattn::cuda {
 
@@ -389,6 +390,61 @@ __global__ void __launch_bounds__(kAttnThreadsArch) arch_attention_kernel(ArchAt
   if (threadIdx.x == 0) a.counters[h] = 0u;
 }
 
+// Decode attention of one query with every visible K/V row in shared memory (the general path's short regime): one
+// kShortAttnThreads block per query head. Before the programmatic wait the block copies the rows of the positions
+// before this one (earlier steps') into shared memory; after it, warps 0-2 finish q and this position's k and v from
+// the raw QKV row (HeadFinish, as the split kernel's fused finish), the first query head of each KV head appends k
+// and v to the caches, and attend_head does the rest with no split and no combine. Visible positions (the window's)
+// at most pos_cap (arch_short_attention_cap), else the kernel traps.
+template <int HD>
+__global__ void __launch_bounds__(kShortAttnThreads) arch_attention_short_kernel(ArchAttnArgs a, int pos_cap) {
+  extern __shared__ float4 short_smem_dyn[];
+  constexpr int KS = HD + 16;
+  __half* k_s = reinterpret_cast<__half*>(short_smem_dyn);  // [pos_cap][KS]
+  __half* v_s = k_s + pos_cap * KS;                            // [pos_cap][HD]
+  float* fin = reinterpret_cast<float*>(v_s + pos_cap * HD);   // [3][HD]: this position's q, k, v, finished
+  float* sc = fin + 3 * HD;                                    // [score_slots(pos_cap)]
+  float* pv = sc + score_slots(pos_cap);                       // [kShortAttnPvGroups][HD]
+  float* sum_exp = pv + kShortAttnPvGroups * HD;
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  const int h = blockIdx.x, group = a.n_heads / a.n_kv_heads, kvh = h / group, kv_dim = a.n_kv_heads * HD;
+  launch_dependents();
+  const int pos = *a.pos0;  // written before the graph starts
+  const int lo = a.window > 0 ? max(0, pos - a.window + 1) : 0, n_pos = pos + 1 - lo;
+  if (n_pos > pos_cap) __trap();  // the backend takes this kernel only up to pos_cap positions
+  HeadFinish f;
+  if (warp < 3) f.prefetch(a.finish, warp == 0 ? kHeadQ : warp == 1 ? kHeadK : kHeadV, warp == 0 ? h : kvh, pos, lane);
+  const __half* kc = a.k_cache + kvh * HD;
+  const __half* vc = a.v_cache + kvh * HD;
+  for (int i = threadIdx.x; i < (n_pos - 1) * (HD / 8); i += kShortAttnThreads) {
+    const int t = i / (HD / 8), c = i % (HD / 8) * 8;
+    detail::cp_async16(k_s + t * KS + c, kc + static_cast<int64_t>(lo + t) * kv_dim + c);
+    detail::cp_async16(v_s + t * HD + c, vc + static_cast<int64_t>(lo + t) * kv_dim + c);
+  }
+  grid_dependency_wait();
+  if (warp < 3) f.finish(a.finish.qkv, a.finish.eps, fin + warp * HD, lane);
+  detail::cp_async_wait_all();
+  __syncthreads();
+  const int64_t row = static_cast<int64_t>(pos) * kv_dim + kvh * HD;
+  for (int i = threadIdx.x; i < HD; i += kShortAttnThreads) {  // this position's row, as the cache holds it
+    const __half kh = detail::kv_store(fin[HD + i]), vh = detail::kv_store(fin[2 * HD + i]);
+    k_s[(n_pos - 1) * KS + i] = kh;
+    v_s[(n_pos - 1) * HD + i] = vh;
+    if (h % group == 0) {
+      a.finish.k_cache[row + i] = kh;
+      a.finish.v_cache[row + i] = vh;
+    }
+  }
+  __syncthreads();
+  const float o = attend_head<HD>(fin, k_s, v_s, n_pos, a.scale, sc, pv, sum_exp);
+  if (threadIdx.x < HD) a.out[static_cast<int64_t>(h) * HD + threadIdx.x] = o;
+}
+
+size_t arch_short_smem(int head_dim, int pos_cap) {
+  return static_cast<size_t>(pos_cap) * (2 * head_dim + 16) * sizeof(__half) +
+         (3 * head_dim + score_slots(pos_cap) + kShortAttnPvGroups * head_dim + 4) * sizeof(float);
+}
+
 // ------------------------------------------------------------------ argmax of logits rows
 
 // One block per row: its argmax (NaN never wins, ties go to the lower index; kNoIndex for a row of NaN) into out[row].
@@ -527,6 +583,30 @@ void launch_qkv_finish(const QkvFinishArgs& a, cudaStream_t s) {
   if ((a.q_norm == nullptr) != (a.k_norm == nullptr)) throw EngineError("qkv finish: QK-norm needs both weights");
   const int heads = a.n_heads + 2 * a.n_kv_heads;
   launch(qkv_finish_kernel, dim3((heads + kFinishWarps - 1) / kFinishWarps, a.n), dim3(kFinishWarps * 32), 0, s, a);
+}
+
+int arch_short_attention_cap(int head_dim, int n_ctx) {
+  if (head_dim != 64 && head_dim != 128 && head_dim != 256) return 0;
+  int dev = 0, optin = 0;
+  CUDA_CHECK(cudaGetDevice(&dev));
+  CUDA_CHECK(cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, dev));
+  int cap = std::min(n_ctx, kShortAttnMaxPos) / 32 * 32;
+  while (cap >= 64 && arch_short_smem(head_dim, cap) > static_cast<size_t>(optin)) cap -= 32;
+  return cap >= 64 ? cap : 0;
+}
+
+void launch_arch_attention_short(const ArchAttnArgs& a, int pos_cap, cudaStream_t s) {
+  if (a.n != 1 || a.rows.pos != nullptr || !a.fused_finish || a.out == nullptr || a.n_kv_heads < 1 ||
+      a.n_heads % a.n_kv_heads != 0 || pos_cap < 1 || pos_cap > kShortAttnMaxPos)
+    throw EngineError("attention: the short kernel serves one decode query with its fused finish");
+  void (*k)(ArchAttnArgs, int) = a.head_dim == 64    ? arch_attention_short_kernel<64>
+                                 : a.head_dim == 128 ? arch_attention_short_kernel<128>
+                                 : a.head_dim == 256 ? arch_attention_short_kernel<256>
+                                                     : nullptr;
+  if (k == nullptr) throw EngineError("attention: the short kernel serves head_dim 64, 128 and 256");
+  const size_t smem = arch_short_smem(a.head_dim, pos_cap);
+  detail::allow_dynamic_smem(k, smem);
+  launch(k, dim3(a.n_heads), dim3(kShortAttnThreads), smem, s, a, pos_cap);
 }
 
 void launch_arch_attention(const ArchAttnArgs& a, cudaStream_t s) {

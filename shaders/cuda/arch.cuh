@@ -112,6 +112,12 @@ struct ArchAttnArgs {
   QkvFinishArgs finish;
 };
 void launch_arch_attention(const ArchAttnArgs& a, cudaStream_t s);
+// Decode with a short context (arch.cu): one query (n == 1, no batch rows) with its fused finish and fp32 output, every
+// visible K/V row in shared memory, one block per query head, no split. arch_short_attention_cap: the most visible
+// positions it serves for head_dim on this device (a multiple of 32 up to min(n_ctx, kShortAttnMaxPos)), 0 where it
+// does not serve the head_dim (64, 128, 256) or fewer than 64 positions fit.
+int arch_short_attention_cap(int head_dim, int n_ctx);
+void launch_arch_attention_short(const ArchAttnArgs& a, int pos_cap, cudaStream_t s);
 
 // out[t] = argmax of logits row t (n rows of vocab floats): NaN never wins, ties go to the lower index, a row of
 // nothing but NaN gives token kNoIndex.

@@ -12,6 +12,7 @@
 
 #include "cuda/cuda_check.h"
 #include "kernels.cuh"
+#include "short_attention.cuh"
 #include "wmma_frags.cuh"
 #include "trace.cuh"
 
@@ -477,94 +478,7 @@ __global__ void __launch_bounds__(kTcdThreads) attention_decode_tc_kernel(const 
 
 // ------------------------------------------------------------------ short-context decode attention
 // Up to kShortAttnMaxPos positions (the decode graph's short regime), head_dim 64: one block of kShortAttnThreads per
-// query head with every K and V row in shared memory.
-
-constexpr int kShortAttnThreads = 512;
-constexpr int kShortAttnHd = 64;                     // the one head_dim it serves
-// Padded fp16 K rows (80 values, 160 bytes): the 16-byte loads of a quarter warp (4 positions x 2 halves) hit
-// distinct banks.
-constexpr int kShortAttnKStride = kShortAttnHd + 16;
-constexpr int kShortAttnPvGroups = kShortAttnThreads / (kShortAttnHd / 2);  // position groups (warps) of the P.V
-static_assert(kShortAttnMaxPos % (kShortAttnThreads / 2) == 0, "whole passes of two threads per position");
-
-// Score buffers hold a multiple of 4 floats, so the buffers after them stay 16-byte aligned for float4 access.
-__host__ __device__ inline int score_slots(int pos_cap) { return (pos_cap + 3) / 4 * 4; }
-
-// Attention of one query head (head_dim 64) over n_pos <= kShortAttnMaxPos positions whose q (fp32), K rows
-// (fp16, kShortAttnKStride apart) and V rows (fp16) are all in shared memory; kShortAttnThreads threads. Scores: a
-// thread pair per position (a pass per 256 positions), each half of the dot product (16-byte chunks of 8 values,
-// 2c + half); softmax: one warp; P.V: a warp per position group (kShortAttnPvGroups) and a lane per column pair (one
-// 4-byte load of two fp16 values), then a fixed-order sum. Returns output element threadIdx.x in threads < 64.
-// sc: [n_pos], pv: [kShortAttnPvGroups][64], sum_exp: one shared float. Starts and ends with all threads in step.
-__device__ __forceinline__ float attend_head64(const float* q_s, const __half* k_s, const __half* v_s, int n_pos,
-                                               float* sc, float* pv, float* sum_exp) {
-  constexpr int HD = kShortAttnHd;
-  const int tid = threadIdx.x;
-  for (int base = 0; base < n_pos; base += kShortAttnThreads / 2) {  // every lane of a warp takes each pass
-    const int t = base + (tid >> 1), half = tid & 1;
-    float acc0 = 0.f, acc1 = 0.f;
-    if (t < n_pos) {
-      const uint4* k8 = reinterpret_cast<const uint4*>(k_s + t * kShortAttnKStride);
-      const float4* q4 = reinterpret_cast<const float4*>(q_s);
-#pragma unroll
-      for (int c = 0; c < HD / 16; ++c) {
-        float4 ka, kb;
-        detail::kv8(k8[2 * c + half], ka, kb);
-        const float4 qa = q4[2 * (2 * c + half)], qb = q4[2 * (2 * c + half) + 1];
-        acc0 += qa.x * ka.x + qa.y * ka.y + qa.z * ka.z + qa.w * ka.w;
-        acc1 += qb.x * kb.x + qb.y * kb.y + qb.z * kb.z + qb.w * kb.w;
-      }
-    }
-    float acc = acc0 + acc1;
-    acc += __shfl_xor_sync(0xffffffffu, acc, 1);
-    if (half == 0 && t < n_pos) sc[t] = acc * (1.f / sqrtf(static_cast<float>(HD)));
-  }
-  __syncthreads();
-  if (tid < 32) {
-    float m = -INFINITY;
-    for (int t = tid; t < n_pos; t += 32) m = fmaxf(m, sc[t]);
-    m = detail::warp_max(m);
-    float l = 0.f;
-    for (int t = tid; t < n_pos; t += 32) {
-      const float e = expf(sc[t] - m);
-      sc[t] = e;
-      l += e;
-    }
-    l = detail::warp_sum(l);
-    if (tid == 0) *sum_exp = l;
-  }
-  __syncthreads();
-  {
-    constexpr int G = kShortAttnPvGroups;
-    const int g = tid >> 5, e = tid & 31;  // position group, column pair
-    float2 acc0 = make_float2(0.f, 0.f), acc1 = acc0;
-    int t = g;
-    for (; t + G < n_pos; t += 2 * G) {
-      const float p0 = sc[t], p1 = sc[t + G];
-      const float2 v0 = __half22float2(reinterpret_cast<const __half2*>(v_s + t * HD)[e]);
-      const float2 v1 = __half22float2(reinterpret_cast<const __half2*>(v_s + (t + G) * HD)[e]);
-      acc0.x += p0 * v0.x;
-      acc0.y += p0 * v0.y;
-      acc1.x += p1 * v1.x;
-      acc1.y += p1 * v1.y;
-    }
-    if (t < n_pos) {
-      const float p0 = sc[t];
-      const float2 v0 = __half22float2(reinterpret_cast<const __half2*>(v_s + t * HD)[e]);
-      acc0.x += p0 * v0.x;
-      acc0.y += p0 * v0.y;
-    }
-    reinterpret_cast<float2*>(pv + g * HD)[e] = make_float2(acc0.x + acc1.x, acc0.y + acc1.y);
-  }
-  __syncthreads();
-  float o = 0.f;
-  if (tid < HD) {
-#pragma unroll
-    for (int g = 0; g < kShortAttnPvGroups; ++g) o += pv[g * HD + tid];
-    o /= *sum_exp;
-  }
-  return o;
-}
+// query head with every K and V row in shared memory (attend_head64, short_attention.cuh).
 
 // Short-context decode attention, head_dim 64: one block of kShortAttnThreads per query head; the K and V rows of
 // earlier steps are copied into shared memory (fp16, as cached) before the programmatic wait, and after it only q

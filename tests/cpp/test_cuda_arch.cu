@@ -213,7 +213,7 @@ TEST(CudaArch, AttentionDecodeWindowScaleSplitAtRealShapes) {
           a.head_dim = hd;
           a.window = c.window;
           a.scale = scale;
-          a.max_splits = splits;
+          a.max_splits = std::max(splits, 1);
           a.part_o = part_o.p;
           a.part_ml = part_ml.p;
           a.counters = counters.p;
@@ -232,7 +232,8 @@ TEST(CudaArch, AttentionDecodeWindowScaleSplitAtRealShapes) {
 
 // Decode attention with the QKV finish fused in: from the raw projection row it finishes q, k, v (bias, QK-norm,
 // RoPE in either style), attends over the cache with this position's k, v, and appends them (row pos only), for
-// the real shapes, split and unsplit, windowed and not.
+// the real shapes, split and unsplit, windowed and not; and the short kernel (every visible row in shared memory,
+// `splits` 0 below) wherever the visible positions fit its capacity, up to the last position it serves.
 TEST(CudaArch, AttentionDecodeWithFusedQkvFinish) {
   REQUIRE_GPU();
   const int n_ctx = 4200;
@@ -247,11 +248,15 @@ TEST(CudaArch, AttentionDecodeWithFusedQkvFinish) {
     const int max_splits = arch_attn_max_splits(n_ctx);
     DevBuf<float> part_o(static_cast<size_t>(sh.n_heads) * max_splits * hd), part_ml(static_cast<size_t>(sh.n_heads) * max_splits * 2);
     DevBuf<unsigned int> counters(std::vector<unsigned int>(sh.n_heads, 0u));
+    const int short_cap = arch_short_attention_cap(hd, n_ctx);
+    ASSERT_GE(short_cap, 160) << sh.name << ": the short kernel serves too few positions";
     for (const RopeStyle style : {RopeStyle::Neox, RopeStyle::Interleaved}) {
       const auto table = rope_table_host(n_ctx, hd, sh.base, 1.f, nullptr);
       DevBuf<float2> table_d(table);
-      for (int pos : {0, 5, 600, 4100}) {
-        for (int splits : {1, max_splits}) {
+      for (int pos : {0, 5, short_cap - 1, 600, 4100}) {
+        const int visible = pos + 1 - (sh.window > 0 ? std::max(0, pos - sh.window + 1) : 0);
+        for (int splits : {1, max_splits, 0}) {
+          if (splits == 0 && visible > short_cap) continue;
           SCOPED_TRACE(std::string(sh.name) + (style == RopeStyle::Neox ? " neox" : " interleaved") + " pos " +
                        std::to_string(pos) + " max_splits " + std::to_string(splits));
           const std::vector<float> raw = random_vec(rows, -2.f, 2.f);
@@ -295,7 +300,7 @@ TEST(CudaArch, AttentionDecodeWithFusedQkvFinish) {
           a.head_dim = hd;
           a.window = sh.window;
           a.scale = scale;
-          a.max_splits = splits;
+          a.max_splits = std::max(splits, 1);
           a.part_o = part_o.p;
           a.part_ml = part_ml.p;
           a.counters = counters.p;
@@ -305,7 +310,8 @@ TEST(CudaArch, AttentionDecodeWithFusedQkvFinish) {
           std::vector<float> got[2];
           for (int rep = 0; rep < 2; ++rep) {
             out_d.poison();
-            launch_arch_attention(a, nullptr);
+            if (splits == 0) launch_arch_attention_short(a, short_cap, nullptr);
+            else launch_arch_attention(a, nullptr);
             CUDA_CHECK(cudaDeviceSynchronize());
             got[rep] = out_d.download();
           }
@@ -749,6 +755,39 @@ TEST(CudaArch, WholeModelsMatchCpuBackend) {
         tok = static_cast<int32_t>(r.token);
       }
       EXPECT_LE(disagreements, 1);
+    }
+  }
+}
+
+// The general path's decode across the switch-over from the short attention kernel (every visible row in shared
+// memory, up to arch_short_attention_cap positions) to the split one: logits against the CPU backend at positions on
+// both sides, and eager launches equal to the graph there. Gemma 3 (head_dim 256, windows) and Qwen 3 (head_dim
+// 128), their n_ctx raised past the short kernel's capacity.
+TEST(CudaArch, GeneralDecodeAcrossTheShortToSplitAttentionSwitchOver) {
+  REQUIRE_GPU();
+  for (ArchModelCase c : arch_model_cases()) {
+    if (std::string(c.name) != "gemma3" && std::string(c.name) != "qwen3") continue;
+    SCOPED_TRACE(c.name);
+    c.n_ctx = 420;
+    const int cap = arch_short_attention_cap(c.hd, c.n_ctx);
+    ASSERT_GE(cap, 64);
+    ASSERT_LT(cap + 8, c.n_ctx) << "the run must pass the switch-over";
+    auto m = make_arch_model(c);
+    auto gpu = make_cuda_backend(m->spec, m->w, false);
+    auto dbg = make_cuda_backend(m->spec, m->w, true);
+    auto cpu = make_scalar_cpu_backend(*m);
+    const int V = m->spec.vocab, n = cap + 8;
+    const std::vector<int32_t> toks = random_tokens(n, V);
+    std::vector<float> lg(V, NAN), ld(V, NAN), lc(V, NAN);
+    for (int p = 0; p < n; ++p) {
+      gpu->forward_token(toks[p], p, lg.data());
+      dbg->forward_token(toks[p], p, ld.data());
+      cpu->forward_token(toks[p], p, lc.data());
+      if (p < 2 || (p >= cap - 3 && p <= cap + 2) || p == n - 1) {
+        SCOPED_TRACE("pos " + std::to_string(p));
+        expect_logits_close_or_tie(lg, lc, 1e-3, "decode logits vs CPU");
+        EXPECT_EQ(lg, ld) << "eager launches and the graph are the same kernels";
+      }
     }
   }
 }
