@@ -187,20 +187,10 @@ __global__ void __launch_bounds__(kAttnThreads) attention_decode_kernel(const fl
   trace.mark(1);
 
   for (int g = warp; g < HPB; g += kAttnWarps) {
-    float* sg = sc + g * chunk_cap;
-    float m = -INFINITY;
-    for (int t = lane; t < len; t += 32) m = fmaxf(m, sg[t]);
-    m = detail::warp_max(m);
-    float l = 0.f;
-    for (int t = lane; t < len; t += 32) {
-      const float e = expf(sg[t] - m);
-      sg[t] = e;
-      l += e;
-    }
-    l = detail::warp_sum(l);
+    const float2 ml = detail::warp_exp_of_max(sc + g * chunk_cap, len, lane);
     if (lane == 0) {
-      m_s[g] = m;
-      l_s[g] = l;
+      m_s[g] = ml.x;
+      l_s[g] = ml.y;
     }
   }
   __syncthreads();

@@ -284,6 +284,21 @@ __device__ __forceinline__ float warp_max(float v) {
   return v;
 }
 
+// A softmax's first half by one warp (lane = threadIdx.x & 31): s[0..n) <- e^(s - max); returns (max, sum of the
+// exponentials) in every lane. The caller divides.
+__device__ __forceinline__ float2 warp_exp_of_max(float* s, int n, int lane) {
+  float m = -INFINITY;
+  for (int t = lane; t < n; t += 32) m = fmaxf(m, s[t]);
+  m = warp_max(m);
+  float l = 0.f;
+  for (int t = lane; t < n; t += 32) {
+    const float e = expf(s[t] - m);
+    s[t] = e;
+    l += e;
+  }
+  return make_float2(m, warp_sum(l));
+}
+
 // Sum over the block; every thread gets the total. `red` holds 32 floats.
 __device__ __forceinline__ float block_sum(float v, float* red) {
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, n_warps = (blockDim.x + 31) >> 5;

@@ -54,16 +54,7 @@ __device__ __forceinline__ float attend_head(const float* q_s, const __half* k_s
   }
   __syncthreads();
   if (tid < 32) {
-    float m = -INFINITY;
-    for (int t = tid; t < n_pos; t += 32) m = fmaxf(m, sc[t]);
-    m = detail::warp_max(m);
-    float l = 0.f;
-    for (int t = tid; t < n_pos; t += 32) {
-      const float e = expf(sc[t] - m);
-      sc[t] = e;
-      l += e;
-    }
-    l = detail::warp_sum(l);
+    const float l = detail::warp_exp_of_max(sc, n_pos, tid).y;
     if (tid == 0) *sum_exp = l;
   }
   __syncthreads();
