@@ -12,7 +12,9 @@
 // METALATTN_BENCH_SHAPE=qwen takes Qwen2.5-0.5B's shape instead (24 layers, d 896, ffn 4864, 14/2 heads, vocab
 // 151,936) with its Q4_K_M file's types (no biases: the same decode kernels); METALATTN_BENCH_SHAPE=1.7b takes
 // SmolLM2-1.7B's (24 layers, d 2048, ffn 8192, 32/32 heads, vocab 49,152) with the 135M's types; =360m SmolLM2-360M's
-// (32 layers, d 960, ffn 2560, 15/5 heads).
+// (32 layers, d 960, ffn 2560, 15/5 heads); =gemma Gemma 3 270M's (18 layers, d 640, ffn 2048, 4/1 heads of 256,
+// vocab 262,144, QK-norm, post-norms, GELU, five 512-position sliding-window layers to one global) with its Q4_K_M
+// file's types: the general path's decode (cuda_general.cu), whose attention and norm+matvec kernels the trace names.
 #include <algorithm>
 #include <chrono>
 #include <cmath>
@@ -149,7 +151,7 @@ double graph_time_us(cudaStream_t s, F body, int reps = 200) {
 // wait (the chain hand-over), and from release to exit (the work after the wait), over several decode steps.
 void print_decode_trace(Backend& be, const std::vector<int32_t>& prompt, int n_layers, int n_ctx) {
   const char* names[kTraceKinds] = {"norm+gate/up", "norm+qkv", "matvec+residual", "attention", "lm_head+argmax",
-                                    "down+residual"};
+                                    "down+residual", "norm+matvec", "matvec->tmp"};
   // Positions past 1000 only where the context holds them and the 24 steps after (bench_cuda 8192 trace: the
   // depth of issue 13's 8,000-position target).
   for (int pos : {32, 160, 1000, 4000, 8000}) {
@@ -315,15 +317,17 @@ int main(int argc, char** argv) {
     const bool qwen = shape != nullptr && std::strcmp(shape, "qwen") == 0;
     const bool big = shape != nullptr && std::strcmp(shape, "1.7b") == 0;
     const bool mid = shape != nullptr && std::strcmp(shape, "360m") == 0;
-    if (shape != nullptr && *shape != '\0' && !qwen && !big && !mid && std::strcmp(shape, "135m") != 0) {
-      std::fprintf(stderr, "bench_cuda: METALATTN_BENCH_SHAPE=%s: expected 135m, 360m, 1.7b or qwen\n", shape);
+    const bool gemma = shape != nullptr && std::strcmp(shape, "gemma") == 0;
+    if (shape != nullptr && *shape != '\0' && !qwen && !big && !mid && !gemma && std::strcmp(shape, "135m") != 0) {
+      std::fprintf(stderr, "bench_cuda: METALATTN_BENCH_SHAPE=%s: expected 135m, 360m, 1.7b, qwen or gemma\n", shape);
       return 2;
     }
     struct Shape {
       int layers, d, ff, heads, kv_heads, vocab;
       float rope_base, eps;
     };
-    const Shape sh = qwen  ? Shape{24, 896, 4864, 14, 2, 151936, 1e6f, 1e-6f}
+    const Shape sh = qwen    ? Shape{24, 896, 4864, 14, 2, 151936, 1e6f, 1e-6f}
+                     : gemma ? Shape{18, 640, 2048, 4, 1, 262144, 1e6f, 1e-6f}
                      : big ? Shape{24, 2048, 8192, 32, 32, 49152, 1.3e5f, 1e-5f}
                      : mid ? Shape{32, 960, 2560, 15, 5, 49152, 1e5f, 1e-5f}
                            : Shape{30, 576, 1536, 9, 3, 49152, 1e5f, 1e-5f};
@@ -333,19 +337,32 @@ int main(int argc, char** argv) {
     s.d_ff = sh.ff;
     s.n_heads = sh.heads;
     s.n_kv_heads = sh.kv_heads;
-    s.head_dim = 64;
+    s.head_dim = gemma ? 256 : 64;
     s.vocab = sh.vocab;
     s.n_ctx = argc > 1 ? std::atoi(argv[1]) : 2048;
     s.rope_base = sh.rope_base;
     s.rms_eps = sh.eps;
+    if (gemma) {  // as the Python loader reads a Gemma 3 file (gguf_model.py): local layers at base 10,000
+      s.rope_style = RopeStyle::Neox;
+      s.activation = Activation::GeluTanh;
+      s.embed_scale = std::sqrt(static_cast<float>(s.d_model));
+      s.qk_norm = true;
+      s.post_norms = true;
+      for (int l = 0; l < s.n_layers; ++l)
+        s.layers.push_back(l % 6 == 5 ? LayerSpec{1e6f, 1.f, 0} : LayerSpec{10000.f, 1.f, 512});
+    }
     Storage st;
     ModelWeights w;
     const float sd = 1.f / std::sqrt(static_cast<float>(s.d_model)), sf = 1.f / std::sqrt(static_cast<float>(s.d_ff));
     const std::string mode = argc > 2 ? argv[2] : "";
     if (mode == "types") return bench_types();
+    if (gemma && mode != "decode" && mode != "trace") {  // the other sections time the fused path's own kernels
+      std::fprintf(stderr, "bench_cuda: METALATTN_BENCH_SHAPE=gemma runs the decode and trace modes only\n");
+      return 2;
+    }
     // The Q4_K_M mix of the real SmolLM2-135M file (its 576-wide rows take Q5_0 / Q8_0 where Q4_K_M asks for
     // Q4_K / Q6_K; the 1536-wide down projection is a K-quant), or Q4_0 layers.
-    const bool q4_k_m = mode == "q4_k_m" || qwen;
+    const bool q4_k_m = mode == "q4_k_m" || qwen || gemma;
     const GgmlType lt = q4_k_m ? GgmlType::Q5_0 : GgmlType::Q4_0;
     w.tok_embd = random_q(st, qwen ? GgmlType::Q5_0 : GgmlType::Q8_0, s.vocab, s.d_model, 1.f);
     w.output = qwen ? random_q(st, GgmlType::Q8_0, s.vocab, s.d_model, sd) : w.tok_embd;
@@ -356,16 +373,23 @@ int main(int argc, char** argv) {
       L.ffn_norm = random_norm(st, s.d_model);
       const GgmlType vt = q4_k_m ? (l % 2 == 0 ? GgmlType::Q8_0 : GgmlType::Q5_0) : lt;
       const GgmlType dt = q4_k_m ? (l % 2 == 0 ? GgmlType::Q6_K : GgmlType::Q4_K) : lt;
+      if (gemma) {
+        L.q_norm = random_norm(st, s.head_dim);
+        L.k_norm = random_norm(st, s.head_dim);
+        L.post_attn_norm = random_norm(st, s.d_model);
+        L.post_ffn_norm = random_norm(st, s.d_model);
+      }
       L.wq = random_q(st, lt, s.q_dim(), s.d_model, 2 * sd);
       L.wk = random_q(st, lt, s.kv_dim(), s.d_model, 2 * sd);
       L.wv = random_q(st, vt, s.kv_dim(), s.d_model, sd);
-      L.wo = random_q(st, lt, s.d_model, s.q_dim(), 0.5f * sd);
+      L.wo = random_q(st, gemma ? GgmlType::Q4_K : lt, s.d_model, s.q_dim(), 0.5f * sd);
       L.w_gate = random_q(st, lt, s.d_ff, s.d_model, sd);
       L.w_up = random_q(st, lt, s.d_ff, s.d_model, sd);
       L.w_down = random_q(st, dt, s.d_model, s.d_ff, 0.5f * sf);
       w.layers.push_back(L);
     }
     if (qwen) std::printf("weights: Qwen2.5-0.5B shape, Q4_K_M mix (Q5_0, Q8_0 / Q5_0 v, Q6_K / Q4_K down, Q8_0 output)\n");
+    else if (gemma) std::printf("weights: Gemma 3 270M shape, Q4_K_M mix (Q5_0, Q8_0 / Q5_0 v, Q4_K o, Q6_K / Q4_K down, Q8_0 tied output)\n");
     else if (q4_k_m) std::printf("weights: SmolLM2-135M Q4_K_M mix (Q5_0, Q8_0 / Q5_0 v, Q6_K / Q4_K down)\n");
     cudaDeviceProp prop{};
     CUDA_CHECK(cudaGetDeviceProperties(&prop, 0));

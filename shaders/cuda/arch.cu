@@ -8,8 +8,11 @@
 #include "arch.cuh"
 #include "cuda/cuda_check.h"
 #include "short_attention.cuh"
+#include "trace.cuh"
 
 namespace metalattn::cuda {
+
+METALATTN_TRACE_UNIT(arch)
 
 namespace {
 
@@ -184,6 +187,7 @@ __global__ void __launch_bounds__(kAttnThreadsArch) arch_attention_kernel(ArchAt
   const bool splitting = a.max_splits > 1;
   const int tile = splitting ? 0 : blockIdx.y;
   const int split = splitting ? blockIdx.y : 0;
+  KernelTrace trace(kTraceAttention);
   launch_dependents();
 
   const int t0 = tile * TQ;
@@ -230,6 +234,7 @@ __global__ void __launch_bounds__(kAttnThreadsArch) arch_attention_kernel(ArchAt
       }
     }
     grid_dependency_wait();
+    trace.released();
 #pragma unroll
     for (int u = 0; u < U; ++u)
 #pragma unroll
@@ -408,6 +413,7 @@ __global__ void __launch_bounds__(kShortAttnThreads) arch_attention_short_kernel
   float* sum_exp = pv + kShortAttnPvGroups * HD;
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const int h = blockIdx.x, group = a.n_heads / a.n_kv_heads, kvh = h / group, kv_dim = a.n_kv_heads * HD;
+  KernelTrace trace(kTraceAttention);
   launch_dependents();
   const int pos = *a.pos0;  // written before the graph starts
   const int lo = a.window > 0 ? max(0, pos - a.window + 1) : 0, n_pos = pos + 1 - lo;
@@ -422,9 +428,11 @@ __global__ void __launch_bounds__(kShortAttnThreads) arch_attention_short_kernel
     detail::cp_async16(v_s + t * HD + c, vc + static_cast<int64_t>(lo + t) * kv_dim + c);
   }
   grid_dependency_wait();
+  trace.released();
   if (warp < 3) f.finish(a.finish.qkv, a.finish.eps, fin + warp * HD, lane);
   detail::cp_async_wait_all();
   __syncthreads();
+  trace.mark(0);  // this position's q, k, v finished; every staged row landed
   const int64_t row = static_cast<int64_t>(pos) * kv_dim + kvh * HD;
   for (int i = threadIdx.x; i < HD; i += kShortAttnThreads) {  // this position's row, as the cache holds it
     const __half kh = detail::kv_store(fin[HD + i]), vh = detail::kv_store(fin[2 * HD + i]);
@@ -436,6 +444,7 @@ __global__ void __launch_bounds__(kShortAttnThreads) arch_attention_short_kernel
     }
   }
   __syncthreads();
+  trace.mark(1);  // k, v appended
   const float o = attend_head<HD>(fin, k_s, v_s, n_pos, a.scale, sc, pv, sum_exp);
   if (threadIdx.x < HD) a.out[static_cast<int64_t>(h) * HD + threadIdx.x] = o;
 }

@@ -29,6 +29,7 @@ bool trace_reset() {
     CUDA_CHECK(cudaMalloc(&g_trace, sizeof(TraceState)));
     trace_attach_matvec(g_trace);
     trace_attach_decode_attention(g_trace);
+    trace_attach_arch(g_trace);
   }
   CUDA_CHECK(cudaMemset(g_trace, 0, sizeof(TraceState)));
   return true;

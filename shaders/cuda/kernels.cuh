@@ -237,7 +237,9 @@ enum TraceKind : int {
   kTraceAttention = 3,
   kTraceLmHead = 4,
   kTraceDown = 5,  // matvec+residual over rows wider than a warp's blocks (the down projection)
-  kTraceKinds = 6
+  kTraceNormPlain = 6,  // the general path's norm + matvec into plain rows (its QKV projection)
+  kTracePlain = 7,      // the general path's matvec into plain rows without a norm (post-norm models' O and down)
+  kTraceKinds = 8
 };
 constexpr int kTraceCapacity = 1024;
 // Clears the trace; returns false when the build has no trace.

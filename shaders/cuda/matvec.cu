@@ -142,7 +142,10 @@ __device__ __forceinline__ void norm_matvec_body(const DevMatrix& W, const float
                   : glu_unit >= units          ? W.rows
                                                : glu_unit + (local < units_per_block ? 0 : units);
 
-  KernelTrace trace(a.mode == NormOut::Qkv ? kTraceQkv : kTraceNormMatvec);
+  KernelTrace trace(a.mode == NormOut::Qkv       ? kTraceQkv
+                    : a.mode == NormOut::SiluGlu ? kTraceNormMatvec
+                    : norm_w != nullptr          ? kTraceNormPlain
+                                                 : kTracePlain);
   detail::launch_dependents();
   RowDotB<B, TPR, unroll_for<B>(TPR, MINB)> rd;
   rd.prefetch(W, row, sub);

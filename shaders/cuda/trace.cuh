@@ -19,6 +19,7 @@ struct TraceState {
 // The files with traced kernels; trace_reset points each file's copy of the state pointer at the one TraceState.
 void trace_attach_matvec(TraceState* state);
 void trace_attach_decode_attention(TraceState* state);
+void trace_attach_arch(TraceState* state);
 
 #ifdef METALATTN_TRACE
 // Without relocatable device code each .cu file has its own copy of this pointer (null until trace_reset: nothing
