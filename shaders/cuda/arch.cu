@@ -404,7 +404,7 @@ __global__ void __launch_bounds__(kAttnThreadsArch) arch_attention_kernel(ArchAt
 template <int HD>
 __global__ void __launch_bounds__(kShortAttnThreads) arch_attention_short_kernel(ArchAttnArgs a, int pos_cap) {
   extern __shared__ float4 short_smem_dyn[];
-  constexpr int KS = HD + 16;
+  constexpr int KS = short_attn_k_stride<HD>;
   __half* k_s = reinterpret_cast<__half*>(short_smem_dyn);  // [pos_cap][KS]
   __half* v_s = k_s + pos_cap * KS;                            // [pos_cap][HD]
   float* fin = reinterpret_cast<float*>(v_s + pos_cap * HD);   // [3][HD]: this position's q, k, v, finished
@@ -420,13 +420,7 @@ __global__ void __launch_bounds__(kShortAttnThreads) arch_attention_short_kernel
   if (n_pos > pos_cap) __trap();  // the backend takes this kernel only up to pos_cap positions
   HeadFinish f;
   if (warp < 3) f.prefetch(a.finish, warp == 0 ? kHeadQ : warp == 1 ? kHeadK : kHeadV, warp == 0 ? h : kvh, pos, lane);
-  const __half* kc = a.k_cache + kvh * HD;
-  const __half* vc = a.v_cache + kvh * HD;
-  for (int i = threadIdx.x; i < (n_pos - 1) * (HD / 8); i += kShortAttnThreads) {
-    const int t = i / (HD / 8), c = i % (HD / 8) * 8;
-    detail::cp_async16(k_s + t * KS + c, kc + static_cast<int64_t>(lo + t) * kv_dim + c);
-    detail::cp_async16(v_s + t * HD + c, vc + static_cast<int64_t>(lo + t) * kv_dim + c);
-  }
+  stage_kv_rows<HD>(k_s, v_s, a.k_cache + kvh * HD, a.v_cache + kvh * HD, lo, n_pos - 1, kv_dim);
   grid_dependency_wait();
   trace.released();
   if (warp < 3) f.finish(a.finish.qkv, a.finish.eps, fin + warp * HD, lane);

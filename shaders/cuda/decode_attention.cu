@@ -498,11 +498,7 @@ __global__ void __launch_bounds__(kShortAttnThreads) attention_decode_short_kern
   const __half* k_head = k_cache + kvh * HD;
   const __half* v_head = v_cache + kvh * HD;
   constexpr int kChunks = HD / 8;  // 16-byte chunks of a cache row
-  for (int c = tid; c < pos * kChunks; c += kShortAttnThreads) {
-    const int t = c / kChunks, j = c % kChunks;
-    cp_async16(k_s + t * kShortAttnKStride + 8 * j, k_head + static_cast<int64_t>(t) * kv_dim + 8 * j);
-    cp_async16(v_s + t * HD + 8 * j, v_head + static_cast<int64_t>(t) * kv_dim + 8 * j);
-  }
+  stage_kv_rows<HD>(k_s, v_s, k_head, v_head, 0, pos, kv_dim);
   grid_dependency_wait();
   trace.released();
   // q, K row pos and V row pos each by its own warp: the three L2 round trips overlap (branches of one warp run one

@@ -11,14 +11,31 @@ namespace metalattn::cuda {
 
 constexpr int kShortAttnThreads = 512;
 constexpr int kShortAttnHd = 64;                     // the fused path's head_dim
-// Padded fp16 K rows (80 values, 160 bytes): the 16-byte loads of a quarter warp (4 positions x 2 halves) hit
-// distinct banks.
-constexpr int kShortAttnKStride = kShortAttnHd + 16;
+// Padded fp16 K rows (HD + 16 values): the 16-byte loads of a quarter warp (4 positions x 2 halves) hit distinct
+// banks.
+template <int HD>
+constexpr int short_attn_k_stride = HD + 16;
+constexpr int kShortAttnKStride = short_attn_k_stride<kShortAttnHd>;
 constexpr int kShortAttnPvGroups = kShortAttnThreads / 32;  // position groups (warps) of the P.V
 static_assert(kShortAttnMaxPos % (kShortAttnThreads / 2) == 0, "whole passes of two threads per position");
 
 // Score buffers hold a multiple of 4 floats, so the buffers after them stay 16-byte aligned for float4 access.
 __host__ __device__ inline int score_slots(int pos_cap) { return (pos_cap + 3) / 4 * 4; }
+
+// Copies cache rows first .. first + n - 1 of one KV head (K and V rows at k_head, v_head, kv_dim halves apart) into
+// the shared layout attend_head<HD> reads, 16 bytes a cp.async by all kShortAttnThreads threads; complete after
+// detail::cp_async_wait_all(). The decode kernels call it before their programmatic wait (rows of earlier steps).
+template <int HD>
+__device__ __forceinline__ void stage_kv_rows(__half* k_s, __half* v_s, const __half* k_head, const __half* v_head,
+                                              int first, int n, int kv_dim) {
+  constexpr int kChunks = HD / 8;  // 16-byte chunks of a cache row
+  for (int c = threadIdx.x; c < n * kChunks; c += kShortAttnThreads) {
+    const int t = c / kChunks, j = c % kChunks;
+    detail::cp_async16(k_s + t * short_attn_k_stride<HD> + 8 * j,
+                       k_head + static_cast<int64_t>(first + t) * kv_dim + 8 * j);
+    detail::cp_async16(v_s + t * HD + 8 * j, v_head + static_cast<int64_t>(first + t) * kv_dim + 8 * j);
+  }
+}
 
 // Attention of one query head of head_dim HD (a multiple of 64, at most 256) over n_pos positions whose q (fp32),
 // K rows (fp16, HD + 16 halves apart: the 16-byte loads of a quarter warp, 4 positions x 2 halves, hit distinct
@@ -31,7 +48,7 @@ template <int HD>
 __device__ __forceinline__ float attend_head(const float* q_s, const __half* k_s, const __half* v_s, int n_pos,
                                              float scale, float* sc, float* pv, float* sum_exp) {
   static_assert(HD % 64 == 0 && HD <= 256, "column pairs: a whole number a lane; output: a thread an element");
-  constexpr int KS = HD + 16, PAIRS = HD / 64;
+  constexpr int KS = short_attn_k_stride<HD>, PAIRS = HD / 64;
   const int tid = threadIdx.x;
   for (int base = 0; base < n_pos; base += kShortAttnThreads / 2) {  // every lane of a warp takes each pass
     const int t = base + (tid >> 1), half = tid & 1;

@@ -213,7 +213,7 @@ TEST(CudaArch, AttentionDecodeWindowScaleSplitAtRealShapes) {
           a.head_dim = hd;
           a.window = c.window;
           a.scale = scale;
-          a.max_splits = std::max(splits, 1);
+          a.max_splits = splits;
           a.part_o = part_o.p;
           a.part_ml = part_ml.p;
           a.counters = counters.p;
