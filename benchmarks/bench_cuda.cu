@@ -428,6 +428,32 @@ int main(int argc, char** argv) {
       if (run > 0) run_rates.push_back(128.0 / seconds_since(t0));
     }
     std::printf("decode tg128 (after pp32): %.0f tok/s, median %.1f us/token\n", median(run_rates), median(per_token));
+    // The same 128 steps run ahead (forward_tokens_greedy, 2 x 64 steps enqueued before each wait), same tokens.
+    {
+      std::vector<int32_t> one_by_one, ahead;
+      ArgmaxResult r = be->forward_prompt(prompt.data(), 32, 0, nullptr, nullptr);
+      for (int i = 0; i < 128; ++i) {
+        r = be->forward_token_greedy(static_cast<int32_t>(r.token), 32 + i);
+        one_by_one.push_back(static_cast<int32_t>(r.token));
+      }
+      std::vector<double> ahead_rates;
+      std::vector<ArgmaxResult> out(Backend::kMaxGreedyRun);
+      for (int run = 0; run < 4; ++run) {
+        ahead.clear();
+        r = be->forward_prompt(prompt.data(), 32, 0, nullptr, nullptr);
+        const auto t0 = Clock::now();
+        for (int c = 0; c < 128 / Backend::kMaxGreedyRun; ++c) {
+          be->forward_tokens_greedy(static_cast<int32_t>(r.token), 32 + c * Backend::kMaxGreedyRun,
+                                    Backend::kMaxGreedyRun, out.data());
+          for (const ArgmaxResult& o : out) ahead.push_back(static_cast<int32_t>(o.token));
+          r = out.back();
+        }
+        if (run > 0) ahead_rates.push_back(128.0 / seconds_since(t0));
+      }
+      std::printf("decode tg128 run ahead (forward_tokens_greedy, %d steps a call): %.0f tok/s, %.1f us/token, "
+                  "tokens %s\n", Backend::kMaxGreedyRun, median(ahead_rates), 1e6 / median(ahead_rates),
+                  ahead == one_by_one ? "identical" : "DIFFER");
+    }
     if (mode == "decode") return 0;
     // Time to first token as `metalattn bench` counts it: a 32-token prompt at position 0 right after a decode
     // run, against the same prompt right after another prompt, and after an idle pause (alternating, so clocks

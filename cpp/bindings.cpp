@@ -267,6 +267,20 @@ NB_MODULE(_core, m) {
              return std::make_tuple(r.token, r.value);
            },
            "token"_a, "As forward_token_greedy, returning (token id, its logit).")
+      .def("forward_tokens_greedy",
+           [](PyEngine& p, int32_t token, int n) {
+             std::vector<metalattn::ArgmaxResult> r(n > 0 ? n : 0);
+             {
+               nb::gil_scoped_release release;
+               p.e().forward_tokens_greedy(token, n, r.data());
+             }
+             nb::list ids;
+             for (const auto& x : r) ids.append(x.token);
+             return ids;
+           },
+           "token"_a, "n"_a,
+           "n greedy steps from token (1 <= n <= 64), each step's argmax fed to the next on the device; returns the "
+           "n token ids. The GPU runs the steps back to back.")
       .def("forward_token",
            [](PyEngine& p, int32_t token) {
              FloatArray out = new_float_array({static_cast<size_t>(p.e().spec().vocab)});

@@ -228,7 +228,7 @@ CudaBackend::CudaBackend(const ModelSpec& spec, const ModelWeights& w, bool debu
   logits_ = activation_alloc<float>(spec.vocab);
   hidden_ = activation_alloc<float>(static_cast<size_t>(L + 1) * d);
   io_host_ = pinned_alloc<DecodeIO>(1, cudaHostAllocDefault);
-  result_host_ = pinned_alloc<ArgmaxResult>(1, cudaHostAllocMapped);
+  result_host_ = pinned_alloc<ArgmaxResult>(kResultRing, cudaHostAllocMapped);
   result_dev_ = device_alias(result_host_);
 
   // Prefill scratch.
@@ -335,7 +335,8 @@ void CudaBackend::enqueue_decode(bool capture_hidden, DecodeVariant variant) {
       CUDA_CHECK(cudaMemcpyAsync(hidden_ + static_cast<size_t>(l + 1) * s.d_model, x_, s.d_model * sizeof(float),
                                  cudaMemcpyDefault, st));
   }
-  launch_norm_matvec_argmax(lm_head_, x_, out_norm_, s.rms_eps, logits_, argmax_, result_dev_, io_dev_, st);
+  launch_norm_matvec_argmax(lm_head_, x_, out_norm_, s.rms_eps, logits_, argmax_, result_dev_, io_dev_, st,
+                            kResultRing);
   after_launch();
 }
 
@@ -371,7 +372,7 @@ void CudaBackend::run_decode(int pos) {
 
 ArgmaxResult CudaBackend::finish_decode(int pos) {
   CUDA_CHECK(cudaStreamSynchronize(res_.stream));
-  const ArgmaxResult r = *result_host_;
+  const ArgmaxResult r = result_host_[pos % kResultRing];
   if (r.token == kNoIndex) {
     io_shadow_valid_ = false;
     throw NonFiniteLogits("argmax: every logit is NaN");
@@ -385,6 +386,29 @@ ArgmaxResult CudaBackend::forward_token_greedy(int32_t token, int pos) {
   set_io(token, pos);
   run_decode(pos);
   return finish_decode(pos);
+}
+
+// Every step's graph is launched before the first is waited on: the argmax kernel of step i writes the next token
+// and position into io_dev_ for step i + 1, and its result into its own slot of the mapped ring, so nothing crosses
+// the bus between the steps (the decode step of forward_token_greedy takes ~40 us more per token than the chain on
+// the GPU: the launch, the wait and the wake-up; NOTES, session 25).
+void CudaBackend::forward_tokens_greedy(int32_t token, int pos, int n, ArgmaxResult* out) {
+  if (n < 1 || n > kMaxGreedyRun)
+    throw EngineError("forward_tokens_greedy: 1 to " + std::to_string(kMaxGreedyRun) + " steps at a time, not " +
+                      std::to_string(n));
+  if (pos + n > spec_.n_ctx)
+    throw EngineError("forward_tokens_greedy: positions past the context of " + std::to_string(spec_.n_ctx));
+  set_io(token, pos);
+  io_shadow_valid_ = false;
+  for (int i = 0; i < n; ++i) run_decode(pos + i);
+  CUDA_CHECK(cudaStreamSynchronize(res_.stream));
+  for (int i = 0; i < n; ++i) {
+    out[i] = result_host_[(pos + i) % kResultRing];
+    if (out[i].token == kNoIndex)  // the steps after it decoded a stale token: the whole run is void
+      throw NonFiniteLogits("argmax: every logit is NaN (decode step at position " + std::to_string(pos + i) + ")");
+  }
+  io_shadow_ = DecodeIO{static_cast<int32_t>(out[n - 1].token), pos + n};
+  io_shadow_valid_ = true;
 }
 
 void CudaBackend::forward_token(int32_t token, int pos, float* logits) {

@@ -110,6 +110,7 @@ class CudaBackend final : public Backend {
   CudaBackend(const ModelSpec& spec, const ModelWeights& w, bool debug);
   const char* name() const override { return "cuda"; }
   ArgmaxResult forward_token_greedy(int32_t token, int pos) override;
+  void forward_tokens_greedy(int32_t token, int pos, int n, ArgmaxResult* out) override;
   void forward_token(int32_t token, int pos, float* logits) override;
   void forward_token_debug(int32_t token, int pos, float* hidden, float* logits) override;
   ArgmaxResult forward_prompt(const int32_t* tokens, int n, int pos, float* last_logits, float* all_logits,
@@ -261,7 +262,11 @@ class CudaBackend final : public Backend {
   // decode scratch
   DecodeIO* io_dev_ = nullptr;
   DecodeIO* io_host_ = nullptr;          // pinned staging for the occasional host-to-device write
-  ArgmaxResult* result_host_ = nullptr;  // mapped pinned: written by the last kernel
+  // Mapped pinned, written by the last kernel: decode steps leave position p's argmax in slot p % kResultRing (so
+  // that forward_tokens_greedy's steps each have their own), prompts theirs in slot 0.
+  static constexpr int kResultRing = 64;
+  static_assert(kResultRing >= kMaxGreedyRun, "a run's steps need distinct slots");
+  ArgmaxResult* result_host_ = nullptr;
   ArgmaxResult* result_dev_ = nullptr;   // its device alias
   float *x_ = nullptr, *q_ = nullptr, *logits_ = nullptr, *hidden_ = nullptr;
   float* ffn_act_ = nullptr;  // [d_ff]: silu(gate) * up, the down projection's input

@@ -154,7 +154,7 @@ void CudaBackend::enqueue_decode_general(bool capture_hidden, DecodeVariant vari
     else launch_arch_attention(att, st);
     after_launch();
     if (s.post_norms) {
-      launch_norm_matvec(L.o, attn_out_, nullptr, 0.f, g_tmp_, st);
+      launch_matvec(L.o, attn_out_, g_tmp_, st);
       pending = PreAdd{g_tmp_, L.post_attn_norm, s.rms_eps, nullptr};
     } else {
       launch_matvec_residual(L.o, attn_out_, x, st);
@@ -164,7 +164,7 @@ void CudaBackend::enqueue_decode_general(bool capture_hidden, DecodeVariant vari
     launch_norm_matvec_silu_glu(L.gate_up, in, L.ffn_norm, s.rms_eps, ffn_act_, st, s.activation, pre);
     after_launch();
     if (s.post_norms) {
-      launch_norm_matvec(L.down, ffn_act_, nullptr, 0.f, g_tmp_, st);
+      launch_matvec(L.down, ffn_act_, g_tmp_, st);
       pending = PreAdd{g_tmp_, L.post_ffn_norm, s.rms_eps, nullptr};
     } else {
       launch_matvec_residual(L.down, ffn_act_, x, st);
@@ -178,7 +178,8 @@ void CudaBackend::enqueue_decode_general(bool capture_hidden, DecodeVariant vari
   if (capture_hidden)
     CUDA_CHECK(cudaMemcpyAsync(hidden_ + static_cast<size_t>(s.n_layers) * d, x, d * sizeof(float),
                                cudaMemcpyDefault, st));
-  launch_norm_matvec_argmax(lm_head_, x, out_norm_, s.rms_eps, logits_, argmax_, result_dev_, io_dev_, st);
+  launch_norm_matvec_argmax(lm_head_, x, out_norm_, s.rms_eps, logits_, argmax_, result_dev_, io_dev_, st,
+                            kResultRing);
   after_launch();
 }
 

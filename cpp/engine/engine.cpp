@@ -56,6 +56,18 @@ ArgmaxResult Engine::forward_token_greedy(int32_t token) {
   return r;
 }
 
+void Engine::forward_tokens_greedy(int32_t token, int n, ArgmaxResult* out) {
+  check_tokens(&token, 1, 0);
+  if (n < 1 || n > Backend::kMaxGreedyRun)
+    throw TokenRangeError("forward_tokens_greedy: n must be 1 to " + std::to_string(Backend::kMaxGreedyRun) +
+                          ", got " + std::to_string(n) + " (out of range)");
+  if (pos_[0] + n > spec_.n_ctx)
+    throw ContextOverflow(std::to_string(n) + " greedy steps at position " + std::to_string(pos_[0]) +
+                          " exceed the context of " + std::to_string(spec_.n_ctx) + " tokens");
+  backend_->forward_tokens_greedy(token, pos_[0], n, out);
+  pos_[0] += n;
+}
+
 void Engine::forward_token(int32_t token, float* logits) {
   check_tokens(&token, 1, 0);
   backend_->forward_token(token, pos_[0], logits);

@@ -24,6 +24,8 @@ class Engine {
   void truncate(int n) { truncate_slot(0, n); }
 
   ArgmaxResult forward_token_greedy(int32_t token);
+  // n greedy steps from `token` (Backend::forward_tokens_greedy): out[i] is step i's argmax; the position advances n.
+  void forward_tokens_greedy(int32_t token, int n, ArgmaxResult* out);
   void forward_token(int32_t token, float* logits);
   void forward_token_debug(int32_t token, float* hidden, float* logits);
   ArgmaxResult forward_prompt(const int32_t* tokens, int n, float* last_logits, float* all_logits) {

@@ -486,8 +486,10 @@ __device__ __forceinline__ ArgmaxPartial block_argmax(ArgmaxPartial c, ArgmaxPar
 
 // Second stage of the two-stage argmax: each block posts its partial; the last block to finish reduces them,
 // writes the result, optionally advances the decode IO, and re-arms the counter for the next launch.
+// ring > 1 (a power of two) with io_next: the result goes to result[io_next->pos % ring], the slot of the position
+// this step decoded, so that steps enqueued back to back (CudaBackend::forward_tokens_greedy) each leave their own.
 __device__ __forceinline__ void argmax_finish(ArgmaxPartial block_best, const ArgmaxScratch& sc,
-                                              ArgmaxResult* result, DecodeIO* io_next) {
+                                              ArgmaxResult* result, DecodeIO* io_next, int ring = 1) {
   __shared__ ArgmaxPartial red[32];
   __shared__ bool is_last;
   if (threadIdx.x == 0) {
@@ -505,6 +507,7 @@ __device__ __forceinline__ void argmax_finish(ArgmaxPartial block_best, const Ar
   }
   c = block_argmax(c, red);
   if (threadIdx.x == 0) {
+    if (io_next != nullptr && ring > 1) result += io_next->pos & (ring - 1);
     result->token = c.index;
     result->value = c.index == kNoIndex ? __int_as_float(0x7fc00000) : c.value;
     if (io_next != nullptr && c.index != kNoIndex) {
@@ -644,10 +647,12 @@ void launch_embed_norm_matvec_qkv(const DevMatrix& emb, float* x, const DevMatri
 // non-null, also io_next->token = argmax, io_next->pos += 1.
 void launch_norm_matvec_argmax(const DevMatrix& W, const float* x, const float* norm_w, float eps, float* logits,
                                const ArgmaxScratch& scratch, ArgmaxResult* result, DecodeIO* io_next,
-                               cudaStream_t s);
+                               cudaStream_t s, int result_ring = 1);
 
 // residual += W . x
 void launch_matvec_residual(const DevMatrix& W, const float* x, float* residual, cudaStream_t s);
+// y = W . x, with the geometry and staging of launch_matvec_residual
+void launch_matvec(const DevMatrix& W, const float* x, float* y, cudaStream_t s);
 
 // out[n_heads * head_dim] = attention of q (all heads, roped) over cache positions [0, io->pos] of one layer.
 // n_ctx bounds the position (sizes shared memory); the scratch serves the long-context split. heads_per_block

@@ -245,6 +245,7 @@ struct ArgmaxArgs {
   ArgmaxScratch am;
   ArgmaxResult* result = nullptr;
   DecodeIO* io_next = nullptr;
+  int result_ring = 1;  // argmax_finish
 };
 
 // Few blocks, each looping over several row groups: the norm is staged and the argmax reduced once per block, not
@@ -308,7 +309,7 @@ __global__ void __launch_bounds__(256) norm_matvec_argmax_kernel(DevMatrix W, co
     rd = next;
   }
   best = detail::block_argmax(best, am_red);
-  detail::argmax_finish(best, a.am, a.result, a.io_next);
+  detail::argmax_finish(best, a.am, a.result, a.io_next, a.result_ring);
 }
 
 // ------------------------------------------------------------------ matvec + residual
@@ -316,9 +317,10 @@ __global__ void __launch_bounds__(256) norm_matvec_argmax_kernel(DevMatrix W, co
 // TPR 64 (two warps per row, 512 threads) serves wide matrices such as the down projection (48 blocks per row):
 // each lane then sums at most one weight block after the wait instead of two. U: the weight blocks each lane loads
 // before the wait (launch_matvec_residual gives rows of more than two blocks a lane three).
+// residual == nullptr: out = W . x (the O and down projections of post-norm models, whose sum waits for its norm).
 template <typename B, int TPR, int U = B::kUnroll>
 __global__ void __launch_bounds__(512) matvec_residual_kernel(DevMatrix W, const float* __restrict__ x,
-                                                              float* residual) {
+                                                              const float* residual, float* out) {
   extern __shared__ float4 smem_dyn[];
   float* x_s = reinterpret_cast<float*>(smem_dyn);
   __shared__ float half_sums[TPR > 32 ? 512 / 32 : 1];
@@ -333,7 +335,7 @@ __global__ void __launch_bounds__(512) matvec_residual_kernel(DevMatrix W, const
   grid_dependency_wait();
   trace.released();
   // The residual row is loaded now, in the same L2 round trip as the activations, not after the dot product.
-  const float res = sub == 0 && row < W.rows ? __ldcg(residual + row) : 0.f;
+  const float res = residual != nullptr && sub == 0 && row < W.rows ? __ldcg(residual + row) : 0.f;
 
   // x in 16-byte loads, kStageVec per thread per round trip to L2: one round trip up to 8,192 columns at 512
   // threads (the down projection's 4,864 took two with scalar loads; NOTES, "CUDA, session 14").
@@ -370,7 +372,7 @@ __global__ void __launch_bounds__(512) matvec_residual_kernel(DevMatrix W, const
     if (sub == 0) acc = half_sums[warp] + half_sums[warp + 1];
   }
   trace.mark(1);
-  if (sub == 0 && row < W.rows) residual[row] = res + acc;
+  if (sub == 0 && row < W.rows) out[row] = res + acc;
 }
 // ------------------------------------------------------------------ launch helpers
 
@@ -442,7 +444,7 @@ struct NormKernels5 {
 // U: weight blocks per lane loaded before the wait, at least the type's own kUnroll.
 template <int TPR, int U = 0>
 struct ResidualKernels {
-  using Fn = void (*)(DevMatrix, const float*, float*);
+  using Fn = void (*)(DevMatrix, const float*, const float*, float*);
   template <GgmlType T>
   static Fn get() {
     using B = typename BlkSel<T>::type;
@@ -587,7 +589,9 @@ void launch_embed_norm_matvec_qkv(const DevMatrix& emb, float* x, const DevMatri
 
 void launch_norm_matvec_argmax(const DevMatrix& W, const float* x, const float* norm_w, float eps, float* logits,
                                const ArgmaxScratch& scratch, ArgmaxResult* result, DecodeIO* io_next,
-                               cudaStream_t s) {
+                               cudaStream_t s, int result_ring) {
+  if (result_ring < 1 || (result_ring & (result_ring - 1)) != 0)
+    throw EngineError("argmax: the result ring must hold a power of two of slots");
   const Geometry g = lm_head_geometry(W);
   const auto k = pick(g.tpr, kernel_for<ArgmaxKernels<8>>(W.type), kernel_for<ArgmaxKernels<16>>(W.type),
                       kernel_for<ArgmaxKernels<32>>(W.type));
@@ -614,10 +618,12 @@ void launch_norm_matvec_argmax(const DevMatrix& W, const float* x, const float* 
   a.am = scratch;
   a.result = result;
   a.io_next = io_next;
+  a.result_ring = result_ring;
   detail::launch_programmatic(k, dim3(grid), dim3(kArgmaxThreads), g.smem, s, W, x, norm_w, eps, a);
 }
 
-void launch_matvec_residual(const DevMatrix& W, const float* x, float* residual, cudaStream_t s) {
+namespace {
+void run_matvec_residual(const DevMatrix& W, const float* x, const float* residual, float* out, cudaStream_t s) {
   // More weight blocks per row than a warp has lanes: two warps per row (see the kernel). Rows of more than two
   // blocks a lane (Qwen2.5-0.5B's down projection: 152 blocks over 64 lanes) load three a lane before the wait;
   // with two, the third came from HBM after the activations (H100, Qwen2.5-0.5B shape: 513 -> 503 us per token;
@@ -628,7 +634,18 @@ void launch_matvec_residual(const DevMatrix& W, const float* x, float* residual,
                  : wide ? kernel_for<ResidualKernels<2 * kMatvecTpr>>(W.type)
                         : kernel_for<ResidualKernels<kMatvecTpr>>(W.type);
   allow_smem(k, g.smem);
-  detail::launch_programmatic(k, dim3(g.grid), dim3(g.threads), g.smem, s, W, x, residual);
+  detail::launch_programmatic(k, dim3(g.grid), dim3(g.threads), g.smem, s, W, x, residual, out);
+}
+}  // namespace
+
+void launch_matvec_residual(const DevMatrix& W, const float* x, float* residual, cudaStream_t s) {
+  run_matvec_residual(W, x, residual, residual, s);
+}
+
+// Gemma 3's O and down projections (ahead of their post-norms) took the plain norm + matvec kernel before: 3.07 us
+// of the chain each on the H100 against 1.8 for this kernel's residual form at SmolLM2-135M (NOTES, session 25).
+void launch_matvec(const DevMatrix& W, const float* x, float* y, cudaStream_t s) {
+  run_matvec_residual(W, x, nullptr, y, s);
 }
 
 }  // namespace metalattn::cuda

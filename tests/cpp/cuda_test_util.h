@@ -685,7 +685,8 @@ SlotRows make_slot_rows(const std::vector<float>& v, int n, int width, std::vect
 }
 
 // The decode matvec kernels on W (hm on the host, g on the GPU, rows x cols) against the scalar reference, from a
-// poisoned output: plain matvec, norm + matvec, and matvec + residual (the O / down projections' kernel).
+// poisoned output: plain matvec, norm + matvec, matvec + residual (the O / down projections' kernel) and its store
+// form (launch_matvec: post-norm models' O / down).
 void check_decode_matvecs(const HostMatrix& hm, const GpuMatrix& g, int rows, int cols) {
   const std::vector<float> x = random_vec(cols, -2.f, 2.f), nw = random_vec(cols, 0.5f, 1.5f);
   DevBuf<float> dx(x), dnw(nw), dy(rows);
@@ -704,6 +705,14 @@ void check_decode_matvecs(const HostMatrix& hm, const GpuMatrix& g, int rows, in
   std::vector<float> expect = ref_matvec(hm.view, x);
   for (int r = 0; r < rows; ++r) expect[r] += y0[r];
   EXPECT_LE(max_abs_diff(dy.download(), expect), kTol) << "matvec+residual";
+
+  DevBuf<float> dz(rows + 64);
+  dz.poison();
+  launch_matvec(g.m, dx.p, dz.p, nullptr);
+  const std::vector<float> z = dz.download();
+  EXPECT_LE(max_abs_diff(std::vector<float>(z.begin(), z.begin() + rows), ref_matvec(hm.view, x)), kTol)
+      << "matvec (store)";
+  for (int r = rows; r < rows + 64; ++r) ASSERT_TRUE(is_poison(z[r])) << "matvec (store) wrote past its rows at " << r;
 }
 
 // One few-token tensor-core projection (prompt_mma.cu) through W (rows x K, on the GPU) of n random rows of K values,

@@ -792,6 +792,61 @@ TEST(CudaArch, GeneralDecodeAcrossTheShortToSplitAttentionSwitchOver) {
   }
 }
 
+// Greedy steps run ahead (forward_tokens_greedy: every step enqueued before the first is waited on, each token passed
+// on the device) against the same steps one call each, on the fused path (SmolLM2's layer) and the general one
+// (Gemma 3's), across each path's switch-over from the short to the split decode attention: the same tokens and
+// logits bit for bit, a one-by-one step after a run continues from it, and runs of 0, 65 or past the context throw.
+TEST(CudaArch, RunAheadGreedyStepsMatchOneByOne) {
+  REQUIRE_GPU();
+  struct Run {
+    const char* name;
+    std::unique_ptr<TestModel> m;
+    int switch_pos;  // the last position the short decode attention serves
+  };
+  std::vector<Run> runs;
+  runs.push_back({"llama (fused path)", make_model(3, 2048, kShortAttnMaxPos + 80, GgmlType::Q4_0, GgmlType::Q8_0),
+                  kShortAttnMaxPos - 1});
+  for (ArchModelCase c : arch_model_cases()) {
+    if (std::string(c.name) != "gemma3") continue;
+    c.n_ctx = 420;
+    runs.push_back({"gemma3 (general path)", make_arch_model(c), arch_short_attention_cap(c.hd, c.n_ctx) - 1});
+  }
+  ASSERT_EQ(runs.size(), 2u);
+  for (Run& r : runs) {
+    SCOPED_TRACE(r.name);
+    const ModelSpec& s = r.m->spec;
+    auto one = make_cuda_backend(s, r.m->w, false);
+    auto ahead = make_cuda_backend(s, r.m->w, false);
+    const int p0 = r.switch_pos - 40;  // the runs below cross the switch-over
+    ASSERT_GT(p0, 0);
+    const std::vector<int32_t> prompt = random_tokens(p0, s.vocab);
+    ArgmaxResult a = one->forward_prompt(prompt.data(), p0, 0, nullptr, nullptr);
+    ArgmaxResult b = ahead->forward_prompt(prompt.data(), p0, 0, nullptr, nullptr);
+    ASSERT_EQ(a.token, b.token);
+    std::vector<ArgmaxResult> want;
+    for (int i = 0; i < Backend::kMaxGreedyRun + 5 + 1; ++i) {
+      a = one->forward_token_greedy(static_cast<int32_t>(a.token), p0 + i);
+      want.push_back(a);
+    }
+    std::vector<ArgmaxResult> got(Backend::kMaxGreedyRun);
+    ahead->forward_tokens_greedy(static_cast<int32_t>(b.token), p0, Backend::kMaxGreedyRun, got.data());
+    std::vector<ArgmaxResult> tail(5);
+    ahead->forward_tokens_greedy(static_cast<int32_t>(got.back().token), p0 + Backend::kMaxGreedyRun, 5, tail.data());
+    got.insert(got.end(), tail.begin(), tail.end());
+    got.push_back(ahead->forward_token_greedy(static_cast<int32_t>(got.back().token), p0 + Backend::kMaxGreedyRun + 5));
+    ASSERT_EQ(got.size(), want.size());
+    for (size_t i = 0; i < want.size(); ++i) {
+      EXPECT_EQ(got[i].token, want[i].token) << "step " << i;
+      EXPECT_EQ(got[i].value, want[i].value) << "step " << i;
+    }
+    std::vector<ArgmaxResult> out(Backend::kMaxGreedyRun + 1);
+    EXPECT_THROW(ahead->forward_tokens_greedy(1, 0, 0, out.data()), EngineError);
+    EXPECT_THROW(ahead->forward_tokens_greedy(1, 0, Backend::kMaxGreedyRun + 1, out.data()), EngineError);
+    EXPECT_THROW(ahead->forward_tokens_greedy(1, s.n_ctx - 3, 4, out.data()), EngineError);
+    EXPECT_THROW(ahead->forward_tokens_greedy(s.vocab, 0, 2, out.data()), EngineError);
+  }
+}
+
 // A plain Llama model forced onto the general path (METALATTN_CUDA_GENERAL=1) against the fused path: the same
 // model computed by different kernels agrees within the reference bound, prompts included.
 TEST(CudaArch, GeneralPathOnPlainLlamaMatchesFusedPath) {

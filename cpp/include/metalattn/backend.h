@@ -32,6 +32,16 @@ class Backend {
   // Debug path: also writes the residual stream after the embedding and after every layer,
   // (n_layers + 1) x d_model floats, into `hidden`.
   virtual void forward_token_debug(int32_t token, int pos, float* hidden, float* logits) = 0;
+  // n greedy steps (1 <= n <= kMaxGreedyRun, pos + n <= n_ctx): step 0 feeds `token` at `pos`, step i the argmax of
+  // step i - 1 at pos + i; out[i] = step i's argmax. This default runs them one by one; the CUDA backend enqueues all
+  // n before it waits, each step's token passed on to the next on the device, so the GPU runs them back to back.
+  static constexpr int kMaxGreedyRun = 64;
+  virtual void forward_tokens_greedy(int32_t token, int pos, int n, ArgmaxResult* out) {
+    for (int i = 0; i < n; ++i) {
+      out[i] = forward_token_greedy(token, pos + i);
+      token = static_cast<int32_t>(out[i].token);
+    }
+  }
 
   // n prompt tokens of KV slot `slot` (0 <= slot < n_seq) starting at position `pos`, layer by layer. lm_head only
   // for the last token unless `all_logits` is non-null (n x vocab, for perplexity). `last_logits` (vocab) may be null.
