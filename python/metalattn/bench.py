@@ -2,7 +2,9 @@
 
 Prefill (ppN): time of one forward_prompt over N tokens from an empty cache -> N / seconds.
 Decode (tgN): after a 32-token prompt, N greedy steps (forward_token_greedy: argmax on the device, 8 bytes back)
--> N / seconds. Decode at depth D (tgN @ dD, --depths): the same N steps after a D-token prompt (untimed), so the
+-> N / seconds, one engine call a token, as llama-bench counts. Decode run ahead (tgN ahead): the same N steps as
+greedy generate() and stream() run them, 64 steps an engine call (forward_tokens_greedy: on CUDA the steps are
+queued back to back and each token passes to the next step on the device). Decode at depth D (tgN @ dD, --depths): the same N steps after a D-token prompt (untimed), so the
 attention reads D cached positions per step; the table also gives each depth's time per token over the shallowest's.
 Each figure is the median over --iterations runs after one warm-up run, with min and max.
 """
@@ -45,17 +47,28 @@ def weight_bytes_per_token(model) -> int:
     return total
 
 
-def _decode_rates(model, prompt: np.ndarray, gen_length: int, iterations: int, label: str, progress: bool):
+RUN_AHEAD = 64  # steps per forward_tokens_greedy call (the engine's most)
+
+
+def _decode_rates(model, prompt: np.ndarray, gen_length: int, iterations: int, label: str, progress: bool,
+                  ahead: bool = False):
     """tok/s of gen_length greedy steps after `prompt`, and the prompt's own time (ms), one list entry per timed run
-    (the first run warms up and is dropped)."""
+    (the first run warms up and is dropped). ahead: RUN_AHEAD steps an engine call instead of one."""
     rates, prompt_ms = [], []
     for it in range(iterations + 1):
         model.reset()
         t = time.perf_counter()
         token = model.forward_prompt(prompt)
         t1 = time.perf_counter()
-        for _ in range(gen_length):
-            token = model.forward_token_greedy(token)
+        if ahead:
+            left = gen_length
+            while left > 0:
+                k = min(RUN_AHEAD, left)
+                token = model.forward_tokens_greedy(token, k)[-1]
+                left -= k
+        else:
+            for _ in range(gen_length):
+                token = model.forward_token_greedy(token)
         t2 = time.perf_counter()
         if it > 0:
             rates.append(gen_length / (t2 - t1))
@@ -107,7 +120,9 @@ def run_bench(model, prompt_lengths: Sequence[int] = (32, 128, 512), gen_length:
         prompt = _random_tokens(DECODE_PROMPT, vocab, seed=1)
         rates, ttft = _decode_rates(model, prompt, gen_length, iterations, f"tg{gen_length}", progress)
         per_token = weight_bytes_per_token(model)
+        ahead, _ = _decode_rates(model, prompt, gen_length, iterations, f"tg{gen_length} ahead", progress, ahead=True)
         result["decode"] = {"n_prompt": DECODE_PROMPT, "n_gen": gen_length, "tokens_per_second": _summary(rates),
+                            "run_ahead_tokens_per_second": _summary(ahead), "run_ahead_steps_per_call": RUN_AHEAD,
                             "time_to_first_token_ms": _summary(ttft), "weight_bytes_per_token": per_token}
         bw = _bandwidth(model)
         if bw:
@@ -175,6 +190,10 @@ def format_table(r: dict) -> str:
         s = d["tokens_per_second"]
         rows.append((f"tg{d['n_gen']} (after pp{d['n_prompt']})", f"{s['median']:.1f}", f"{s['min']:.1f}",
                      f"{s['max']:.1f}", f"{1e3 / s['median']:.3f}"))
+        s = d.get("run_ahead_tokens_per_second")
+        if s:
+            rows.append((f"tg{d['n_gen']} ahead ({d['run_ahead_steps_per_call']} a call)", f"{s['median']:.1f}",
+                         f"{s['min']:.1f}", f"{s['max']:.1f}", f"{1e3 / s['median']:.3f}"))
     for x in r.get("decode_at_depth") or []:
         s = x["tokens_per_second"]
         rows.append((f"tg{x['n_gen']} @ d{x['depth']}", f"{s['median']:.1f}", f"{s['min']:.1f}", f"{s['max']:.1f}",

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import collections
 import functools
 import gc
 import os
@@ -339,6 +340,19 @@ class Model:
             return self._engine.forward_token_greedy(self._check_token(token))
 
     @_serialized
+    def forward_tokens_greedy(self, token: int, n: int) -> list:
+        """Runs `token` and then n - 1 more greedy steps, each fed the previous step's argmax (1 <= n <= 64);
+        returns the n argmax tokens. On CUDA all n steps are queued before the first is waited on and the tokens
+        pass from step to step on the device, so the GPU runs them back to back (greedy generate/stream decode
+        this way); the position advances by n."""
+        if isinstance(n, bool) or not isinstance(n, (int, np.integer)):
+            raise InvalidArgumentError(f"n must be an int, got {type(n).__name__}")
+        try:
+            return self._engine.forward_tokens_greedy(token, int(n))
+        except TypeError:
+            return self._engine.forward_tokens_greedy(self._check_token(token), int(n))
+
+    @_serialized
     def forward_token(self, token: int) -> np.ndarray:
         """Runs one token; returns the next-token logits as float32[vocab]."""
         try:
@@ -469,12 +483,21 @@ class Model:
         stats.prefill_seconds = t1 - t0
         out = TextStream(self.tokenizer, stops, max_tokens)
         index = 0
+        # Greedy decoding runs ahead: one engine call queues `run` steps (forward_tokens_greedy), whose tokens are
+        # then handed out one at a time; the run doubles from 4 to 64 so that the first tokens still come at once.
+        # The engine's position is then ahead of `hist` by len(ahead); a finished stream truncates the steps it
+        # did not use (a stop string or end-of-text token inside a run).
+        ahead = collections.deque()
+        run = 4
         while True:
             stats.generated_tokens = index + 1
             stats.decode_seconds = time.perf_counter() - t1
-            text, finish = out.push(token, self.pos >= self.n_ctx)
+            text, finish = out.push(token, len(hist) >= self.n_ctx)
             if finish is not None:
                 stats.finish_reason = finish
+                if ahead:
+                    self._engine.truncate(len(hist))
+                    ahead.clear()
                 yield GenerationChunk(text, token, index, stats.decode_tokens_per_second, finish, lp, top)
                 return
             yield GenerationChunk(text, token, index, stats.decode_tokens_per_second, None, lp, top)
@@ -484,7 +507,16 @@ class Model:
                 token, lp, top = _choose(self._engine.forward_token(fed), greedy, rng, temperature, top_k, top_p,
                                          logprobs)
             elif greedy:
-                token = self._engine.forward_token_greedy(fed)
+                if not ahead:
+                    # Steps that can still be used: the tokens max_tokens allows after this one, and the positions
+                    # left in the context (fed goes to position len(hist) - 1).
+                    k = min(run, max_tokens - index - 1, self.n_ctx - len(hist) + 1)
+                    if k > 1:
+                        ahead.extend(self._engine.forward_tokens_greedy(fed, k))
+                        run = min(2 * run, 64)
+                    else:
+                        ahead.append(self._engine.forward_token_greedy(fed))
+                token = ahead.popleft()
             else:
                 token = sample(self._engine.forward_token(fed), rng, temperature, top_k, top_p)
             index += 1

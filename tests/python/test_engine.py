@@ -228,6 +228,59 @@ def test_generation_api(synthetic_factory, monkeypatch):
     assert model.generate("hello", max_tokens=0) == ""
 
 
+def test_run_ahead_greedy_steps(synthetic_factory, monkeypatch):
+    """forward_tokens_greedy(t, n) equals n forward_token_greedy calls; greedy stream() decodes that way (runs of 4
+    doubling to 64), so where it stops inside a run (a stop string, max_tokens) the steps it did not use are
+    truncated and the cache holds exactly the prompt and the fed tokens (reuse_prefix then reuses them)."""
+    path = synthetic_factory(quant="q4_0", seed=12)
+    model = load_cpu(path, "scalar", monkeypatch, n_ctx=160)
+    model.forward_prompt([1, 2, 3])
+    one = [model.forward_token_greedy(7)]
+    for _ in range(69):
+        one.append(model.forward_token_greedy(one[-1]))
+    assert model.pos == 73
+    model.reset()
+    model.forward_prompt([1, 2, 3])
+    got = model.forward_tokens_greedy(7, 64)
+    got += model.forward_tokens_greedy(got[-1], 6)
+    assert got == one and model.pos == 73
+    for bad in (0, 65):
+        with pytest.raises(metalattn.TokenError, match="out of range"):
+            model.forward_tokens_greedy(7, bad)
+    with pytest.raises(metalattn.TokenError, match="out of range"):
+        model.forward_tokens_greedy(model.vocab_size, 2)
+    with pytest.raises(metalattn.InvalidArgumentError):
+        model.forward_tokens_greedy(7, 2.0)
+    assert model.pos == 73  # failed calls leave the cache untouched
+    model.forward_prompt(list(range(40)))
+    with pytest.raises(metalattn.ContextOverflowError):
+        model.forward_tokens_greedy(7, 160 - 113 + 1)
+    assert model.pos == 113
+    assert len(model.forward_tokens_greedy(7, 160 - 113)) == 47 and model.pos == 160
+
+    ids = model.tokenize("hello world")
+    for max_tokens in (1, 2, 5, 13, 100):
+        model.reset()
+        expect = [model.forward_prompt(ids)]
+        for _ in range(max_tokens - 1):
+            expect.append(model.forward_token_greedy(expect[-1]))
+        chunks = list(model.stream(ids, max_tokens=max_tokens))
+        n = len(chunks)
+        assert [c.token for c in chunks] == expect[:n]
+        # the cache: the prompt and every token fed (all but the last one handed out)
+        assert model.pos == len(ids) + n - 1, max_tokens
+    # A stream that reaches the end of the context inside a run stops there as before.
+    short = load_cpu(path, "scalar", monkeypatch, n_ctx=len(ids) + 10)
+    chunks = list(short.stream(ids, max_tokens=100))
+    assert chunks[-1].finish_reason == "context" and len(chunks) == 11 and short.pos == short.n_ctx
+    # reuse_prefix after a stream that stopped inside a run: the cached tokens are exactly the fed ones
+    model.reset()
+    first = model.generate(ids, max_tokens=9)
+    model.generate(ids, max_tokens=9, reuse_prefix=True)
+    assert model.last_stats.cached_tokens == len(ids) - 1
+    assert model.generate(ids, max_tokens=9) == first
+
+
 def test_stop_strings(synthetic_factory, monkeypatch):
     path = synthetic_factory(quant="q4_0", seed=11)
     model = load_cpu(path, "scalar", monkeypatch)
