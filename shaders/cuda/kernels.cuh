@@ -312,6 +312,17 @@ __device__ __forceinline__ float block_sum(float v, float* red) {
   return warp_sum(t);
 }
 
+// Four sums over the block at once (one pair of barriers); every thread gets the totals. `red` holds 32 float4.
+__device__ __forceinline__ float4 block_sum4(float4 v, float4* red) {
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, n_warps = (blockDim.x + 31) >> 5;
+  v = make_float4(warp_sum(v.x), warp_sum(v.y), warp_sum(v.z), warp_sum(v.w));
+  __syncthreads();  // red may still be read by a previous call
+  if (lane == 0) red[warp] = v;
+  __syncthreads();
+  float4 t = lane < n_warps ? red[lane] : make_float4(0.f, 0.f, 0.f, 0.f);
+  return make_float4(warp_sum(t.x), warp_sum(t.y), warp_sum(t.z), warp_sum(t.w));
+}
+
 // Scale and min (6 bits each) of sub-block j (0..7) from the 16-byte Q4_K / Q5_K header words h1..h3 (the twelve
 // scale bytes; h0 is d | dmin << 16), as k_scale_min decodes them.
 __host__ __device__ __forceinline__ void k_header_scale_min(uint32_t h1, uint32_t h2, uint32_t h3, int j, int* sc,

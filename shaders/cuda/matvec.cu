@@ -94,6 +94,52 @@ __device__ __forceinline__ float stage_normed(const float* x, const float* __res
   return 1.f / sqrtf(total / static_cast<float>(cols) + eps);
 }
 
+// The PreAdd staging in one round trip to L2, for rows of at most kPreAddBatch * blockDim.x columns (Gemma 3's 640 at
+// 256 or 512 threads): each thread loads its x and y values and the post-norm weights together, and one block
+// reduction of four sums gives both norms: the post-norm's scale
+// a = 1 / rms(y) from y.y, and the staged sum v = x + a y pw's from v.v = x.x + 2 a x.(y pw) + a^2 (y pw).(y pw).
+// v itself is computed as stage_normed computes it, so x_next is bit for bit the same. Returns 1 / rms(v).
+constexpr int kPreAddBatch = 4;
+__device__ __forceinline__ float stage_pre_added(const float* x, const float* __restrict__ norm_w,
+                                                 const NormPrefetch& nw, float eps, int cols, int n, float* x_s,
+                                                 float4* red4, const PreAdd& add) {
+  float xv[kPreAddBatch], yv[kPreAddBatch];
+  struct {
+    float w[kPreAddBatch];
+  } pw;
+#pragma unroll
+  for (int u = 0; u < kPreAddBatch; ++u) {
+    const int i = threadIdx.x + u * blockDim.x;
+    xv[u] = i < cols ? __ldcg(x + i) : 0.f;
+    yv[u] = i < cols ? __ldcg(add.y + i) : 0.f;
+    pw.w[u] = i < cols ? __ldg(add.w + i) : 0.f;
+  }
+  float4 s = make_float4(0.f, 0.f, 0.f, 0.f);  // y.y, x.x, x.(y pw), (y pw).(y pw)
+#pragma unroll
+  for (int u = 0; u < kPreAddBatch; ++u) {
+    const float yw = yv[u] * pw.w[u];
+    s.x += yv[u] * yv[u];
+    s.y += xv[u] * xv[u];
+    s.z += xv[u] * yw;
+    s.w += yw * yw;
+  }
+  s = detail::block_sum4(s, red4);
+  const float a = 1.f / sqrtf(s.x / static_cast<float>(cols) + add.eps);
+  const float vv = fmaxf(s.y + 2.f * a * s.z + a * a * s.w, 0.f);
+#pragma unroll
+  for (int u = 0; u < kPreAddBatch; ++u) {
+    const int i = threadIdx.x + u * blockDim.x;
+    if (i < n) {
+      const float v = i < cols ? xv[u] + yv[u] * a * pw.w[u] : 0.f;
+      if (blockIdx.x == 0 && i < cols) add.x_next[i] = v;
+      x_s[smem_index(i)] = v * (i < cols ? nw.w[u] : 1.f);
+    }
+  }
+  __syncthreads();
+  if (norm_w == nullptr) return 1.f;
+  return 1.f / sqrtf(vv / static_cast<float>(cols) + eps);
+}
+
 // Plain: y = the rows. Qkv: RoPE and the cache append (QkvTargets). SiluGlu: W = [gate; up] stacked, and each block
 // takes the same units of both halves (its first warps gate rows u.., the rest up rows u..), so that y[u] =
 // silu(gate_u) * up_u leaves the kernel finished and the down projection stages plain activations.
@@ -151,6 +197,8 @@ __device__ __forceinline__ void norm_matvec_body(const DevMatrix& W, const float
   rd.prefetch(W, row, sub);
   NormPrefetch nw;
   nw.load(norm_w, W.cols);
+  // PreAdd in one round trip where the row fits a batch (stage_pre_added).
+  const bool pre_one_pass = PRE && n <= kPreAddBatch * static_cast<int>(blockDim.x);
   // QKV: the RoPE factors of the rows this thread stores (the position was written before this graph launch).
   const int pair = threadIdx.x;
   const int r0 = blockIdx.x * rows_per_block + 2 * pair;
@@ -186,7 +234,13 @@ __device__ __forceinline__ void norm_matvec_body(const DevMatrix& W, const float
   } else {
     grid_dependency_wait();
     trace.released();
-    scale = stage_normed(x, norm_w, nw, eps, W.cols, n, x_s, red, PRE ? a.pre : PreAdd{});
+    if constexpr (PRE) {
+      __shared__ float4 red4[32];
+      scale = pre_one_pass ? stage_pre_added(x, norm_w, nw, eps, W.cols, n, x_s, red4, a.pre)
+                           : stage_normed(x, norm_w, nw, eps, W.cols, n, x_s, red, a.pre);
+    } else {
+      scale = stage_normed(x, norm_w, nw, eps, W.cols, n, x_s, red);
+    }
   }
 
   const float acc = rd.finish(W, row, sub, x_s) * scale;
@@ -224,6 +278,15 @@ __global__ void __launch_bounds__(512) norm_matvec_kernel(DevMatrix W, const flo
                                                           const float* __restrict__ norm_w, float eps,
                                                           NormMatvecArgs a) {
   norm_matvec_body<B, TPR, PRE, 1>(W, x, norm_w, eps, a);
+}
+
+// The gate/up's PreAdd at a warp a row in 512-thread blocks, held to two blocks a SM (64 registers): Gemma 3 270M's
+// 256 gate/up blocks are then one wave (the PreAdd staging takes the plain instantiation to 75-92 registers).
+template <typename B>
+__global__ void __launch_bounds__(512, 2) norm_matvec_kernel_pre2(DevMatrix W, const float* __restrict__ x,
+                                                                  const float* __restrict__ norm_w, float eps,
+                                                                  NormMatvecArgs a) {
+  norm_matvec_body<B, 32, true, 1>(W, x, norm_w, eps, a);
 }
 
 // 16-lane rows in 256-thread blocks, five resident per SM (48 registers, 2 blocks a lane before the wait), for matrices
@@ -436,6 +499,11 @@ struct NormKernels {
   template <GgmlType T>
   static Fn get() { return norm_matvec_kernel<typename BlkSel<T>::type, TPR, PRE>; }
 };
+struct NormKernelsPre2 {
+  using Fn = void (*)(DevMatrix, const float*, const float*, float, NormMatvecArgs);
+  template <GgmlType T>
+  static Fn get() { return norm_matvec_kernel_pre2<typename BlkSel<T>::type>; }
+};
 struct NormKernels5 {
   using Fn = void (*)(DevMatrix, const float*, const float*, float, NormMatvecArgs);
   template <GgmlType T>
@@ -499,7 +567,7 @@ void run_norm_matvec(const DevMatrix& W, const float* x, const float* norm_w, fl
   const bool pre = a.pre.y != nullptr;
   constexpr double kWaveSlack = 1.25;  // a last wave of a quarter of the SMs' blocks costs less than fewer lanes
   Geometry g = matvec_geometry(W, kMatvecTpr, a.mode == NormOut::SiluGlu ? 512 : 256);
-  auto k = norm_kernel<kMatvecTpr>(W, pre);
+  auto k = pre && a.mode == NormOut::SiluGlu ? kernel_for<NormKernelsPre2>(W.type) : norm_kernel<kMatvecTpr>(W, pre);
   if (W.rows > kWaveSlack * static_cast<double>(rows_per_wave(k, g))) {
     g = matvec_geometry(W, 16, 256);
     k = norm_kernel<16>(W, pre);
