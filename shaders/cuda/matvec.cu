@@ -47,8 +47,9 @@ __device__ __forceinline__ float stage_normed(const float* x, const float* __res
                                               float eps, int cols, int n, float* x_s, float* red,
                                               const PreAdd& add = PreAdd{}) {
   // PreAdd (rows wider than stage_pre_added takes): y's reduction first, then the add as x is staged: two round
-  // trips to L2 and one block reduction more than plain staging. (Loading x, y and the post-norm weights of the first batch together ahead of the reduction,
-  // one round trip fewer, measured slower on the H100: Gemma 3 270M-shaped decode 1,853 -> 1,737 tok/s, NOTES.)
+  // trips to L2 and one block reduction more than plain staging. (Loading x, y and the post-norm weights of the
+  // first batch together ahead of the reduction, one round trip fewer but both reductions kept, measured slower on
+  // the H100: Gemma 3 270M-shaped decode 1,853 -> 1,737 tok/s, NOTES.)
   float add_scale = 0.f;
   if (add.y != nullptr) {
     float sy = 0.f;
@@ -100,24 +101,22 @@ __device__ __forceinline__ float stage_normed(const float* x, const float* __res
 // a = 1 / rms(y) from y.y, and the staged sum v = x + a y pw's from v.v = x.x + 2 a x.(y pw) + a^2 (y pw).(y pw).
 // v itself is computed as stage_normed computes it, so x_next is bit for bit the same. Returns 1 / rms(v).
 constexpr int kPreAddBatch = 4;
+static_assert(kPreAddBatch <= kStageBatch, "the norm weights come from NormPrefetch's first batch");
 __device__ __forceinline__ float stage_pre_added(const float* x, const float* __restrict__ norm_w,
                                                  const NormPrefetch& nw, float eps, int cols, int n, float* x_s,
                                                  float4* red4, const PreAdd& add) {
-  float xv[kPreAddBatch], yv[kPreAddBatch];
-  struct {
-    float w[kPreAddBatch];
-  } pw;
+  float xv[kPreAddBatch], yv[kPreAddBatch], pw[kPreAddBatch];
 #pragma unroll
   for (int u = 0; u < kPreAddBatch; ++u) {
     const int i = threadIdx.x + u * blockDim.x;
     xv[u] = i < cols ? __ldcg(x + i) : 0.f;
     yv[u] = i < cols ? __ldcg(add.y + i) : 0.f;
-    pw.w[u] = i < cols ? __ldg(add.w + i) : 0.f;
+    pw[u] = i < cols ? __ldg(add.w + i) : 0.f;
   }
   float4 s = make_float4(0.f, 0.f, 0.f, 0.f);  // y.y, x.x, x.(y pw), (y pw).(y pw)
 #pragma unroll
   for (int u = 0; u < kPreAddBatch; ++u) {
-    const float yw = yv[u] * pw.w[u];
+    const float yw = yv[u] * pw[u];
     s.x += yv[u] * yv[u];
     s.y += xv[u] * xv[u];
     s.z += xv[u] * yw;
@@ -130,7 +129,7 @@ __device__ __forceinline__ float stage_pre_added(const float* x, const float* __
   for (int u = 0; u < kPreAddBatch; ++u) {
     const int i = threadIdx.x + u * blockDim.x;
     if (i < n) {
-      const float v = i < cols ? xv[u] + yv[u] * a * pw.w[u] : 0.f;
+      const float v = i < cols ? xv[u] + yv[u] * a * pw[u] : 0.f;
       if (blockIdx.x == 0 && i < cols) add.x_next[i] = v;
       x_s[smem_index(i)] = v * (i < cols ? nw.w[u] : 1.f);
     }
