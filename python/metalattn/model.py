@@ -485,24 +485,27 @@ class Model:
         index = 0
         # Greedy decoding runs ahead: one engine call queues `run` steps (forward_tokens_greedy), whose tokens are
         # then handed out one at a time; the run doubles from 4 to 64 so that the first tokens still come at once.
-        # The engine's position is then ahead of `hist` by len(ahead); a finished stream truncates the steps it
-        # did not use (a stop string or end-of-text token inside a run).
+        # `hist` stays what the KV cache holds (the run fed all its tokens but the last), so a stream closed between
+        # two chunks leaves a cache that reuse_prefix can use; the tokens handed out so far fill
+        # len(hist) - len(ahead) positions, and a finished stream truncates the rest (a stop string or end-of-text
+        # token inside a run).
         ahead = collections.deque()
         run = 4
         while True:
             stats.generated_tokens = index + 1
             stats.decode_seconds = time.perf_counter() - t1
-            text, finish = out.push(token, len(hist) >= self.n_ctx)
+            used = len(hist) - len(ahead)
+            text, finish = out.push(token, used >= self.n_ctx)
             if finish is not None:
                 stats.finish_reason = finish
                 if ahead:
-                    self._engine.truncate(len(hist))
-                    ahead.clear()
+                    self.truncate(used)
                 yield GenerationChunk(text, token, index, stats.decode_tokens_per_second, finish, lp, top)
                 return
             yield GenerationChunk(text, token, index, stats.decode_tokens_per_second, None, lp, top)
             fed = token
-            hist.append(fed)
+            if not ahead:  # else the run has fed it already
+                hist.append(fed)
             if logprobs is not None:
                 token, lp, top = _choose(self._engine.forward_token(fed), greedy, rng, temperature, top_k, top_p,
                                          logprobs)
@@ -512,7 +515,16 @@ class Model:
                     # left in the context (fed goes to position len(hist) - 1).
                     k = min(run, max_tokens - index - 1, self.n_ctx - len(hist) + 1)
                     if k > 1:
-                        ahead.extend(self._engine.forward_tokens_greedy(fed, k))
+                        try:
+                            got = self._engine.forward_tokens_greedy(fed, k)
+                            hist.extend(got[:-1])
+                        except BaseException:
+                            # A Ctrl-C lands as the run returns, before `got` holds its tokens: keep the cache
+                            # at what `hist` knows (the prompt and fed), so that the next reuse_prefix can use it.
+                            if self._engine.pos > len(hist):
+                                self._engine.truncate(len(hist))
+                            raise
+                        ahead.extend(got)
                         run = min(2 * run, 64)
                     else:
                         ahead.append(self._engine.forward_token_greedy(fed))

@@ -273,6 +273,15 @@ def test_run_ahead_greedy_steps(synthetic_factory, monkeypatch):
     short = load_cpu(path, "scalar", monkeypatch, n_ctx=len(ids) + 10)
     chunks = list(short.stream(ids, max_tokens=100))
     assert chunks[-1].finish_reason == "context" and len(chunks) == 11 and short.pos == short.n_ctx
+    # A stream closed between two chunks inside a run (the chat's Ctrl-C) leaves a cache the next reuse_prefix
+    # uses: the steps queued ahead are part of it, so the model's position and cached tokens still agree.
+    model.reset()
+    steps = model.stream(ids, max_tokens=100)
+    taken = [next(steps).token for _ in range(6)]  # runs of 4 and then 8: four steps still queued
+    steps.close()
+    assert taken == expect[:6]
+    model.generate(ids, max_tokens=9, reuse_prefix=True)
+    assert model.last_stats.cached_tokens == len(ids) - 1
     # reuse_prefix after a stream that stopped inside a run: the cached tokens are exactly the fed ones
     model.reset()
     first = model.generate(ids, max_tokens=9)
