@@ -30,6 +30,7 @@
 #include "cpu/reference.h"
 #include "cuda/cuda_check.h"
 #include "kernels.cuh"
+#include "trace.cuh"
 #include "metalattn/backend.h"
 
 using namespace metalattn;
@@ -172,6 +173,22 @@ void print_decode_trace(Backend& be, const std::vector<int32_t>& prompt, int n_l
       (void)trace_reset();
       be.forward_token_greedy(static_cast<int32_t>(r.token), pos);
       const std::vector<TraceRecord> t = trace_read();
+      // METALATTN_TRACE_BLOCKS=<prefix>: every block of the last traced step at this position, as CSV
+      // (<prefix>.pos<pos>.csv: kind, block, sm, enter, released, exit in ns from the step's first stamp).
+      if (const char* prefix = std::getenv("METALATTN_TRACE_BLOCKS"); prefix != nullptr && rep == 19) {
+        const std::vector<TraceBlock> bl = trace_read_blocks();
+        const std::string path = std::string(prefix) + ".pos" + std::to_string(pos) + ".csv";
+        if (FILE* f = std::fopen(path.c_str(), "w"); f != nullptr && !bl.empty()) {
+          unsigned long long t0 = bl[0].enter;
+          for (const TraceBlock& b : bl) t0 = std::min(t0, b.enter);
+          std::fprintf(f, "kind,block,sm,enter,released,exit\n");
+          for (const TraceBlock& b : bl)
+            std::fprintf(f, "%s,%d,%d,%lld,%lld,%lld\n", names[b.kind], b.block, b.sm,
+                         static_cast<long long>(b.enter - t0), static_cast<long long>(b.released - t0),
+                         static_cast<long long>(b.exit - t0));
+          std::fclose(f);
+        }
+      }
       unsigned blocks[kTraceKinds], late[kTraceKinds];
       trace_block_counts(blocks, late);
       if (rep == 0) {

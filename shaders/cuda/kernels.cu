@@ -51,7 +51,17 @@ std::vector<TraceRecord> trace_read() {
     CUDA_CHECK(cudaMemcpy(r.data(), g_trace->rec, r.size() * sizeof(TraceRecord), cudaMemcpyDeviceToHost));
   return r;
 }
+std::vector<TraceBlock> trace_read_blocks() {
+  if (g_trace == nullptr) return {};
+  unsigned n = 0;
+  CUDA_CHECK(cudaMemcpy(&n, &g_trace->block_count, sizeof(n), cudaMemcpyDeviceToHost));
+  std::vector<TraceBlock> r(std::min<unsigned>(n, kTraceBlockCapacity));
+  if (!r.empty())
+    CUDA_CHECK(cudaMemcpy(r.data(), g_trace->block_log, r.size() * sizeof(TraceBlock), cudaMemcpyDeviceToHost));
+  return r;
+}
 #else
+std::vector<TraceBlock> trace_read_blocks() { return {}; }
 bool trace_reset() { return false; }
 std::vector<TraceRecord> trace_read() { return {}; }
 void trace_block_counts(unsigned* blocks, unsigned* late) {

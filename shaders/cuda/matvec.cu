@@ -25,27 +25,53 @@ METALATTN_TRACE_UNIT(matvec)
 
 // ------------------------------------------------------------------ fused RMSNorm + matvec
 
-// Norm weights of the first staging batch, loaded before the programmatic wait (they are weights, so this takes
-// one L2 round trip out of the critical path).
+// Elements i..i+3 of p (i a multiple of 4), `fill` past cols: one 16-byte load where `vec` (p 16-byte aligned, cols a
+// multiple of 4), else four. Activations come through L2 (`cg`: written by the kernel before), weights through the
+// read-only path.
+template <bool kCg>
+__device__ __forceinline__ float4 load4(const float* p, int i, int cols, bool vec, float fill = 0.f) {
+  auto one = [&](int k) { return k < cols ? (kCg ? __ldcg(p + k) : __ldg(p + k)) : fill; };
+  if (vec && i < cols) {
+    const float4* q = reinterpret_cast<const float4*>(p + i);
+    return kCg ? __ldcg(q) : __ldg(q);
+  }
+  return make_float4(one(i), one(i + 1), one(i + 2), one(i + 3));
+}
+__device__ __forceinline__ bool aligned16(const void* p) { return (reinterpret_cast<uintptr_t>(p) & 15) == 0; }
+__device__ __forceinline__ float4 mul4(float4 a, float4 b) { return make_float4(a.x * b.x, a.y * b.y, a.z * b.z, a.w * b.w); }
+__device__ __forceinline__ float dot4(float4 a, float4 b) { return (a.x * b.x + a.y * b.y) + (a.z * b.z + a.w * b.w); }
+
+// 16-byte groups of x a thread loads per round trip to L2 in stage_normed (8 x blockDim columns: one round trip for
+// every model's width at 256 threads up to 2,048 columns), and of norm weights NormPrefetch holds over the wait.
+// Four, as the residual kernel stages, would hold 16 more registers through the staging of the 48-register kernel.
+constexpr int kNormGroups = 2;
+
+// Norm weights of the first staging batch, loaded before the programmatic wait (they are weights, so this takes one
+// L2 round trip out of the critical path).
 struct NormPrefetch {
-  float w[kStageBatch];
+  float4 w[kNormGroups];
   __device__ __forceinline__ void load(const float* __restrict__ norm_w, int cols) {
+    const bool vec = norm_w != nullptr && aligned16(norm_w) && cols % 4 == 0;
 #pragma unroll
-    for (int u = 0; u < kStageBatch; ++u) {
-      const int i = threadIdx.x + u * blockDim.x;
-      w[u] = norm_w != nullptr && i < cols ? __ldg(norm_w + i) : 1.f;
+    for (int u = 0; u < kNormGroups; ++u) {
+      const int i = 4 * (threadIdx.x + u * blockDim.x);
+      w[u] = norm_w != nullptr ? load4<false>(norm_w, i, cols, vec, 1.f) : make_float4(1.f, 1.f, 1.f, 1.f);
     }
   }
 };
 
 // Stages x[0..n) (zero past `cols`) times the norm weights into the padded shared layout and returns rmsnorm's
 // 1/rms (1 without norm_w), which the caller applies to its dot products: W.(x*w) / rms = W.rmsnorm(x), with no
-// second pass over x_s. x is read through L2 (it was written by the kernel before), in batches of kStageBatch loads
-// per thread, so the staging costs one round trip. With add.y set (PreAdd, kernels.cuh), x + rmsnorm(add.y) * add.w
-// is staged instead of x, as add_normed_kernel computes it, and block 0 writes it to add.x_next. Ends with a barrier.
+// second pass over x_s. x is read through L2 (it was written by the kernel before) in 16-byte groups, kNormGroups a
+// thread per round trip. With add.y set (PreAdd, kernels.cuh),
+// x + rmsnorm(add.y) * add.w is staged instead of x, as add_normed_kernel computes it, and block 0 writes it to
+// add.x_next. Ends with a barrier. (Scalar loads, eight a thread, took ~170 instructions a warp for Qwen2.5-0.5B's
+// 896 columns, most of them predicates and branches around each element: NOTES, "CUDA, session 26".)
 __device__ __forceinline__ float stage_normed(const float* x, const float* __restrict__ norm_w, const NormPrefetch& pre,
                                               float eps, int cols, int n, float* x_s, float* red,
                                               const PreAdd& add = PreAdd{}) {
+  const bool vec = aligned16(x) && (norm_w == nullptr || aligned16(norm_w)) && cols % 4 == 0 &&
+                   (add.y == nullptr || (aligned16(add.y) && aligned16(add.w) && aligned16(add.x_next)));
   // PreAdd (rows wider than stage_pre_added takes): y's reduction first, then the add as x is staged: two round
   // trips to L2 and one block reduction more than plain staging. (Loading x, y and the post-norm weights of the
   // first batch together ahead of the reduction, one round trip fewer but both reductions kept, measured slower on
@@ -53,37 +79,47 @@ __device__ __forceinline__ float stage_normed(const float* x, const float* __res
   float add_scale = 0.f;
   if (add.y != nullptr) {
     float sy = 0.f;
-    for (int i = threadIdx.x; i < cols; i += blockDim.x) {
-      const float v = __ldcg(add.y + i);
-      sy += v * v;
+    for (int i = 4 * threadIdx.x; i < cols; i += 4 * blockDim.x) {
+      const float4 v = load4<true>(add.y, i, cols, vec);
+      sy += dot4(v, v);
     }
     add_scale = 1.f / sqrtf(detail::block_sum(sy, red) / static_cast<float>(cols) + add.eps);
   }
   float ss = 0.f;
-  for (int i0 = threadIdx.x, batch = 0; i0 < n; i0 += kStageBatch * blockDim.x, ++batch) {
-    float v[kStageBatch], w[kStageBatch];
+  for (int j0 = threadIdx.x, batch = 0; j0 < n / 4; j0 += kNormGroups * blockDim.x, ++batch) {
+    float4 v[kNormGroups], w[kNormGroups];
 #pragma unroll
-    for (int u = 0; u < kStageBatch; ++u) {
-      const int i = i0 + u * blockDim.x;
-      v[u] = i < cols ? __ldcg(x + i) : 0.f;
-      w[u] = batch == 0 ? pre.w[u] : (norm_w != nullptr && i < cols ? __ldg(norm_w + i) : 1.f);
+    for (int u = 0; u < kNormGroups; ++u) {
+      const int i = 4 * (j0 + u * blockDim.x);
+      v[u] = load4<true>(x, i, cols, vec);
+      w[u] = batch == 0 ? pre.w[u] : norm_w != nullptr ? load4<false>(norm_w, i, cols, vec, 1.f)
+                                                       : make_float4(1.f, 1.f, 1.f, 1.f);
     }
     if (add.y != nullptr) {
 #pragma unroll
-      for (int u = 0; u < kStageBatch; ++u) {
-        const int i = i0 + u * blockDim.x;
+      for (int u = 0; u < kNormGroups; ++u) {
+        const int i = 4 * (j0 + u * blockDim.x);
         if (i < cols) {
-          v[u] = v[u] + __ldcg(add.y + i) * add_scale * __ldg(add.w + i);
-          if (blockIdx.x == 0) add.x_next[i] = v[u];
+          const float4 y = load4<true>(add.y, i, cols, vec), aw = load4<false>(add.w, i, cols, vec);
+          v[u] = make_float4(v[u].x + y.x * add_scale * aw.x, v[u].y + y.y * add_scale * aw.y,
+                             v[u].z + y.z * add_scale * aw.z, v[u].w + y.w * add_scale * aw.w);
+          if (blockIdx.x == 0) {
+            if (vec) {
+              *reinterpret_cast<float4*>(add.x_next + i) = v[u];
+            } else {
+              const float e[4] = {v[u].x, v[u].y, v[u].z, v[u].w};
+              for (int k = 0; k < 4 && i + k < cols; ++k) add.x_next[i + k] = e[k];
+            }
+          }
         }
       }
     }
 #pragma unroll
-    for (int u = 0; u < kStageBatch; ++u) {
-      const int i = i0 + u * blockDim.x;
+    for (int u = 0; u < kNormGroups; ++u) {
+      const int i = 4 * (j0 + u * blockDim.x);
       if (i < n) {
-        x_s[smem_index(i)] = v[u] * w[u];
-        ss += v[u] * v[u];
+        *reinterpret_cast<float4*>(x_s + smem_index(i)) = mul4(v[u], w[u]);
+        ss += dot4(v[u], v[u]);
       }
     }
   }
@@ -95,44 +131,35 @@ __device__ __forceinline__ float stage_normed(const float* x, const float* __res
   return 1.f / sqrtf(total / static_cast<float>(cols) + eps);
 }
 
-// The PreAdd staging in one round trip to L2, for rows of at most kPreAddBatch * blockDim.x columns (Gemma 3's 640 at
-// 256 or 512 threads): each thread loads its x and y values and the post-norm weights together, and one block
-// reduction of four sums gives both norms: the post-norm's scale
-// a = 1 / rms(y) from y.y, and the staged sum v = x + a y pw's from v.v = x.x + 2 a x.(y pw) + a^2 (y pw).(y pw).
-// v itself is computed as stage_normed computes it, so x_next is bit for bit the same. Returns 1 / rms(v).
-constexpr int kPreAddBatch = 4;
-static_assert(kPreAddBatch <= kStageBatch, "the norm weights come from NormPrefetch's first batch");
+// The PreAdd staging in one round trip to L2, for rows of at most 4 x blockDim.x columns (one 16-byte group a
+// thread: Gemma 3's 640 at 256 or 512 threads): each thread loads its x and y values and the post-norm weights
+// together, and one block reduction of four sums gives both norms: the post-norm's scale a = 1 / rms(y) from y.y,
+// and the staged sum v = x + a y pw's from v.v = x.x + 2 a x.(y pw) + a^2 (y pw).(y pw). v itself is computed as
+// stage_normed computes it, so x_next is bit for bit the same. Returns 1 / rms(v).
 __device__ __forceinline__ float stage_pre_added(const float* x, const float* __restrict__ norm_w,
                                                  const NormPrefetch& nw, float eps, int cols, int n, float* x_s,
                                                  float4* red4, const PreAdd& add) {
-  float xv[kPreAddBatch], yv[kPreAddBatch], pw[kPreAddBatch];
-#pragma unroll
-  for (int u = 0; u < kPreAddBatch; ++u) {
-    const int i = threadIdx.x + u * blockDim.x;
-    xv[u] = i < cols ? __ldcg(x + i) : 0.f;
-    yv[u] = i < cols ? __ldcg(add.y + i) : 0.f;
-    pw[u] = i < cols ? __ldg(add.w + i) : 0.f;
-  }
-  float4 s = make_float4(0.f, 0.f, 0.f, 0.f);  // y.y, x.x, x.(y pw), (y pw).(y pw)
-#pragma unroll
-  for (int u = 0; u < kPreAddBatch; ++u) {
-    const float yw = yv[u] * pw[u];
-    s.x += yv[u] * yv[u];
-    s.y += xv[u] * xv[u];
-    s.z += xv[u] * yw;
-    s.w += yw * yw;
-  }
+  const bool vec = aligned16(x) && aligned16(add.y) && aligned16(add.w) && aligned16(add.x_next) && cols % 4 == 0;
+  const int i = 4 * threadIdx.x;
+  const float4 xv = load4<true>(x, i, cols, vec), yv = load4<true>(add.y, i, cols, vec);
+  const float4 pw = load4<false>(add.w, i, cols, vec);
+  const float4 yw = mul4(yv, pw);
+  float4 s = make_float4(dot4(yv, yv), dot4(xv, xv), dot4(xv, yw), dot4(yw, yw));  // y.y, x.x, x.(y pw), (y pw).(y pw)
   s = detail::block_sum4(s, red4);
   const float a = 1.f / sqrtf(s.x / static_cast<float>(cols) + add.eps);
   const float vv = fmaxf(s.y + 2.f * a * s.z + a * a * s.w, 0.f);
-#pragma unroll
-  for (int u = 0; u < kPreAddBatch; ++u) {
-    const int i = threadIdx.x + u * blockDim.x;
-    if (i < n) {
-      const float v = i < cols ? xv[u] + yv[u] * a * pw[u] : 0.f;
-      if (blockIdx.x == 0 && i < cols) add.x_next[i] = v;
-      x_s[smem_index(i)] = v * (i < cols ? nw.w[u] : 1.f);
+  if (i < n) {
+    const float4 v = make_float4(xv.x + yv.x * a * pw.x, xv.y + yv.y * a * pw.y, xv.z + yv.z * a * pw.z,
+                                 xv.w + yv.w * a * pw.w);
+    if (blockIdx.x == 0 && i < cols) {
+      if (vec) {
+        *reinterpret_cast<float4*>(add.x_next + i) = v;
+      } else {
+        const float e[4] = {v.x, v.y, v.z, v.w};
+        for (int k = 0; k < 4 && i + k < cols; ++k) add.x_next[i + k] = e[k];
+      }
     }
+    *reinterpret_cast<float4*>(x_s + smem_index(i)) = mul4(v, nw.w[0]);  // zero past cols: x, y and pw load 0 there
   }
   __syncthreads();
   if (norm_w == nullptr) return 1.f;
@@ -197,7 +224,7 @@ __device__ __forceinline__ void norm_matvec_body(const DevMatrix& W, const float
   NormPrefetch nw;
   nw.load(norm_w, W.cols);
   // PreAdd in one round trip where the row fits a batch (stage_pre_added).
-  const bool pre_one_pass = PRE && n <= kPreAddBatch * static_cast<int>(blockDim.x);
+  const bool pre_one_pass = PRE && n <= 4 * static_cast<int>(blockDim.x);
   // QKV: the RoPE factors of the rows this thread stores (the position was written before this graph launch).
   const int pair = threadIdx.x;
   const int r0 = blockIdx.x * rows_per_block + 2 * pair;
@@ -377,15 +404,16 @@ __global__ void __launch_bounds__(256) norm_matvec_argmax_kernel(DevMatrix W, co
 // ------------------------------------------------------------------ matvec + residual
 
 // TPR 64 (two warps per row, 512 threads) serves wide matrices such as the down projection (48 blocks per row):
-// each lane then sums at most one weight block after the wait instead of two. U: the weight blocks each lane loads
+// each lane then sums at most one weight block after the wait instead of two; TPR 128 (matvec_residual_kernel_w4)
+// the deepest rows where they fit one wave. U: the weight blocks each lane loads
 // before the wait (launch_matvec_residual gives rows of more than two blocks a lane three).
 // residual == nullptr: out = W . x (the O and down projections of post-norm models, whose sum waits for its norm).
-template <typename B, int TPR, int U = B::kUnroll>
-__global__ void __launch_bounds__(512) matvec_residual_kernel(DevMatrix W, const float* __restrict__ x,
-                                                              const float* residual, float* out) {
+template <typename B, int TPR, int U>
+__device__ __forceinline__ void matvec_residual_body(const DevMatrix& W, const float* __restrict__ x,
+                                                     const float* residual, float* out) {
   extern __shared__ float4 smem_dyn[];
   float* x_s = reinterpret_cast<float*>(smem_dyn);
-  __shared__ float half_sums[TPR > 32 ? 512 / 32 : 1];
+  __shared__ float half_sums[TPR > 32 ? 512 / 32 : 1];  // a partial sum per warp of a multi-warp row
   const int rows_per_block = blockDim.x / TPR;
   const int local = threadIdx.x / TPR, sub = threadIdx.x % TPR;
   const int row = blockIdx.x * rows_per_block + local;
@@ -402,21 +430,11 @@ __global__ void __launch_bounds__(512) matvec_residual_kernel(DevMatrix W, const
   // x in 16-byte loads, kStageVec per thread per round trip to L2: one round trip up to 8,192 columns at 512
   // threads (the down projection's 4,864 took two with scalar loads; NOTES, "CUDA, session 14").
   const int n = W.nb * 32;
-  const bool vec = (reinterpret_cast<uintptr_t>(x) & 15) == 0 && W.cols % 4 == 0;
+  const bool vec = aligned16(x) && W.cols % 4 == 0;
   for (int j0 = threadIdx.x; j0 < n / 4; j0 += kStageVec * blockDim.x) {
     float4 v[kStageVec];
 #pragma unroll
-    for (int u = 0; u < kStageVec; ++u) {
-      const int j = j0 + u * blockDim.x, i = 4 * j;
-      if (vec) {
-        v[u] = i < W.cols ? __ldcg(reinterpret_cast<const float4*>(x) + j) : make_float4(0.f, 0.f, 0.f, 0.f);
-      } else {
-        v[u].x = i < W.cols ? __ldcg(x + i) : 0.f;
-        v[u].y = i + 1 < W.cols ? __ldcg(x + i + 1) : 0.f;
-        v[u].z = i + 2 < W.cols ? __ldcg(x + i + 2) : 0.f;
-        v[u].w = i + 3 < W.cols ? __ldcg(x + i + 3) : 0.f;
-      }
-    }
+    for (int u = 0; u < kStageVec; ++u) v[u] = load4<true>(x, 4 * (j0 + u * blockDim.x), W.cols, vec);
 #pragma unroll
     for (int u = 0; u < kStageVec; ++u) {
       const int j = j0 + u * blockDim.x;
@@ -431,10 +449,27 @@ __global__ void __launch_bounds__(512) matvec_residual_kernel(DevMatrix W, const
     const int warp = threadIdx.x / 32;
     if (threadIdx.x % 32 == 0) half_sums[warp] = acc;
     __syncthreads();
-    if (sub == 0) acc = half_sums[warp] + half_sums[warp + 1];
+    if (sub == 0) {
+      acc = half_sums[warp] + half_sums[warp + 1];
+#pragma unroll
+      for (int w = 2; w < TPR / 32; ++w) acc += half_sums[warp + w];
+    }
   }
   trace.mark(1);
   if (sub == 0 && row < W.rows) out[row] = res + acc;
+}
+
+template <typename B, int TPR, int U = B::kUnroll>
+__global__ void __launch_bounds__(512) matvec_residual_kernel(DevMatrix W, const float* __restrict__ x,
+                                                              const float* residual, float* out) {
+  matvec_residual_body<B, TPR, U>(W, x, residual, out);
+}
+
+// Four warps a row in 512-thread blocks, two blocks a SM (64 registers).
+template <typename B, int U>
+__global__ void __launch_bounds__(512, 2) matvec_residual_kernel_w4(DevMatrix W, const float* __restrict__ x,
+                                                                    const float* residual, float* out) {
+  matvec_residual_body<B, 128, U>(W, x, residual, out);
 }
 // ------------------------------------------------------------------ launch helpers
 
@@ -518,6 +553,15 @@ struct ResidualKernels {
     return matvec_residual_kernel<B, TPR, (U > B::kUnroll ? U : B::kUnroll)>;
   }
 };
+template <int U>
+struct ResidualKernelsW4 {
+  using Fn = void (*)(DevMatrix, const float*, const float*, float*);
+  template <GgmlType T>
+  static Fn get() {
+    using B = typename BlkSel<T>::type;
+    return matvec_residual_kernel_w4<B, (U > B::kUnroll ? U : B::kUnroll)>;
+  }
+};
 template <int TPR>
 struct ArgmaxKernels {
   using Fn = void (*)(DevMatrix, const float*, const float*, float, ArgmaxArgs);
@@ -540,15 +584,22 @@ typename NormKernels<false, TPR>::Fn norm_kernel(const DevMatrix& W, bool pre) {
   return pre ? kernel_for<NormKernels<true, TPR>>(W.type) : kernel_for<NormKernels<false, TPR>>(W.type);
 }
 
-// Rows that one wave of resident blocks of kernel k covers.
+// The block types that fit the register-capped kernels (float blocks spill 150-300 bytes there).
+bool quantized(GgmlType t) { return t != GgmlType::F32 && t != GgmlType::F16 && t != GgmlType::BF16; }
+
+// Blocks of kernel k that are resident at once (one wave), and the rows they cover.
 template <typename K>
-int64_t rows_per_wave(K k, const Geometry& g) {
+int blocks_per_wave(K k, const Geometry& g) {
   int device = 0, n_sms = 0, per_sm = 0;
   CUDA_CHECK(cudaGetDevice(&device));
   CUDA_CHECK(cudaDeviceGetAttribute(&n_sms, cudaDevAttrMultiProcessorCount, device));
   allow_smem(k, g.smem);
   CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, k, g.threads, g.smem));
-  return static_cast<int64_t>(std::max(per_sm, 1)) * n_sms * (g.threads / g.tpr);
+  return std::max(per_sm, 1) * n_sms;
+}
+template <typename K>
+int64_t rows_per_wave(K k, const Geometry& g) {
+  return static_cast<int64_t>(blocks_per_wave(k, g)) * (g.threads / g.tpr);
 }
 
 void run_norm_matvec(const DevMatrix& W, const float* x, const float* norm_w, float eps, const NormMatvecArgs& a,
@@ -575,9 +626,7 @@ void run_norm_matvec(const DevMatrix& W, const float* x, const float* norm_w, fl
     // lane before the wait) may still hold every row in one wave: Qwen2.5-0.5B's gate/up, 9,728 rows in 608 blocks
     // against 528 resident. H100, Qwen2.5-0.5B shape: 510 -> 482 us per token, the gate/up's share of the chain
     // 6.9 -> 5.4 us a layer (NOTES, "CUDA, session 14").
-    // (Quantized types only: the float blocks spill 150-300 bytes in 48 registers.)
-    const bool quantized = W.type != GgmlType::F32 && W.type != GgmlType::F16 && W.type != GgmlType::BF16;
-    const auto k5 = pre || !quantized ? k : kernel_for<NormKernels5>(W.type);
+    const auto k5 = pre || !quantized(W.type) ? k : kernel_for<NormKernels5>(W.type);
     if (k5 != k && W.rows > wave16 && W.rows <= rows_per_wave(k5, g)) {
       k = k5;
     } else if (W.rows > kWaveSlack * static_cast<double>(wave16)) {
@@ -695,7 +744,19 @@ void run_matvec_residual(const DevMatrix& W, const float* x, const float* residu
   // blocks a lane (Qwen2.5-0.5B's down projection: 152 blocks over 64 lanes) load three a lane before the wait;
   // with two, the third came from HBM after the activations (H100, Qwen2.5-0.5B shape: 513 -> 503 us per token;
   // NOTES, "CUDA, session 14").
+  // Such deep rows take four warps a row instead, two 512-thread blocks a SM, where one wave of those holds every
+  // row: each SM then runs twice the warps on half the blocks a lane (H100, Qwen2.5-0.5B shape: 487 -> 471 us per
+  // token; the 1.7B's down, 512 blocks of four rows, is two waves that way and lost 6%; NOTES, "CUDA, session 26").
   const bool wide = W.nb > kMatvecTpr, deep = W.nb > 2 * 2 * kMatvecTpr;
+  if (deep && quantized(W.type)) {
+    const Geometry g4 = matvec_geometry(W, 4 * kMatvecTpr, 512);
+    const auto k4 = kernel_for<ResidualKernelsW4<2>>(W.type);
+    if (g4.grid <= blocks_per_wave(k4, g4)) {
+      allow_smem(k4, g4.smem);
+      detail::launch_programmatic(k4, dim3(g4.grid), dim3(g4.threads), g4.smem, s, W, x, residual, out);
+      return;
+    }
+  }
   const Geometry g = wide ? matvec_geometry(W, 2 * kMatvecTpr, 512) : matvec_geometry(W);
   const auto k = deep   ? kernel_for<ResidualKernels<2 * kMatvecTpr, 3>>(W.type)
                  : wide ? kernel_for<ResidualKernels<2 * kMatvecTpr>>(W.type)

@@ -417,8 +417,7 @@ struct RowDotB {
   }
 };
 
-constexpr int kStageBatch = 8;  // activation loads each thread issues before using any
-constexpr int kStageVec = 4;    // the same in 16-byte loads (matvec_residual_kernel)
+constexpr int kStageVec = 4;  // 16-byte activation loads each thread of matvec_residual_kernel issues before using any
 
 __device__ __forceinline__ int smem_index(int i) { return (i >> 5) * kSmemBlockStride + (i & 31); }
 
