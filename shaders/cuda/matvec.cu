@@ -757,10 +757,22 @@ void run_matvec_residual(const DevMatrix& W, const float* x, const float* residu
       return;
     }
   }
-  const Geometry g = wide ? matvec_geometry(W, 2 * kMatvecTpr, 512) : matvec_geometry(W);
+  Geometry g = wide ? matvec_geometry(W, 2 * kMatvecTpr, 512) : matvec_geometry(W);
   const auto k = deep   ? kernel_for<ResidualKernels<2 * kMatvecTpr, 3>>(W.type)
                  : wide ? kernel_for<ResidualKernels<2 * kMatvecTpr>>(W.type)
                         : kernel_for<ResidualKernels<kMatvecTpr>>(W.type);
+  // A grid of at most two thirds of the SMs asks for more than half a SM's shared memory, so that no SM takes two
+  // of its blocks: the block scheduler otherwise stacked 2-4 of them on some SMs while others ran none, and the
+  // kernel ended with its most loaded SM (chain trace's block log: Gemma 3 270M's O projection, 80 blocks on 71 SMs,
+  // done +1.38 us after the release where a SM ran one and +2.53 where it ran four). H100: Gemma 3 388.4/389.8 ->
+  // 375.9/376.0 us a token, SmolLM2-135M 371.4/371.2 -> 366.3/367.0. Spread over nearly every SM (Qwen2.5-0.5B's O,
+  // 112 blocks) it lost 0.9%: each such block's registers keep one of the next kernel's five gate/up blocks of that
+  // SM from entering before the wait (NOTES, "CUDA, session 26").
+  int device = 0, n_sms = 0, sm_smem = 0;
+  CUDA_CHECK(cudaGetDevice(&device));
+  CUDA_CHECK(cudaDeviceGetAttribute(&n_sms, cudaDevAttrMultiProcessorCount, device));
+  CUDA_CHECK(cudaDeviceGetAttribute(&sm_smem, cudaDevAttrMaxSharedMemoryPerMultiprocessor, device));
+  if (3 * g.grid <= 2 * n_sms) g.smem = std::max(g.smem, static_cast<size_t>(sm_smem / 2 + 1024));
   allow_smem(k, g.smem);
   detail::launch_programmatic(k, dim3(g.grid), dim3(g.threads), g.smem, s, W, x, residual, out);
 }
