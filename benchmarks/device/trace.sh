@@ -6,6 +6,8 @@
 # N_CTX (default 2048) of 8192 adds positions 4000 and 8000 to the trace (issue 13's depth target).
 # METALATTN_BENCH_SHAPE (135m, 360m, 1.7b, qwen, gemma) picks the model shape; gemma runs the general path (its norm +
 # matvec kernels show as "norm+matvec" (QKV), "norm+gate/up" and "matvec->tmp" (O and down, before their post-norms)).
+# METALATTN_TRACE_BLOCKS=$OUT/blocks adds a CSV per position of every block of the last traced step (SM, enter, release,
+# exit): `python3 benchmarks/device/trace_blocks.py $OUT/blocks.pos32.csv` shows how each kernel's blocks spread.
 cd "$(dirname "$0")/../.."
 B=/tmp/btrace
 ( cmake -S . -B $B -G Ninja -DMETALATTN_BUILD_PYTHON=OFF -DMETALATTN_BUILD_TESTS=ON -DMETALATTN_CUDA=ON \
