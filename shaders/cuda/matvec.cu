@@ -37,6 +37,15 @@ __device__ __forceinline__ float4 load4(const float* p, int i, int cols, bool ve
   }
   return make_float4(one(i), one(i + 1), one(i + 2), one(i + 3));
 }
+// Stores elements i..i+3 of v to p (those below cols), as load4 reads them.
+__device__ __forceinline__ void store4(float* p, int i, int cols, bool vec, float4 v) {
+  if (vec && i < cols) {
+    *reinterpret_cast<float4*>(p + i) = v;
+    return;
+  }
+  const float e[4] = {v.x, v.y, v.z, v.w};
+  for (int k = 0; k < 4 && i + k < cols; ++k) p[i + k] = e[k];
+}
 __device__ __forceinline__ bool aligned16(const void* p) { return (reinterpret_cast<uintptr_t>(p) & 15) == 0; }
 __device__ __forceinline__ float4 mul4(float4 a, float4 b) { return make_float4(a.x * b.x, a.y * b.y, a.z * b.z, a.w * b.w); }
 __device__ __forceinline__ float dot4(float4 a, float4 b) { return (a.x * b.x + a.y * b.y) + (a.z * b.z + a.w * b.w); }
@@ -63,10 +72,10 @@ struct NormPrefetch {
 // Stages x[0..n) (zero past `cols`) times the norm weights into the padded shared layout and returns rmsnorm's
 // 1/rms (1 without norm_w), which the caller applies to its dot products: W.(x*w) / rms = W.rmsnorm(x), with no
 // second pass over x_s. x is read through L2 (it was written by the kernel before) in 16-byte groups, kNormGroups a
-// thread per round trip. With add.y set (PreAdd, kernels.cuh),
-// x + rmsnorm(add.y) * add.w is staged instead of x, as add_normed_kernel computes it, and block 0 writes it to
-// add.x_next. Ends with a barrier. (Scalar loads, eight a thread, took ~170 instructions a warp for Qwen2.5-0.5B's
-// 896 columns, most of them predicates and branches around each element: NOTES, "CUDA, session 26".)
+// thread per round trip. With add.y set (PreAdd, kernels.cuh), x + rmsnorm(add.y) * add.w is staged instead of x, as
+// add_normed_kernel computes it, and block 0 writes it to add.x_next. Ends with a barrier. (Scalar loads, eight a
+// thread, took ~170 instructions a warp for Qwen2.5-0.5B's 896 columns, most of them predicates and branches around
+// each element: NOTES, "CUDA, session 26".)
 __device__ __forceinline__ float stage_normed(const float* x, const float* __restrict__ norm_w, const NormPrefetch& pre,
                                               float eps, int cols, int n, float* x_s, float* red,
                                               const PreAdd& add = PreAdd{}) {
@@ -103,14 +112,7 @@ __device__ __forceinline__ float stage_normed(const float* x, const float* __res
           const float4 y = load4<true>(add.y, i, cols, vec), aw = load4<false>(add.w, i, cols, vec);
           v[u] = make_float4(v[u].x + y.x * add_scale * aw.x, v[u].y + y.y * add_scale * aw.y,
                              v[u].z + y.z * add_scale * aw.z, v[u].w + y.w * add_scale * aw.w);
-          if (blockIdx.x == 0) {
-            if (vec) {
-              *reinterpret_cast<float4*>(add.x_next + i) = v[u];
-            } else {
-              const float e[4] = {v[u].x, v[u].y, v[u].z, v[u].w};
-              for (int k = 0; k < 4 && i + k < cols; ++k) add.x_next[i + k] = e[k];
-            }
-          }
+          if (blockIdx.x == 0) store4(add.x_next, i, cols, vec, v[u]);
         }
       }
     }
@@ -151,14 +153,7 @@ __device__ __forceinline__ float stage_pre_added(const float* x, const float* __
   if (i < n) {
     const float4 v = make_float4(xv.x + yv.x * a * pw.x, xv.y + yv.y * a * pw.y, xv.z + yv.z * a * pw.z,
                                  xv.w + yv.w * a * pw.w);
-    if (blockIdx.x == 0 && i < cols) {
-      if (vec) {
-        *reinterpret_cast<float4*>(add.x_next + i) = v;
-      } else {
-        const float e[4] = {v.x, v.y, v.z, v.w};
-        for (int k = 0; k < 4 && i + k < cols; ++k) add.x_next[i + k] = e[k];
-      }
-    }
+    if (blockIdx.x == 0) store4(add.x_next, i, cols, vec, v);
     *reinterpret_cast<float4*>(x_s + smem_index(i)) = mul4(v, nw.w[0]);  // zero past cols: x, y and pw load 0 there
   }
   __syncthreads();
