@@ -1,0 +1,43 @@
+#!/bin/bash
+# Same-call A/B of decode on binaries built on the CPU machine (benchmarks/build_carry.sh) and carried in
+# .devcarry/bin/<tag>/: runs the kernel tests of the last tag given, then `bench_cuda 2048 decode` (tg128 after a
+# 32-token prompt, and the same steps run ahead) of every tag on every shape, alternated, ROUNDS times. Usage (repo
+# root; carry only the .xz files the call needs, e.g. [".devcarry/bin/base/bench_cuda.xz", ".devcarry/bin/new"]):
+#   SHAPES="qwen gemma 135m 1.7b" ROUNDS=2 TESTS=1 bash benchmarks/device/ab_binaries.sh base new
+# A tag named `trace` (`build_carry.sh trace /tmp/btrace -DMETALATTN_TRACE`) runs `bench_cuda 2048 trace` once per
+# shape instead, its table to $OUT/trace_<shape>.txt; with METALATTN_TRACE_BLOCKS=<prefix> also the block logs
+# (<prefix>_<shape>.pos<P>.csv; benchmarks/device/trace_blocks.py reads them).
+OUT=${OUT:-$PWD/device-out}
+mkdir -p "$OUT" /tmp/abbin
+T=$(date +%s)
+nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
+for tag in "$@"; do
+  for f in .devcarry/bin/$tag/*.xz; do
+    [ -f "$f" ] || continue
+    b=/tmp/abbin/$tag/$(basename "$f" .xz)
+    mkdir -p /tmp/abbin/$tag && xz -dc "$f" > "$b" && chmod +x "$b"
+  done
+  echo "$tag: $(cat .devcarry/bin/$tag/REVISION 2>/dev/null)"
+done
+last=${!#}
+if [ -n "$TESTS" ] && [ -x /tmp/abbin/$last/test_cuda_kernels ]; then
+  timeout 300 /tmp/abbin/$last/test_cuda_kernels > "$OUT/tests_$last.log" 2>&1
+  echo "tests of $last: rc $? | $(tail -1 "$OUT/tests_$last.log")"
+  grep -E "^\[  FAILED|Failure" "$OUT/tests_$last.log" | head -20
+fi
+for r in $(seq 1 "${ROUNDS:-2}"); do
+  for sh in ${SHAPES:-qwen gemma 135m 1.7b}; do
+    for tag in "$@"; do
+      if [ "$tag" = trace ]; then
+        if [ "$r" = 1 ]; then
+          env ${METALATTN_TRACE_BLOCKS:+METALATTN_TRACE_BLOCKS=${METALATTN_TRACE_BLOCKS}_$sh} METALATTN_BENCH_SHAPE=$sh \
+            timeout 120 /tmp/abbin/trace/bench_cuda 2048 trace > "$OUT/trace_$sh.txt" 2>&1
+          echo "$sh trace: $(grep -m1 "decode step" "$OUT/trace_$sh.txt")"
+        fi
+        continue
+      fi
+      echo "$sh $tag r$r: $(METALATTN_BENCH_SHAPE=$sh timeout 90 /tmp/abbin/$tag/bench_cuda 2048 decode | grep tg128 | tr '\n' ' ')"
+    done
+  done
+  echo "round $r: $(( $(date +%s) - T )) s"
+done
