@@ -42,23 +42,22 @@ void trace_block_counts(unsigned* blocks, unsigned* late) {
   CUDA_CHECK(cudaMemcpy(blocks, g_trace->blocks, kTraceKinds * sizeof(unsigned), cudaMemcpyDeviceToHost));
   CUDA_CHECK(cudaMemcpy(late, g_trace->late_blocks, kTraceKinds * sizeof(unsigned), cudaMemcpyDeviceToHost));
 }
+// The first min(*count, cap) entries of a device log array.
+template <typename T>
+static std::vector<T> read_log(const unsigned* count, const T* log, unsigned cap) {
+  unsigned n = 0;
+  CUDA_CHECK(cudaMemcpy(&n, count, sizeof(n), cudaMemcpyDeviceToHost));
+  std::vector<T> r(std::min(n, cap));
+  if (!r.empty()) CUDA_CHECK(cudaMemcpy(r.data(), log, r.size() * sizeof(T), cudaMemcpyDeviceToHost));
+  return r;
+}
 std::vector<TraceRecord> trace_read() {
   if (g_trace == nullptr) return {};
-  unsigned n = 0;
-  CUDA_CHECK(cudaMemcpy(&n, &g_trace->count, sizeof(n), cudaMemcpyDeviceToHost));
-  std::vector<TraceRecord> r(std::min<unsigned>(n, kTraceCapacity));
-  if (!r.empty())
-    CUDA_CHECK(cudaMemcpy(r.data(), g_trace->rec, r.size() * sizeof(TraceRecord), cudaMemcpyDeviceToHost));
-  return r;
+  return read_log(&g_trace->count, g_trace->rec, kTraceCapacity);
 }
 std::vector<TraceBlock> trace_read_blocks() {
   if (g_trace == nullptr) return {};
-  unsigned n = 0;
-  CUDA_CHECK(cudaMemcpy(&n, &g_trace->block_count, sizeof(n), cudaMemcpyDeviceToHost));
-  std::vector<TraceBlock> r(std::min<unsigned>(n, kTraceBlockCapacity));
-  if (!r.empty())
-    CUDA_CHECK(cudaMemcpy(r.data(), g_trace->block_log, r.size() * sizeof(TraceBlock), cudaMemcpyDeviceToHost));
-  return r;
+  return read_log(&g_trace->block_count, g_trace->block_log, kTraceBlockCapacity);
 }
 #else
 std::vector<TraceBlock> trace_read_blocks() { return {}; }
