@@ -47,7 +47,9 @@ __device__ __forceinline__ void store4(float* p, int i, int cols, bool vec, floa
   for (int k = 0; k < 4 && i + k < cols; ++k) p[i + k] = e[k];
 }
 __device__ __forceinline__ bool aligned16(const void* p) { return (reinterpret_cast<uintptr_t>(p) & 15) == 0; }
-__device__ __forceinline__ float4 mul4(float4 a, float4 b) { return make_float4(a.x * b.x, a.y * b.y, a.z * b.z, a.w * b.w); }
+__device__ __forceinline__ float4 mul4(float4 a, float4 b) {
+  return make_float4(a.x * b.x, a.y * b.y, a.z * b.z, a.w * b.w);
+}
 __device__ __forceinline__ float dot4(float4 a, float4 b) { return (a.x * b.x + a.y * b.y) + (a.z * b.z + a.w * b.w); }
 
 // 16-byte groups of x a thread loads per round trip to L2 in stage_normed (8 x blockDim columns: one round trip for
@@ -400,8 +402,8 @@ __global__ void __launch_bounds__(256) norm_matvec_argmax_kernel(DevMatrix W, co
 
 // TPR 64 (two warps per row, 512 threads) serves wide matrices such as the down projection (48 blocks per row):
 // each lane then sums at most one weight block after the wait instead of two; TPR 128 (matvec_residual_kernel_w4)
-// the deepest rows where they fit one wave. U: the weight blocks each lane loads
-// before the wait (launch_matvec_residual gives rows of more than two blocks a lane three).
+// the deepest rows where they fit one wave. U: the weight blocks each lane loads before the wait
+// (launch_matvec_residual gives rows of more than two blocks a lane three).
 // residual == nullptr: out = W . x (the O and down projections of post-norm models, whose sum waits for its norm).
 template <typename B, int TPR, int U>
 __device__ __forceinline__ void matvec_residual_body(const DevMatrix& W, const float* __restrict__ x,
@@ -582,15 +584,21 @@ typename NormKernels<false, TPR>::Fn norm_kernel(const DevMatrix& W, bool pre) {
 // The block types that fit the register-capped kernels (float blocks spill 150-300 bytes there).
 bool quantized(GgmlType t) { return t != GgmlType::F32 && t != GgmlType::F16 && t != GgmlType::BF16; }
 
+// An attribute of the current device (SM count, shared memory a SM, L2 size).
+int device_attribute(cudaDeviceAttr attr) {
+  int device = 0, value = 0;
+  CUDA_CHECK(cudaGetDevice(&device));
+  CUDA_CHECK(cudaDeviceGetAttribute(&value, attr, device));
+  return value;
+}
+
 // Blocks of kernel k that are resident at once (one wave), and the rows they cover.
 template <typename K>
 int blocks_per_wave(K k, const Geometry& g) {
-  int device = 0, n_sms = 0, per_sm = 0;
-  CUDA_CHECK(cudaGetDevice(&device));
-  CUDA_CHECK(cudaDeviceGetAttribute(&n_sms, cudaDevAttrMultiProcessorCount, device));
+  int per_sm = 0;
   allow_smem(k, g.smem);
   CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, k, g.threads, g.smem));
-  return std::max(per_sm, 1) * n_sms;
+  return std::max(per_sm, 1) * device_attribute(cudaDevAttrMultiProcessorCount);
 }
 template <typename K>
 int64_t rows_per_wave(K k, const Geometry& g) {
@@ -708,20 +716,17 @@ void launch_norm_matvec_argmax(const DevMatrix& W, const float* x, const float* 
                       kernel_for<ArgmaxKernels<32>>(W.type));
   allow_smem(k, g.smem);
   // As many blocks as fit on the GPU at once, spread so that every block takes the same number of row groups.
-  int device = 0, n_sms = 0, per_sm = 0;
-  CUDA_CHECK(cudaGetDevice(&device));
-  CUDA_CHECK(cudaDeviceGetAttribute(&n_sms, cudaDevAttrMultiProcessorCount, device));
+  int per_sm = 0;
   CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, k, kArgmaxThreads, g.smem));
   const int groups = argmax_row_groups(W);
-  const int resident = std::max(1, per_sm * n_sms);
+  const int resident = std::max(1, per_sm * device_attribute(cudaDevAttrMultiProcessorCount));
   const int passes = (groups + resident - 1) / resident;
   const int grid = (groups + passes - 1) / passes;
   if (grid > scratch.capacity) throw EngineError("argmax scratch too small");
   ArgmaxArgs a;
   // Prefetching the whole matrix to L2 pays only where it fits there with room to spare (SmolLM2's Q8_0 lm_head is
   // 28 MB of the H100's 50 MB); a larger one would evict its own lines and the KV cache.
-  int l2_bytes = 0;
-  CUDA_CHECK(cudaDeviceGetAttribute(&l2_bytes, cudaDevAttrL2CacheSize, device));
+  const int l2_bytes = device_attribute(cudaDevAttrL2CacheSize);
   const size_t matrix_bytes =
       static_cast<size_t>(W.rows) * W.nb * gpu_block_bytes(W.type);
   a.prefetch_l2 = matrix_bytes <= static_cast<size_t>(l2_bytes) * 3 / 5;
@@ -763,11 +768,10 @@ void run_matvec_residual(const DevMatrix& W, const float* x, const float* residu
   // 375.9/376.0 us a token, SmolLM2-135M 371.4/371.2 -> 366.3/367.0. Spread over nearly every SM (Qwen2.5-0.5B's O,
   // 112 blocks) it lost 0.9%: each such block's registers keep one of the next kernel's five gate/up blocks of that
   // SM from entering before the wait (NOTES, "CUDA, session 26").
-  int device = 0, n_sms = 0, sm_smem = 0;
-  CUDA_CHECK(cudaGetDevice(&device));
-  CUDA_CHECK(cudaDeviceGetAttribute(&n_sms, cudaDevAttrMultiProcessorCount, device));
-  CUDA_CHECK(cudaDeviceGetAttribute(&sm_smem, cudaDevAttrMaxSharedMemoryPerMultiprocessor, device));
-  if (3 * g.grid <= 2 * n_sms) g.smem = std::max(g.smem, static_cast<size_t>(sm_smem / 2 + 1024));
+  if (3 * g.grid <= 2 * device_attribute(cudaDevAttrMultiProcessorCount)) {
+    const int sm_smem = device_attribute(cudaDevAttrMaxSharedMemoryPerMultiprocessor);
+    g.smem = std::max(g.smem, static_cast<size_t>(sm_smem / 2 + 1024));
+  }
   allow_smem(k, g.smem);
   detail::launch_programmatic(k, dim3(g.grid), dim3(g.threads), g.smem, s, W, x, residual, out);
 }
