@@ -4,8 +4,9 @@ Prefill (ppN): time of one forward_prompt over N tokens from an empty cache -> N
 Decode (tgN): after a 32-token prompt, N greedy steps (forward_token_greedy: argmax on the device, 8 bytes back)
 -> N / seconds, one engine call a token, as llama-bench counts. Decode run ahead (tgN ahead): the same N steps as
 greedy generate() and stream() run them, 64 steps an engine call (forward_tokens_greedy: on CUDA the steps are
-queued back to back and each token passes to the next step on the device). Decode at depth D (tgN @ dD, --depths): the same N steps after a D-token prompt (untimed), so the
-attention reads D cached positions per step; the table also gives each depth's time per token over the shallowest's.
+queued back to back and each token passes to the next step on the device). Decode at depth D (tgN @ dD, --depths):
+the same N steps after a D-token prompt (untimed), so the attention reads D cached positions per step; the table
+also gives each depth's time per token over the shallowest's.
 Each figure is the median over --iterations runs after one warm-up run, with min and max.
 """
 
