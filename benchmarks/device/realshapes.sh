@@ -4,7 +4,9 @@
 # metalattn.testing's preset, quantized to Q4_K_M by llama.cpp's own llama-quantize, so both tools read the same
 # file with the same per-tensor types as the real ones. Stages (repo root, .devcarry carried with llama.cpp.tar.xz):
 #   source .devcarry/setup.sh && bash benchmarks/device/realshapes.sh [llamacpp] [package] [models] [bench]
-#   llamacpp: build llama.cpp's CUDA tools into /tmp/llama.cpp/b (about 5 minutes on 16 cores; kept while warm)
+#   llamacpp: llama.cpp's CUDA tools into /tmp/llama.cpp/b: unpacked from .devcarry/llamacpp-bin.tar.xz where it was
+#             carried (benchmarks/build_llamacpp_carry.sh builds it on the CPU machine), else built here (about 6.5
+#             minutes of device time on 16 cores; kept while warm)
 #   package:  build metalattn into /tmp/site
 #   models:   write /tmp/rs/{gemma3,qwen25}-q4_k_m.gguf
 #   bench:    llama-bench (-fa 1, all layers on the GPU) then `metalattn bench -d cuda`, each model, tables to $OUT
@@ -14,6 +16,7 @@ set -o pipefail
 OUT=${OUT:-$PWD/device-out}
 mkdir -p "$OUT" /tmp/rs
 LB=/tmp/llama.cpp/b/bin
+export LD_LIBRARY_PATH=/usr/local/cuda/lib64${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}  # carried tools: CUDA runtime, cuBLAS
 # llama-bench, then metalattn bench, on one file; tables to stdout, raw output to $OUT.
 bench_one() {
   local name=$1 f=$2
@@ -27,6 +30,9 @@ for stage in "$@"; do
   t0=$(date +%s)
   case $stage in
     llamacpp)
+      if [ ! -x $LB/llama-bench ] && [ -f .devcarry/llamacpp-bin.tar.xz ]; then
+        mkdir -p /tmp/llama.cpp/b && tar xJf .devcarry/llamacpp-bin.tar.xz -C /tmp/llama.cpp/b
+      fi
       if [ ! -x $LB/llama-bench ]; then
         rm -rf /tmp/llama.cpp && tar xJf .devcarry/llama.cpp.tar.xz -C /tmp
         (cmake -S /tmp/llama.cpp -B /tmp/llama.cpp/b -G Ninja -DCMAKE_BUILD_TYPE=Release -DGGML_CUDA=ON \

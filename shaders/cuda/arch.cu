@@ -424,7 +424,9 @@ __global__ void __launch_bounds__(kShortAttnThreads) arch_attention_short_kernel
   grid_dependency_wait();
   trace.released();
   if (warp < 3) f.finish(a.finish.qkv, a.finish.eps, fin + warp * HD, lane);
+  trace.mark(2);  // (block 0's thread 0) q finished
   detail::cp_async_wait_all();
+  trace.mark(3);  // (block 0's thread 0) its staged rows landed
   __syncthreads();
   trace.mark(0);  // this position's q, k, v finished; every staged row landed
   const int64_t row = static_cast<int64_t>(pos) * kv_dim + kvh * HD;
