@@ -431,6 +431,29 @@ int main(int argc, char** argv) {
       return 0;
     }
 
+    // bench_cuda <n_ctx> depth: decode at depth (issue 13's depth target), us a token at depths 32, 1,024, 4,096 and
+    // 8,000 where the context holds them and 64 steps after: the prompt is prefilled to the depth, then 64 greedy
+    // steps are timed one by one; median over 3 runs after one warm-up run.
+    if (mode == "depth") {
+      std::vector<double> us;
+      for (int depth : {32, 1024, 4096, 8000}) {
+        if (depth + 64 > s.n_ctx) continue;
+        std::vector<double> tt;
+        for (int run = 0; run < 4; ++run) {
+          ArgmaxResult r = be->forward_prompt(prompt.data(), depth, 0, nullptr, nullptr);
+          for (int i = 0; i < 64; ++i) {
+            const auto ti = Clock::now();
+            r = be->forward_token_greedy(static_cast<int32_t>(r.token), depth + i);
+            if (run > 0) tt.push_back(seconds_since(ti) * 1e6);
+          }
+        }
+        us.push_back(median(tt));
+        std::printf("decode at depth %d: median %.1f us/token (%.2fx depth 32)\n", depth, us.back(),
+                    us.back() / us.front());
+      }
+      return 0;
+    }
+
     // Decode tg128 after a 32-token prompt (3 runs; per-token median and whole-run rate).
     std::vector<double> run_rates, per_token;
     if (!kernels_only) {
