@@ -7,6 +7,8 @@
 # A tag named `trace` (`build_carry.sh trace /tmp/btrace -DMETALATTN_TRACE`) runs `bench_cuda 2048 trace` once per
 # shape instead, its table to $OUT/trace_<shape>.txt; with METALATTN_TRACE_BLOCKS=<prefix> also the block logs
 # (<prefix>_<shape>.pos<P>.csv; benchmarks/device/trace_blocks.py reads them).
+# MODE=depth runs `bench_cuda $NCTX depth` (decode at depths 32 .. 8,000; NCTX defaults to 8192 there) in place of
+# the tg128 decode; NCTX also sets the trace's context (positions up to 8,000 at 8192).
 OUT=${OUT:-$PWD/device-out}
 mkdir -p "$OUT" /tmp/abbin
 T=$(date +%s)
@@ -19,6 +21,8 @@ for tag in "$@"; do
   done
   echo "$tag: $(cat .devcarry/bin/$tag/REVISION 2>/dev/null)"
 done
+MODE=${MODE:-decode}
+NCTX=${NCTX:-$([ "$MODE" = depth ] && echo 8192 || echo 2048)}
 last=${!#}
 if [ -n "$TESTS" ] && [ -x /tmp/abbin/$last/test_cuda_kernels ]; then
   timeout 300 /tmp/abbin/$last/test_cuda_kernels > "$OUT/tests_$last.log" 2>&1
@@ -31,9 +35,14 @@ for r in $(seq 1 "${ROUNDS:-2}"); do
       if [ "$tag" = trace ]; then
         if [ "$r" = 1 ]; then
           env ${METALATTN_TRACE_BLOCKS:+METALATTN_TRACE_BLOCKS=${METALATTN_TRACE_BLOCKS}_$sh} METALATTN_BENCH_SHAPE=$sh \
-            timeout 120 /tmp/abbin/trace/bench_cuda 2048 trace > "$OUT/trace_$sh.txt" 2>&1
+            timeout 120 /tmp/abbin/trace/bench_cuda "$NCTX" trace > "$OUT/trace_$sh.txt" 2>&1
           echo "$sh trace: $(grep -m1 "decode step" "$OUT/trace_$sh.txt")"
         fi
+        continue
+      fi
+      if [ "$MODE" = depth ]; then
+        echo "$sh $tag r$r: $(METALATTN_BENCH_SHAPE=$sh timeout 120 /tmp/abbin/$tag/bench_cuda "$NCTX" depth |
+          grep "at depth" | sed 's/decode at depth //; s/median //' | tr '\n' ' ')"
         continue
       fi
       echo "$sh $tag r$r: $(METALATTN_BENCH_SHAPE=$sh timeout 90 /tmp/abbin/$tag/bench_cuda 2048 decode | grep tg128 | tr '\n' ' ')"
