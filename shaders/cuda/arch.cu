@@ -90,17 +90,25 @@ struct HeadFinish {
   __device__ __forceinline__ void finish(const float* row, float eps, T* dst, int lane) const {
     const float* src = row + off;
     float va[kFinishPairs], vb[kFinishPairs];
-    float ss = 0.f;
+    // Every load first and none under a branch (pairs past the head read element 0 and are dropped): loads of the
+    // previous kernel's output (__ldcg) inside `if (i < half)` were issued a pair at a time, each pair's use waiting
+    // for it, i.e. four L2 round trips in a row at head_dim 256 (~1.3 us of Gemma 3's attention a layer; NOTES,
+    // "CUDA, session 28").
 #pragma unroll
     for (int j = 0; j < kFinishPairs; ++j) {
       const int i = lane + 32 * j;
-      va[j] = vb[j] = 0.f;
-      if (i < half) {
-        const int ia = neox ? i : 2 * i, ib = neox ? i + half : 2 * i + 1;
-        va[j] = __ldcg(src + ia) + ba[j];
-        vb[j] = __ldcg(src + ib) + bb[j];
-        ss += va[j] * va[j] + vb[j] * vb[j];
-      }
+      const bool live = i < half;
+      const int ia = !live ? 0 : neox ? i : 2 * i, ib = !live ? 0 : neox ? i + half : 2 * i + 1;
+      va[j] = __ldcg(src + ia);
+      vb[j] = __ldcg(src + ib);
+    }
+    float ss = 0.f;
+#pragma unroll
+    for (int j = 0; j < kFinishPairs; ++j) {
+      const bool live = lane + 32 * j < half;
+      va[j] = live ? va[j] + ba[j] : 0.f;
+      vb[j] = live ? vb[j] + bb[j] : 0.f;
+      ss += va[j] * va[j] + vb[j] * vb[j];
     }
     float inv_rms = 1.f;
     if (norm) {
