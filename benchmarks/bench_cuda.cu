@@ -373,8 +373,8 @@ int main(int argc, char** argv) {
     const float sd = 1.f / std::sqrt(static_cast<float>(s.d_model)), sf = 1.f / std::sqrt(static_cast<float>(s.d_ff));
     const std::string mode = argc > 2 ? argv[2] : "";
     if (mode == "types") return bench_types();
-    if (gemma && mode != "decode" && mode != "trace") {  // the other sections time the fused path's own kernels
-      std::fprintf(stderr, "bench_cuda: METALATTN_BENCH_SHAPE=gemma runs the decode and trace modes only\n");
+    if (gemma && mode != "decode" && mode != "trace" && mode != "depth") {  // the others time the fused path's kernels
+      std::fprintf(stderr, "bench_cuda: METALATTN_BENCH_SHAPE=gemma runs the decode, depth and trace modes only\n");
       return 2;
     }
     // The Q4_K_M mix of the real SmolLM2-135M file (its 576-wide rows take Q5_0 / Q8_0 where Q4_K_M asks for
