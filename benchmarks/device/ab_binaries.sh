@@ -8,7 +8,7 @@
 # shape instead, its table to $OUT/trace_<shape>.txt; with METALATTN_TRACE_BLOCKS=<prefix> also the block logs
 # (<prefix>_<shape>.pos<P>.csv; benchmarks/device/trace_blocks.py reads them).
 # MODE=depth runs `bench_cuda $NCTX depth` (decode at depths 32 .. 8,000; NCTX defaults to 8192 there) in place of
-# the tg128 decode; NCTX also sets the trace's context (positions up to 8,000 at 8192).
+# the tg128 decode; NCTX (default 2048 otherwise) is the context of every mode (a trace reaches 8,000 at 8192).
 OUT=${OUT:-$PWD/device-out}
 mkdir -p "$OUT" /tmp/abbin
 T=$(date +%s)
@@ -45,7 +45,7 @@ for r in $(seq 1 "${ROUNDS:-2}"); do
           grep "at depth" | sed 's/decode at depth //; s/median //' | tr '\n' ' ')"
         continue
       fi
-      echo "$sh $tag r$r: $(METALATTN_BENCH_SHAPE=$sh timeout 90 /tmp/abbin/$tag/bench_cuda 2048 decode | grep tg128 | tr '\n' ' ')"
+      echo "$sh $tag r$r: $(METALATTN_BENCH_SHAPE=$sh timeout 90 /tmp/abbin/$tag/bench_cuda "$NCTX" decode | grep tg128 | tr '\n' ' ')"
     done
   done
   echo "round $r: $(( $(date +%s) - T )) s"
