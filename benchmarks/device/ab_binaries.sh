@@ -9,11 +9,13 @@
 # (<prefix>_<shape>.pos<P>.csv; benchmarks/device/trace_blocks.py reads them).
 # MODE=depth runs `bench_cuda $NCTX depth` (decode at depths 32 .. 8,000; NCTX defaults to 8192 there) in place of
 # the tg128 decode; NCTX (default 2048 otherwise) is the context of every mode (a trace reaches 8,000 at 8192).
+# A variant may name environment settings after its tag, `TAG@VAR=VALUE[,VAR=VALUE...]`: the same binary run under
+# them (an experiment's switches), e.g. `ab_binaries.sh new new@METALATTN_X_FOO=1`.
 OUT=${OUT:-$PWD/device-out}
 mkdir -p "$OUT" /tmp/abbin
 T=$(date +%s)
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
-for tag in "$@"; do
+for tag in $(printf '%s\n' "$@" | sed 's/@.*//' | sort -u); do
   for f in .devcarry/bin/$tag/*.xz; do
     [ -f "$f" ] || continue
     b=/tmp/abbin/$tag/$(basename "$f" .xz)
@@ -24,6 +26,7 @@ done
 MODE=${MODE:-decode}
 NCTX=${NCTX:-$([ "$MODE" = depth ] && echo 8192 || echo 2048)}
 last=${!#}
+last=${last%%@*}
 if [ -n "$TESTS" ] && [ -x /tmp/abbin/$last/test_cuda_kernels ]; then
   timeout 300 /tmp/abbin/$last/test_cuda_kernels > "$OUT/tests_$last.log" 2>&1
   echo "tests of $last: rc $? | $(tail -1 "$OUT/tests_$last.log")"
@@ -31,21 +34,23 @@ if [ -n "$TESTS" ] && [ -x /tmp/abbin/$last/test_cuda_kernels ]; then
 fi
 for r in $(seq 1 "${ROUNDS:-2}"); do
   for sh in ${SHAPES:-qwen gemma 135m 1.7b}; do
-    for tag in "$@"; do
+    for spec in "$@"; do
+      tag=${spec%%@*} vars=()
+      [ "$spec" != "$tag" ] && IFS=, read -ra vars <<< "${spec#*@}"
       if [ "$tag" = trace ]; then
         if [ "$r" = 1 ]; then
-          env ${METALATTN_TRACE_BLOCKS:+METALATTN_TRACE_BLOCKS=${METALATTN_TRACE_BLOCKS}_$sh} METALATTN_BENCH_SHAPE=$sh \
+          env "${vars[@]}" ${METALATTN_TRACE_BLOCKS:+METALATTN_TRACE_BLOCKS=${METALATTN_TRACE_BLOCKS}_$sh} METALATTN_BENCH_SHAPE=$sh \
             timeout 120 /tmp/abbin/trace/bench_cuda "$NCTX" trace > "$OUT/trace_$sh.txt" 2>&1
           echo "$sh trace: $(grep -m1 "decode step" "$OUT/trace_$sh.txt")"
         fi
         continue
       fi
       if [ "$MODE" = depth ]; then
-        echo "$sh $tag r$r: $(METALATTN_BENCH_SHAPE=$sh timeout 120 /tmp/abbin/$tag/bench_cuda "$NCTX" depth |
+        echo "$sh $spec r$r: $(env "${vars[@]}" METALATTN_BENCH_SHAPE=$sh timeout 120 /tmp/abbin/$tag/bench_cuda "$NCTX" depth |
           grep "at depth" | sed 's/decode at depth //; s/median //' | tr '\n' ' ')"
         continue
       fi
-      echo "$sh $tag r$r: $(METALATTN_BENCH_SHAPE=$sh timeout 90 /tmp/abbin/$tag/bench_cuda "$NCTX" decode | grep tg128 | tr '\n' ' ')"
+      echo "$sh $spec r$r: $(env "${vars[@]}" METALATTN_BENCH_SHAPE=$sh timeout 90 /tmp/abbin/$tag/bench_cuda "$NCTX" decode | grep tg128 | tr '\n' ' ')"
     done
   done
   echo "round $r: $(( $(date +%s) - T )) s"
