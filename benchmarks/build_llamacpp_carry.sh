@@ -13,9 +13,9 @@ src=.devcarry/llama.cpp.tar.xz
 work=${1:-/tmp/lcpp}
 mkdir -p "$work"
 [ -d "$work/llama.cpp" ] || tar xJf "$src" -C "$work"
-cmake -S "$work/llama.cpp" -B "$work/b" -G Ninja -DCMAKE_BUILD_TYPE=Release -DGGML_CUDA=ON -DCMAKE_CUDA_ARCHITECTURES=90 \
-  -DGGML_NATIVE=OFF -DLLAMA_CURL=OFF -DLLAMA_OPENSSL=OFF -DLLAMA_BUILD_SERVER=OFF -DLLAMA_BUILD_EXAMPLES=OFF \
-  -DLLAMA_BUILD_TESTS=OFF -DCMAKE_INSTALL_RPATH='$ORIGIN' -DCMAKE_BUILD_WITH_INSTALL_RPATH=ON \
+source benchmarks/llamacpp_cmake_flags.sh
+cmake -S "$work/llama.cpp" -B "$work/b" "${LLAMACPP_CMAKE_FLAGS[@]}" \
+  -DCMAKE_INSTALL_RPATH='$ORIGIN' -DCMAKE_BUILD_WITH_INSTALL_RPATH=ON \
   -DCMAKE_EXE_LINKER_FLAGS="-Wl,--allow-shlib-undefined" > "$work/cfg.log"
 cmake --build "$work/b" -j"$(nproc)" --target llama-bench llama-quantize
 tar cf - -C "$work/b" bin | xz -T"$(nproc)" -9 > .devcarry/llamacpp-bin.tar.xz

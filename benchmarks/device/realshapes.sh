@@ -35,9 +35,8 @@ for stage in "$@"; do
       fi
       if [ ! -x $LB/llama-bench ]; then
         rm -rf /tmp/llama.cpp && tar xJf .devcarry/llama.cpp.tar.xz -C /tmp
-        (cmake -S /tmp/llama.cpp -B /tmp/llama.cpp/b -G Ninja -DCMAKE_BUILD_TYPE=Release -DGGML_CUDA=ON \
-           -DCMAKE_CUDA_ARCHITECTURES=90 -DLLAMA_CURL=OFF -DLLAMA_OPENSSL=OFF -DLLAMA_BUILD_SERVER=OFF \
-           -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_TESTS=OFF \
+        source benchmarks/llamacpp_cmake_flags.sh
+        (cmake -S /tmp/llama.cpp -B /tmp/llama.cpp/b "${LLAMACPP_CMAKE_FLAGS[@]}" \
          && cmake --build /tmp/llama.cpp/b -j"$(nproc)" --target llama-bench llama-quantize llama-perplexity) \
           > "$OUT/llamacpp_build.log" 2>&1 || { tail -20 "$OUT/llamacpp_build.log"; exit 1; }
       fi ;;
