@@ -7,6 +7,8 @@
 # A tag named `trace` (`build_carry.sh trace /tmp/btrace -DMETALATTN_TRACE`) runs `bench_cuda 2048 trace` once per
 # shape instead, its table to $OUT/trace_<shape>.txt; with METALATTN_TRACE_BLOCKS=<prefix> also the block logs
 # (<prefix>_<shape>.pos<P>.csv; benchmarks/device/trace_blocks.py reads them).
+# MODE=prefill runs bench_cuda's whole table and keeps its prompt times (ms): the first token of 32 after a decode
+# run, and pp1 .. pp2048.
 # MODE=depth runs `bench_cuda $NCTX depth` (decode at depths 32 .. 8,000; NCTX defaults to 8192 there) in place of
 # the tg128 decode; NCTX (default 2048 otherwise) is the context of every mode (a trace reaches 8,000 at 8192).
 # A variant may name environment settings after its tag, `TAG@VAR=VALUE[,VAR=VALUE...]`: the same binary run under
@@ -43,6 +45,12 @@ for r in $(seq 1 "${ROUNDS:-2}"); do
             timeout 120 /tmp/abbin/trace/bench_cuda "$NCTX" trace > "$OUT/trace_$sh.txt" 2>&1
           echo "$sh trace: $(grep -m1 "decode step" "$OUT/trace_$sh.txt")"
         fi
+        continue
+      fi
+      if [ "$MODE" = prefill ]; then
+        echo "$sh $spec r$r: $(env "${vars[@]}" METALATTN_BENCH_SHAPE=$sh timeout 120 /tmp/abbin/$tag/bench_cuda "$NCTX" |
+          grep -E "^prefill pp|^pp32 ms" | sed -E 's/prefill (pp[0-9]+) *: *([0-9.]+) ms.*/\1 \2/; s/^pp32 ms right after: 128 decode steps ([0-9.]+).*/ttft \1/' |
+          tr '\n' ' ') (ms)"
         continue
       fi
       if [ "$MODE" = depth ]; then
