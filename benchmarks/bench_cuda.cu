@@ -553,7 +553,12 @@ int main(int argc, char** argv) {
     }
     }  // !kernels_only
 
-    // Per-kernel times (one layer's shapes; each kernel replayed 200x in a graph).
+    // Per-kernel times (one layer's shapes; each kernel replayed 200x in a graph). Its buffers and launches are
+    // written for the SmolLM2-135M shape (576 wide, 9 / 3 heads); other shapes stop here.
+    if (qwen || big || mid || gemma) {
+      std::printf("per-kernel times: measured for the 135M shape only (METALATTN_BENCH_SHAPE=135m)\n");
+      return 0;
+    }
     {
       cudaStream_t sm;
       CUDA_CHECK(cudaStreamCreateWithFlags(&sm, cudaStreamNonBlocking));
