@@ -522,7 +522,7 @@ class Model:
                             # A Ctrl-C lands as the run returns, before `got` holds its tokens: keep the cache
                             # at what `hist` knows (the prompt and fed), so that the next reuse_prefix can use it.
                             if self._engine.pos > len(hist):
-                                self._engine.truncate(len(hist))
+                                self.truncate(len(hist))
                             raise
                         ahead.extend(got)
                         run = min(2 * run, 64)
