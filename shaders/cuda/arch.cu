@@ -600,9 +600,7 @@ void launch_qkv_finish(const QkvFinishArgs& a, cudaStream_t s) {
 
 int arch_short_attention_cap(int head_dim, int n_ctx) {
   if (head_dim != 64 && head_dim != 128 && head_dim != 256) return 0;
-  int dev = 0, optin = 0;
-  CUDA_CHECK(cudaGetDevice(&dev));
-  CUDA_CHECK(cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, dev));
+  const int optin = device_attribute(cudaDevAttrMaxSharedMemoryPerBlockOptin);
   int cap = std::min(n_ctx, kShortAttnMaxPos) / 32 * 32;
   while (cap >= 64 && arch_short_smem(head_dim, cap) > static_cast<size_t>(optin)) cap -= 32;
   return cap >= 64 ? cap : 0;

@@ -552,9 +552,7 @@ void launch_attention_decode(const float* q, const __half* k_cache, const __half
   const int chunk_cap = attn_chunk_cap(n_ctx, p.max_splits);
   // V rows staged in shared memory: the whole chunk when it fits (every chunk of a split context does), else as many
   // leading rows as the opt-in limit leaves room for after the other buffers.
-  int dev = 0, smem_optin = 0;
-  CUDA_CHECK(cudaGetDevice(&dev));
-  CUDA_CHECK(cudaDeviceGetAttribute(&smem_optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, dev));
+  const int smem_optin = device_attribute(cudaDevAttrMaxSharedMemoryPerBlockOptin);
   const size_t fixed = attention_smem_bytes(heads_per_block, head_dim, chunk_cap, 0);
   const size_t static_smem = 2048;  // m_s, l_s, w_s, the arrival flag and slack
   if (fixed + static_smem > static_cast<size_t>(smem_optin))

@@ -20,6 +20,13 @@ static thread_local bool g_programmatic = false;
 void set_programmatic_launch(bool on) { g_programmatic = on; }
 bool programmatic_launch() { return g_programmatic; }
 
+int device_attribute(cudaDeviceAttr attr) {
+  int device = 0, value = 0;
+  CUDA_CHECK(cudaGetDevice(&device));
+  CUDA_CHECK(cudaDeviceGetAttribute(&value, attr, device));
+  return value;
+}
+
 // ------------------------------------------------------------------ chain trace, host side
 
 #ifdef METALATTN_TRACE

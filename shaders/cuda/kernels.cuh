@@ -221,6 +221,9 @@ inline int attn_max_splits(int n_ctx, int n_kv_heads, int n_sms) {
 void set_programmatic_launch(bool on);
 bool programmatic_launch();
 
+// An attribute of the current device (SM count, L2 size, shared memory a SM or a block), for launch geometry.
+int device_attribute(cudaDeviceAttr attr);
+
 // Chain trace (compile with -DMETALATTN_TRACE; off in every normal build): block 0 of each decode kernel records
 // when it entered, when its programmatic wait returned and when it left, in %globaltimer nanoseconds, so the
 // benchmark can show where one decode step's time goes inside the PDL chain.

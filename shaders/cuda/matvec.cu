@@ -587,14 +587,6 @@ typename NormKernels<false, TPR>::Fn norm_kernel(const DevMatrix& W, bool pre) {
 // The block types that fit the register-capped kernels (float blocks spill 150-300 bytes there).
 bool quantized(GgmlType t) { return t != GgmlType::F32 && t != GgmlType::F16 && t != GgmlType::BF16; }
 
-// An attribute of the current device (SM count, shared memory a SM, L2 size).
-int device_attribute(cudaDeviceAttr attr) {
-  int device = 0, value = 0;
-  CUDA_CHECK(cudaGetDevice(&device));
-  CUDA_CHECK(cudaDeviceGetAttribute(&value, attr, device));
-  return value;
-}
-
 // Blocks of kernel k that are resident at once (one wave), and the rows they cover.
 template <typename K>
 int blocks_per_wave(K k, const Geometry& g) {

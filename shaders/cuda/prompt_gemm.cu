@@ -252,17 +252,6 @@ __global__ void __launch_bounds__(GemmShape<KG>::kThreads, KG == 1 ? 3 : 1) prom
     }
 }
 
-// The current device's SM count, read once: the backend runs on device 0.
-int device_sms() {
-  static const int n = [] {
-    int dev = 0, v = 0;
-    CUDA_CHECK(cudaGetDevice(&dev));
-    CUDA_CHECK(cudaDeviceGetAttribute(&v, cudaDevAttrMultiProcessorCount, dev));
-    return v;
-  }();
-  return n;
-}
-
 template <typename WB, int KG>
 void launch_kg(const PromptGemmArgs& a, cudaStream_t s, dim3 grid) {
   constexpr int smem = GemmShape<KG>::kSmemBytes;
@@ -274,7 +263,8 @@ void launch_kg(const PromptGemmArgs& a, cudaStream_t s, dim3 grid) {
 template <typename WB>
 void launch_typed(const PromptGemmArgs& a, cudaStream_t s) {
   const dim3 grid((a.n + kGemmTokens - 1) / kGemmTokens, (a.W.rows + kGemmRows - 1) / kGemmRows);
-  if (static_cast<int>(grid.x * grid.y) <= device_sms()) launch_kg<WB, 2>(a, s, grid);
+  const int sms = device_attribute(cudaDevAttrMultiProcessorCount);
+  if (static_cast<int>(grid.x * grid.y) <= sms) launch_kg<WB, 2>(a, s, grid);
   else launch_kg<WB, 1>(a, s, grid);
 }
 

@@ -541,17 +541,6 @@ __global__ void __launch_bounds__(kFewAttnThreads) attention_prompt_few_kernel(c
 
 }  // namespace
 
-// The current device's opt-in shared memory per block (227 KiB on the H100), read once: the backend runs on device 0.
-static int device_smem_optin() {
-  static const int bytes = [] {
-    int dev = 0, n = 0;
-    CUDA_CHECK(cudaGetDevice(&dev));
-    CUDA_CHECK(cudaDeviceGetAttribute(&n, cudaDevAttrMaxSharedMemoryPerBlockOptin, dev));
-    return n;
-  }();
-  return bytes;
-}
-
 bool prompt_mma_supported(GgmlType type, int cols, int d_ff_or_zero) {
   switch (type) {
     case GgmlType::Q4_0: case GgmlType::Q4_1: case GgmlType::Q8_0:
@@ -562,7 +551,8 @@ bool prompt_mma_supported(GgmlType type, int cols, int d_ff_or_zero) {
   if (cols % 32 != 0 || d_ff_or_zero % 8 != 0) return false;
   // Either row-tile count may be launched (row_tiles_per_block); their layouts differ in the warps' reduction space.
   const int total = std::max(MmaSmem(cols, kMmaMaxTiles, 1).total, MmaSmem(cols, kMmaMaxTiles, 2).total);
-  return total <= device_smem_optin() && total <= kMmaSmemCap;
+  const int optin = device_attribute(cudaDevAttrMaxSharedMemoryPerBlockOptin);
+  return total <= optin && total <= kMmaSmemCap;
 }
 
 void launch_prompt_mma(const PromptMmaArgs& a, cudaStream_t s) {
