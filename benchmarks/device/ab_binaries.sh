@@ -39,26 +39,23 @@ for r in $(seq 1 "${ROUNDS:-2}"); do
     for spec in "$@"; do
       tag=${spec%%@*} vars=()
       [ "$spec" != "$tag" ] && IFS=, read -ra vars <<< "${spec#*@}"
+      # bench_cuda of this variant on this shape: run TIMEOUT_S [MODE_ARG]
+      run() { env "${vars[@]}" METALATTN_BENCH_SHAPE=$sh timeout "$1" /tmp/abbin/$tag/bench_cuda "$NCTX" "${@:2}"; }
       if [ "$tag" = trace ]; then
         if [ "$r" = 1 ]; then
-          env "${vars[@]}" ${METALATTN_TRACE_BLOCKS:+METALATTN_TRACE_BLOCKS=${METALATTN_TRACE_BLOCKS}_$sh} METALATTN_BENCH_SHAPE=$sh \
-            timeout 120 /tmp/abbin/trace/bench_cuda "$NCTX" trace > "$OUT/trace_$sh.txt" 2>&1
+          vars+=(${METALATTN_TRACE_BLOCKS:+METALATTN_TRACE_BLOCKS=${METALATTN_TRACE_BLOCKS}_$sh})
+          run 120 trace > "$OUT/trace_$sh.txt" 2>&1
           echo "$sh trace: $(grep -m1 "decode step" "$OUT/trace_$sh.txt")"
         fi
         continue
       fi
-      if [ "$MODE" = prefill ]; then
-        echo "$sh $spec r$r: $(env "${vars[@]}" METALATTN_BENCH_SHAPE=$sh timeout 120 /tmp/abbin/$tag/bench_cuda "$NCTX" |
-          grep -E "^prefill pp|^pp32 ms" | sed -E 's/prefill (pp[0-9]+) *: *([0-9.]+) ms.*/\1 \2/; s/^pp32 ms right after: 128 decode steps ([0-9.]+).*/ttft \1/' |
-          tr '\n' ' ') (ms)"
-        continue
-      fi
-      if [ "$MODE" = depth ]; then
-        echo "$sh $spec r$r: $(env "${vars[@]}" METALATTN_BENCH_SHAPE=$sh timeout 120 /tmp/abbin/$tag/bench_cuda "$NCTX" depth |
-          grep "at depth" | sed 's/decode at depth //; s/median //' | tr '\n' ' ')"
-        continue
-      fi
-      echo "$sh $spec r$r: $(env "${vars[@]}" METALATTN_BENCH_SHAPE=$sh timeout 90 /tmp/abbin/$tag/bench_cuda "$NCTX" decode | grep tg128 | tr '\n' ' ')"
+      case $MODE in
+        prefill) echo "$sh $spec r$r: $(run 120 | grep -E "^prefill pp|^pp32 ms" |
+                   sed -E 's/prefill (pp[0-9]+) *: *([0-9.]+) ms.*/\1 \2/; s/^pp32 ms right after: 128 decode steps ([0-9.]+).*/ttft \1/' |
+                   tr '\n' ' ') (ms)" ;;
+        depth) echo "$sh $spec r$r: $(run 120 depth | grep "at depth" | sed 's/decode at depth //; s/median //' | tr '\n' ' ')" ;;
+        *) echo "$sh $spec r$r: $(run 90 decode | grep tg128 | tr '\n' ' ')" ;;
+      esac
     done
   done
   echo "round $r: $(( $(date +%s) - T )) s"
