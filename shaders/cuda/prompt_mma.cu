@@ -30,6 +30,8 @@
 // projection is linear). Shared rows are padded by 64 bytes so that the eight lanes of a quarter-warp (2 tokens x 4
 // slots) hit distinct banks.
 #include <algorithm>
+#include <cstdlib>
+#include <cstring>
 
 #include "cuda/cuda_check.h"
 #include "kernels.cuh"
@@ -44,7 +46,7 @@ using namespace mma;  // the weight blocks (mma_weights.cuh)
 // Warps per block: 16 at one row tile a block (~86 registers a thread, so 16 warps fit the register file, and one
 // block per SM is all that X's shared memory allows), 8 at two row tiles (~172 registers). The kernels are bound by
 // latency at one block per SM (ncu, benchmarks/NOTES.md, session 17), so every warp the SM can hold counts.
-__host__ __device__ constexpr int mma_warps(int rt) { return rt == 1 ? 16 : 8; }
+constexpr int kMmaWarps = 16;
 constexpr int kMmaTileRows = 16;
 constexpr int kMmaMaxTiles = kPromptMmaMaxTokens / 8;  // n-tiles of 8 tokens
 
@@ -74,7 +76,7 @@ __host__ __device__ inline int slot_stride(int K) { return K / 4 + 4; }
 // K is staged in chunks of kMmaChunkCols columns where the whole of X does not fit in kMmaSmemCap (SmolLM2-1.7B:
 // K 2048 and 8192 at 32 tokens). A chunk holds at least the blocks every warp loads before the wait: kMmaPrefetch
 // each for the 8 warps of a two-tile block, fewer each for the 16 of a one-tile block (mma_prefetch).
-constexpr int kMmaChunkCols = mma_warps(2) * kMmaPrefetch * 32;
+constexpr int kMmaChunkCols = 8 * kMmaPrefetch * 32;
 // Weight blocks a warp loads before the programmatic wait: the type's own depth, fewer where 16 warps would take
 // them past the first chunk.
 template <typename WB, int W>
@@ -88,18 +90,18 @@ constexpr int kMmaSmemCap = 227 * 1024;  // the H100's opt-in shared memory per 
 // 1/rms per token (normed input). The cross-warp reduction reuses X's space.
 struct MmaSmem {
   int chunk_cols, x_bytes, norm_off, ss_off, rms_off, total;
-  __host__ __device__ MmaSmem(int K, int n_tiles, int row_tiles) {
-    layout(K, n_tiles, row_tiles);
-    if (total > kMmaSmemCap && K > kMmaChunkCols) layout(kMmaChunkCols, n_tiles, row_tiles);
+  __host__ __device__ MmaSmem(int K, int n_tiles) {
+    layout(K, n_tiles);
+    if (total > kMmaSmemCap && K > kMmaChunkCols) layout(kMmaChunkCols, n_tiles);
   }
-  __host__ __device__ void layout(int cols, int n_tiles, int row_tiles) {
+  __host__ __device__ void layout(int cols, int n_tiles) {
     const int rows = 8 * n_tiles;
     chunk_cols = cols;
     x_bytes = rows * slot_stride(cols) * 16;
-    const int red_bytes = mma_warps(row_tiles) * row_tiles * kMmaTileRows * (rows + 1) * 4;
+    const int red_bytes = kMmaWarps * kMmaTileRows * (rows + 1) * 4;
     norm_off = x_bytes > red_bytes ? x_bytes : red_bytes;
     ss_off = norm_off + cols * 4;
-    rms_off = ss_off + mma_warps(row_tiles) * rows * 4;
+    rms_off = ss_off + kMmaWarps * rows * 4;
     total = rms_off + rows * 4;
   }
 };
@@ -153,13 +155,15 @@ __device__ __forceinline__ int tile_row(const PromptMmaArgs& a, int tile, int r)
 // recomputing the shared-memory address every time (SASS: 1,400 instructions in the slot kernel's loop against 650).
 // That and the argument reloads stage_x now avoids made the first version of this kernel slower than its
 // predecessor (H100 pp1 0.57 -> 0.77 ms); with both fixed, pp1 is 0.43 ms.
-template <typename WB, int RT, bool kNormed, int NT>
-__global__ void __launch_bounds__(32 * mma_warps(RT), 1) prompt_mma_kernel(const PromptMmaArgs a) {
-  constexpr int W = mma_warps(RT), kThreads = 32 * W;
+template <typename WB, int TPB, bool kNormed, int NT>
+__global__ void __launch_bounds__(32 * kMmaWarps, 1) prompt_mma_kernel(const PromptMmaArgs a) {
+  constexpr int W = kMmaWarps, kThreads = 32 * W;
+  constexpr int RT = 1;          // row tiles a warp computes
+  constexpr int KS = W / TPB;    // warps that split one tile's K
   extern __shared__ __align__(16) unsigned char mma_smem[];
   const int K = a.W.cols, nb = a.W.nb;
   constexpr int n_tiles = NT, n_rows = 8 * NT;
-  const MmaSmem lay(K, n_tiles, RT);
+  const MmaSmem lay(K, n_tiles);
   uint4* x_s = reinterpret_cast<uint4*>(mma_smem);
   // After the MMA loop: [warp][RT * 16 rows][n_rows + 1]; the odd row stride keeps the epilogue's reads, 16 or 32
   // consecutive rows of one token, on distinct banks.
@@ -170,11 +174,13 @@ __global__ void __launch_bounds__(32 * mma_warps(RT), 1) prompt_mma_kernel(const
   float* rms_s = reinterpret_cast<float*>(mma_smem + lay.rms_off);
 
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, c = lane & 3;
+  // Warp w computes tile w % TPB of the block's TPB tiles over the weight blocks w / TPB, + KS, + 2 KS, ...
+  const int my_tile = warp % TPB, ks = warp / TPB;
   int rows[RT][2];
 #pragma unroll
   for (int rt = 0; rt < RT; ++rt) {
-    rows[rt][0] = tile_row(a, blockIdx.x * RT + rt, g);
-    rows[rt][1] = tile_row(a, blockIdx.x * RT + rt, g + 8);
+    rows[rt][0] = tile_row(a, blockIdx.x * TPB + my_tile, g);
+    rows[rt][1] = tile_row(a, blockIdx.x * TPB + my_tile, g + 8);
   }
   // The block indices of rows[rt] at block blk (-1 past the matrix), as the weight loaders take them.
   auto blocks_at = [&](int rt, int blk, int64_t (&b)[2]) {
@@ -184,8 +190,8 @@ __global__ void __launch_bounds__(32 * mma_warps(RT), 1) prompt_mma_kernel(const
 
   // Before the wait: this warp's first weight blocks, and the norm weights (neither depends on earlier kernels).
   detail::launch_dependents();
-  const int my_blocks = (nb - warp + W - 1) / W;
-  constexpr int kPre = mma_prefetch<WB, W>();
+  const int my_blocks = (nb - ks + KS - 1) / KS;
+  constexpr int kPre = mma_prefetch<WB, KS>();
   WB pre[kPre][RT];
 #pragma unroll
   for (int j = 0; j < kPre; ++j)
@@ -193,7 +199,7 @@ __global__ void __launch_bounds__(32 * mma_warps(RT), 1) prompt_mma_kernel(const
     for (int rt = 0; rt < RT; ++rt)
       if (j < my_blocks) {
         int64_t b[2];
-        blocks_at(rt, warp + j * W, b);
+        blocks_at(rt, ks + j * KS, b);
         pre[j][rt].load(a.W, b, c);
       }
   const int Kc = lay.chunk_cols, chunk_blocks = Kc / 32;  // K itself unless X must be staged in chunks
@@ -274,22 +280,22 @@ __global__ void __launch_bounds__(32 * mma_warps(RT), 1) prompt_mma_kernel(const
   // The prefetched blocks all lie in the first chunk (chunk_blocks >= W * kPre).
 #pragma unroll
   for (int j = 0; j < kPre; ++j)
-    if (j < my_blocks) do_block(pre[j], warp + j * W, 0);
+    if (j < my_blocks) do_block(pre[j], ks + j * KS, 0);
   int j = kPre;  // K beyond kPre blocks per warp: loaded here, chunk by chunk
   for (int blk0 = 0; blk0 < nb; blk0 += chunk_blocks) {
     if (blk0 > 0) {
       __syncthreads();  // every warp is done with the previous chunk
       stage_x<kNormed, W>(a, K, Kc, 32 * blk0, min(K - 32 * blk0, Kc), n_rows, x_s, kNormed ? norm_s : nullptr);
     }
-    for (; j < my_blocks && warp + j * W < blk0 + chunk_blocks; ++j) {
+    for (; j < my_blocks && ks + j * KS < blk0 + chunk_blocks; ++j) {
       WB wb[RT];
 #pragma unroll
       for (int rt = 0; rt < RT; ++rt) {
         int64_t b[2];
-        blocks_at(rt, warp + j * W, b);
+        blocks_at(rt, ks + j * KS, b);
         wb[rt].load(a.W, b, c);
       }
-      do_block(wb, warp + j * W, blk0);
+      do_block(wb, ks + j * KS, blk0);
     }
   }
 
@@ -305,8 +311,8 @@ __global__ void __launch_bounds__(32 * mma_warps(RT), 1) prompt_mma_kernel(const
     }
   }
 
-  // Sum the warps' partial tiles in a fixed order.
-  constexpr int kRows = RT * kMmaTileRows;
+  // Sum the K-split warps' partial tiles in a fixed order: red is [ks][the block's TPB * 16 rows][token].
+  constexpr int kRows = TPB * kMmaTileRows;
   __syncthreads();  // every warp is done reading x_s, which red overlays, and has written its ss_s
 #pragma unroll
   for (int rt = 0; rt < RT; ++rt)
@@ -314,7 +320,7 @@ __global__ void __launch_bounds__(32 * mma_warps(RT), 1) prompt_mma_kernel(const
     for (int nt = 0; nt < kMmaMaxTiles; ++nt) {
       if (nt < n_tiles) {
         const int t0 = nt * 8 + 2 * c;
-        float* r = red + (warp * kRows + rt * kMmaTileRows) * red_ld;
+        float* r = red + (ks * kRows + (my_tile + rt) * kMmaTileRows) * red_ld;
         r[g * red_ld + t0] = acc[rt][nt][0];
         r[g * red_ld + t0 + 1] = acc[rt][nt][1];
         r[(g + 8) * red_ld + t0] = acc[rt][nt][2];
@@ -323,20 +329,20 @@ __global__ void __launch_bounds__(32 * mma_warps(RT), 1) prompt_mma_kernel(const
     }
   if (kNormed && threadIdx.x < n_rows) {  // 1/rms of token threadIdx.x (the projection is linear: applied to the outputs)
     float sq = 0.f;
-    for (int w = 0; w < W; ++w) sq += ss_s[w * n_rows + threadIdx.x];
+    for (int w = 0; w < W; w += TPB) sq += ss_s[w * n_rows + threadIdx.x];  // the warps of tile 0 cover K once
     rms_s[threadIdx.x] = 1.f / sqrtf(sq / static_cast<float>(K) + a.eps);
   }
   __syncthreads();
   auto tile_sum = [&](int r, int t) {  // r: row of the block's RT * 16
     float v = 0.f;
-    for (int w = 0; w < W; ++w) v += red[(w * kRows + r) * red_ld + t];
+    for (int k = 0; k < KS; ++k) v += red[(k * kRows + r) * red_ld + t];
     return kNormed ? v * rms_s[t] : v;
   };
   if (a.out_kind == PromptMmaOut::SiluHalf) {
     // Column j = 8 * tile + r of h = silu(gate) * up, in the slot layout the down projection reads.
-    for (int i = threadIdx.x; i < a.n * 8 * RT; i += kThreads) {
-      const int t = i / (8 * RT), q = i % (8 * RT), rt = q / 8, r = q % 8;
-      const int j = 8 * (blockIdx.x * RT + rt) + r;
+    for (int i = threadIdx.x; i < a.n * 8 * TPB; i += kThreads) {
+      const int t = i / (8 * TPB), q = i % (8 * TPB), rt = q / 8, r = q % 8;
+      const int j = 8 * (blockIdx.x * TPB + rt) + r;
       if (j >= a.d_ff) continue;
       const float gv = tile_sum(rt * kMmaTileRows + r, t), uv = tile_sum(rt * kMmaTileRows + r + 8, t);
       detail::store_operand(gv / (1.f + expf(-gv)) * uv, t, j, a.d_ff, a.out_slots);
@@ -359,33 +365,49 @@ int row_tiles(const PromptMmaArgs& a) {
 }
 
 // Row tiles per block: 2 where one per block would leave more blocks than SMs to share (the gate/up projection).
-int row_tiles_per_block(const PromptMmaArgs& a) { return row_tiles(a) > 128 ? 2 : 1; }
-
-template <typename WB, int RT, int NT>
-void launch_typed(const PromptMmaArgs& a, cudaStream_t s) {
-  const MmaSmem lay(a.W.cols, NT, RT);
+// EXPERIMENT (branch mma-tpb): METALATTN_X_MMA_TPB=N forces N (1, 2 or 4) there; =wave takes the fewest that fit
+// one wave.
+int row_tiles_per_block(const PromptMmaArgs& a) {
   const int tiles = row_tiles(a);
-  auto* kernel = a.x != nullptr ? prompt_mma_kernel<WB, RT, true, NT> : prompt_mma_kernel<WB, RT, false, NT>;
+  if (const char* e = std::getenv("METALATTN_X_MMA_TPB")) {
+    if (std::strcmp(e, "wave") == 0) {
+      int sms = 0;
+      CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, 0));
+      return tiles <= sms ? 1 : tiles <= 2 * sms ? 2 : 4;
+    }
+    if (tiles > 128) return std::atoi(e);
+  }
+  return tiles > 128 ? 2 : 1;
+}
+
+template <typename WB, int TPB, int NT>
+void launch_typed(const PromptMmaArgs& a, cudaStream_t s) {
+  const MmaSmem lay(a.W.cols, NT);
+  const int tiles = row_tiles(a);
+  auto* kernel = a.x != nullptr ? prompt_mma_kernel<WB, TPB, true, NT> : prompt_mma_kernel<WB, TPB, false, NT>;
   detail::allow_dynamic_smem(kernel, static_cast<size_t>(lay.total));
-  detail::launch_programmatic(kernel, dim3((tiles + RT - 1) / RT), dim3(32 * mma_warps(RT)),
+  detail::launch_programmatic(kernel, dim3((tiles + TPB - 1) / TPB), dim3(32 * kMmaWarps),
                               static_cast<size_t>(lay.total), s, a);
 }
 
-template <typename WB, int RT>
+template <typename WB, int TPB>
 void launch_typed(const PromptMmaArgs& a, cudaStream_t s) {
   static_assert(kMmaMaxTiles == 4, "one case per token-tile count");
   switch ((a.n + 7) / 8) {
-    case 1: launch_typed<WB, RT, 1>(a, s); break;
-    case 2: launch_typed<WB, RT, 2>(a, s); break;
-    case 3: launch_typed<WB, RT, 3>(a, s); break;
-    default: launch_typed<WB, RT, 4>(a, s); break;
+    case 1: launch_typed<WB, TPB, 1>(a, s); break;
+    case 2: launch_typed<WB, TPB, 2>(a, s); break;
+    case 3: launch_typed<WB, TPB, 3>(a, s); break;
+    default: launch_typed<WB, TPB, 4>(a, s); break;
   }
 }
 
 template <typename WB>
 void launch_typed(const PromptMmaArgs& a, cudaStream_t s) {
-  if (row_tiles_per_block(a) == 2) launch_typed<WB, 2>(a, s);
-  else launch_typed<WB, 1>(a, s);
+  switch (row_tiles_per_block(a)) {
+    case 1: launch_typed<WB, 1>(a, s); break;
+    case 2: launch_typed<WB, 2>(a, s); break;
+    default: launch_typed<WB, 4>(a, s); break;
+  }
 }
 
 // ------------------------------------------------------------------ causal attention of a few-token prompt
@@ -549,8 +571,7 @@ bool prompt_mma_supported(GgmlType type, int cols, int d_ff_or_zero) {
       if (type != kWide8) return false;
   }
   if (cols % 32 != 0 || d_ff_or_zero % 8 != 0) return false;
-  // Either row-tile count may be launched (row_tiles_per_block); their layouts differ in the warps' reduction space.
-  const int total = std::max(MmaSmem(cols, kMmaMaxTiles, 1).total, MmaSmem(cols, kMmaMaxTiles, 2).total);
+  const int total = MmaSmem(cols, kMmaMaxTiles).total;
   const int optin = device_attribute(cudaDevAttrMaxSharedMemoryPerBlockOptin);
   return total <= optin && total <= kMmaSmemCap;
 }
