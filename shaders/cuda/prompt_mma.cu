@@ -208,6 +208,18 @@ __global__ void __launch_bounds__(32 * kMmaWarps, 1) prompt_mma_kernel(const Pro
     for (int i = threadIdx.x; i < Kc / 4; i += kThreads) detail::cp_async16(norm_s + 4 * i, norm_w + 4 * i);
   }
   detail::grid_dependency_wait();
+  // The weight blocks past the prefetched ones go one ahead of the MMAs that use them, the first now, while X is
+  // staged and the prefetched blocks are multiplied.
+  auto load_blocks = [&](int jj, WB(&w)[RT]) {
+#pragma unroll
+    for (int rt = 0; rt < RT; ++rt) {
+      int64_t b[2];
+      blocks_at(rt, ks + jj * KS, b);
+      w[rt].load(a.W, b, c);
+    }
+  };
+  WB cur[RT];
+  if (kPre < my_blocks) load_blocks(kPre, cur);
 
   stage_x<kNormed, W>(a, K, Kc, 0, min(K, Kc), n_rows, x_s);
 
@@ -288,14 +300,11 @@ __global__ void __launch_bounds__(32 * kMmaWarps, 1) prompt_mma_kernel(const Pro
       stage_x<kNormed, W>(a, K, Kc, 32 * blk0, min(K - 32 * blk0, Kc), n_rows, x_s, kNormed ? norm_s : nullptr);
     }
     for (; j < my_blocks && ks + j * KS < blk0 + chunk_blocks; ++j) {
-      WB wb[RT];
+      WB next[RT];
+      if (j + 1 < my_blocks) load_blocks(j + 1, next);
+      do_block(cur, ks + j * KS, blk0);
 #pragma unroll
-      for (int rt = 0; rt < RT; ++rt) {
-        int64_t b[2];
-        blocks_at(rt, ks + j * KS, b);
-        wb[rt].load(a.W, b, c);
-      }
-      do_block(wb, ks + j * KS, blk0);
+      for (int rt = 0; rt < RT; ++rt) cur[rt] = next[rt];
     }
   }
 
@@ -365,19 +374,17 @@ int row_tiles(const PromptMmaArgs& a) {
 }
 
 // Row tiles per block: 2 where one per block would leave more blocks than SMs to share (the gate/up projection).
-// EXPERIMENT (branch mma-tpb): METALATTN_X_MMA_TPB=N forces N (1, 2 or 4) there; =wave takes the fewest that fit
-// one wave.
+// EXPERIMENT (branch mma-tpb): default: the fewest that fit one wave (4 at most); METALATTN_X_MMA_TPB=N forces N
+// (1, 2 or 4) where tiles > 128.
 int row_tiles_per_block(const PromptMmaArgs& a) {
   const int tiles = row_tiles(a);
   if (const char* e = std::getenv("METALATTN_X_MMA_TPB")) {
-    if (std::strcmp(e, "wave") == 0) {
-      int sms = 0;
-      CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, 0));
-      return tiles <= sms ? 1 : tiles <= 2 * sms ? 2 : 4;
-    }
     if (tiles > 128) return std::atoi(e);
+    return 1;
   }
-  return tiles > 128 ? 2 : 1;
+  int sms = 0;
+  CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, 0));
+  return tiles <= sms ? 1 : tiles <= 2 * sms ? 2 : 4;
 }
 
 template <typename WB, int TPB, int NT>
