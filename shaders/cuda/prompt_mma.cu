@@ -7,13 +7,14 @@
 // attention, O+residual, norm+gate/up+SiLU, down+residual), each loading its weights into registers before it waits
 // for its predecessor.
 //
-// Geometry: a block owns one 16-row tile of W (one MMA m16 tile; two for the wide gate/up projection) for all
-// tokens; its warps (16 at one tile, 8 at two: mma_warps) split the 32-column weight blocks of K (warp w takes blocks
-// w, w + W, ...) and sum their partial tiles through shared memory at the end. Every block stages the whole
-// activation matrix X (m tokens x K) in shared memory once (in chunks of kMmaChunkCols columns where 32 tokens of it
-// do not fit, as at SmolLM2-1.7B's widths). One block fills an SM (X's shared memory, or at two tiles the registers),
-// and the kernel is bound by the latency of each warp's chain of loads, dequantization and MMAs, not by bytes (ncu:
-// the L2 at 1.7-2.5 TB/s; benchmarks/NOTES.md, session 17): more warps a block is what made it faster.
+// Geometry: a block of 16 warps owns TPB 16-row tiles of W (one MMA m16 tile each) for all tokens, TPB the fewest of
+// 1, 2, 4 that keep the grid in one wave; each warp computes one tile, and the 16 / TPB warps of a tile split the
+// 32-column weight blocks of K (warp w: tile w % TPB, blocks w / TPB + j * 16 / TPB) and sum their partial tiles
+// through shared memory at the end. Every block stages the whole activation matrix X (m tokens x K) in shared memory
+// once (in chunks of kMmaChunkCols columns where 32 tokens of it do not fit, as at SmolLM2-1.7B's widths). One block
+// fills an SM (X's shared memory), and the kernel is bound by the latency of each warp's chain of loads,
+// dequantization and MMAs, not by bytes (ncu: the L2 at 1.7-2.5 TB/s; benchmarks/NOTES.md, session 17): more warps a
+// block and weight loads ahead of their MMAs are what made it faster (session 29).
 //
 // Numerics: the weights enter the MMA exactly (integer quants as fp16, the per-block scale d applied in fp32 after
 // the block's MMAs, the Q4_1 minimum m times the block's activation sum); an activation travels as fp16 hi + lo
@@ -43,9 +44,11 @@ namespace {
 
 using namespace mma;  // the weight blocks (mma_weights.cuh)
 
-// Warps per block: 16 at one row tile a block (~86 registers a thread, so 16 warps fit the register file, and one
-// block per SM is all that X's shared memory allows), 8 at two row tiles (~172 registers). The kernels are bound by
-// latency at one block per SM (ncu, benchmarks/NOTES.md, session 17), so every warp the SM can hold counts.
+// Warps per block: 16, each computing one row tile (~86 registers a thread, so 16 warps fit the register file, and
+// one block per SM is all that X's shared memory allows). The kernels are bound by latency at one block per SM (ncu,
+// benchmarks/NOTES.md, session 17), so every warp the SM can hold counts. (Two tiles a warp at 8 warps, ~172
+// registers, was the wide projections' form until session 29: faster at one token tile on the 1.7B, slower from 16
+// tokens on.)
 constexpr int kMmaWarps = 16;
 constexpr int kMmaTileRows = 16;
 constexpr int kMmaMaxTiles = kPromptMmaMaxTokens / 8;  // n-tiles of 8 tokens
@@ -148,8 +151,8 @@ __device__ __forceinline__ int tile_row(const PromptMmaArgs& a, int tile, int r)
   return row < a.W.rows ? row : -1;
 }
 
-// RT row tiles per block (RT = 2 halves the blocks of the wide gate/up projection, and with them the redundant
-// staging of X: every block converts the whole X). kNormed: the input is fp32 rows to rmsnorm (a.x), else slot rows
+// TPB row tiles per block (more than one where the tiles outnumber the SMs: fewer blocks, and with them less of the
+// redundant staging of X, as every block converts the whole X). kNormed: the input is fp32 rows to rmsnorm (a.x), else slot rows
 // (a.x_slots). NT: token tiles of 8 (n <= 8 * NT). Both are template parameters so that the MMA loop has no runtime
 // tests: with a runtime token-tile count ptxas turned each tile's fragment load and MMAs into a branch of its own,
 // recomputing the shared-memory address every time (SASS: 1,400 instructions in the slot kernel's loop against 650).
