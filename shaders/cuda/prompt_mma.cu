@@ -374,13 +374,12 @@ int row_tiles(const PromptMmaArgs& a) {
   return a.out_kind == PromptMmaOut::SiluHalf ? (a.d_ff + 7) / 8 : (a.W.rows + kMmaTileRows - 1) / kMmaTileRows;
 }
 
-// Row tiles per block: 2 where one per block would leave more blocks than SMs to share (the gate/up projection).
-// The fewest (1, 2 or 4) that keep the grid in one wave. H200, 32-token prompt (NOTES, "CUDA, session 29"): SmolLM2-1.7B
-// 3.17 -> 2.98 ms against two tiles a block wherever there were more than 128 (3.38 ms with the one-ahead loads).
+// Row tiles per block: the fewest (1, 2 or 4) that keep the grid in one wave. H200, 32-token prompt (NOTES, "CUDA,
+// session 29"): SmolLM2-1.7B 3.17 -> 2.98 ms against two tiles a block wherever there were more than 128 tiles (3.38
+// ms with the one-ahead loads).
 int row_tiles_per_block(const PromptMmaArgs& a) {
   const int tiles = row_tiles(a);
-  int sms = 0;
-  CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, 0));
+  const int sms = device_attribute(cudaDevAttrMultiProcessorCount);
   return tiles <= sms ? 1 : tiles <= 2 * sms ? 2 : 4;
 }
 
