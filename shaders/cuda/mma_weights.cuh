@@ -353,32 +353,29 @@ __device__ __forceinline__ void lane_token_sums(const float (&xsum)[NT], float (
   }
 }
 
-// Adds a block's (kStepScales: a step's) partial MMA tiles, scaled, to the accumulators: RT row tiles of the WB
-// array, NT token tiles of 8, of which the first n_tiles are live. part[rt][nt] holds rows g, g + 8 x tokens 2c,
-// 2c + 1 as the MMA left them; with kHasMin, sum0[nt] / sum1[nt] are the block's (step's) activation sums of those two
-// tokens (lane_token_sums), which the rows' mins multiply.
-template <typename WB, int RT, int NT>
-__device__ __forceinline__ void add_scaled_tiles(float (&acc)[RT][NT][4], const float (&part)[RT][NT][4],
-                                                 const WB (&wb)[RT], const float (&sum0)[NT], const float (&sum1)[NT],
-                                                 int step, int n_tiles) {
+// Adds a block's (kStepScales: a step's) partial MMA tiles, scaled, to the accumulators of one row tile: NT token
+// tiles of 8, of which the first n_tiles are live. part[nt] holds rows g, g + 8 x tokens 2c, 2c + 1 as the MMA left
+// them; with kHasMin, sum0[nt] / sum1[nt] are the block's (step's) activation sums of those two tokens
+// (lane_token_sums), which the rows' mins multiply.
+template <typename WB, int NT>
+__device__ __forceinline__ void add_scaled_tiles(float (&acc)[NT][4], const float (&part)[NT][4], const WB& wb,
+                                                 const float (&sum0)[NT], const float (&sum1)[NT], int step,
+                                                 int n_tiles) {
+  const float d0 = wb.scale(0, step), d1 = wb.scale(1, step);
 #pragma unroll
-  for (int rt = 0; rt < RT; ++rt) {
-    const float d0 = wb[rt].scale(0, step), d1 = wb[rt].scale(1, step);
-#pragma unroll
-    for (int nt = 0; nt < NT; ++nt) {
-      if (nt < n_tiles) {
-        float* ac = acc[rt][nt];
-        ac[0] += d0 * part[rt][nt][0];
-        ac[1] += d0 * part[rt][nt][1];
-        ac[2] += d1 * part[rt][nt][2];
-        ac[3] += d1 * part[rt][nt][3];
-        if constexpr (WB::kHasMin) {
-          const float m0 = wb[rt].min(0, step), m1 = wb[rt].min(1, step);
-          ac[0] += m0 * sum0[nt];
-          ac[1] += m0 * sum1[nt];
-          ac[2] += m1 * sum0[nt];
-          ac[3] += m1 * sum1[nt];
-        }
+  for (int nt = 0; nt < NT; ++nt) {
+    if (nt < n_tiles) {
+      float* ac = acc[nt];
+      ac[0] += d0 * part[nt][0];
+      ac[1] += d0 * part[nt][1];
+      ac[2] += d1 * part[nt][2];
+      ac[3] += d1 * part[nt][3];
+      if constexpr (WB::kHasMin) {
+        const float m0 = wb.min(0, step), m1 = wb.min(1, step);
+        ac[0] += m0 * sum0[nt];
+        ac[1] += m0 * sum1[nt];
+        ac[2] += m1 * sum0[nt];
+        ac[3] += m1 * sum1[nt];
       }
     }
   }

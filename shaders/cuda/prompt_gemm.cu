@@ -106,11 +106,11 @@ __global__ void __launch_bounds__(GemmShape<KG>::kThreads, KG == 1 ? 3 : 1) prom
   };
 
   // Before the wait: this group's first weight blocks (they do not depend on earlier kernels).
-  WB w[kGemmAhead][1];
+  WB w[kGemmAhead];
 #pragma unroll
   for (int j = 0; j < kGemmAhead; ++j) {
     const int blk = (kg + KG * (j / kGemmChunkBlocks)) * kGemmChunkBlocks + j % kGemmChunkBlocks;
-    if (blk < nb) load_w(w[j][0], blk);
+    if (blk < nb) load_w(w[j], blk);
   }
   detail::grid_dependency_wait();
 #pragma unroll
@@ -120,9 +120,9 @@ __global__ void __launch_bounds__(GemmShape<KG>::kThreads, KG == 1 ? 3 : 1) prom
   }
   int slot = 0;  // ring slot of round r below; round r + kRounds - 1 goes to the slot before it
 
-  float acc[1][kGemmNT][4];
+  float acc[kGemmNT][4];
 #pragma unroll
-  for (int nt = 0; nt < kGemmNT; ++nt) acc[0][nt][0] = acc[0][nt][1] = acc[0][nt][2] = acc[0][nt][3] = 0.f;
+  for (int nt = 0; nt < kGemmNT; ++nt) acc[nt][0] = acc[nt][1] = acc[nt][2] = acc[nt][3] = 0.f;
 
   // Two rounds per iteration, so that the ring of weight registers is indexed by constants.
   for (int r0 = 0; r0 < n_rounds; r0 += 2) {
@@ -164,19 +164,19 @@ __global__ void __launch_bounds__(GemmShape<KG>::kThreads, KG == 1 ? 3 : 1) prom
       for (int j = 0; j < kGemmChunkBlocks; ++j) {
         const int blk = ch * kGemmChunkBlocks + j;
         if (blk >= nb) break;
-        WB(&wb)[1] = w[cc * kGemmChunkBlocks + j];
-        float part[1][kGemmNT][4] = {};
+        WB& wb = w[cc * kGemmChunkBlocks + j];
+        float part[kGemmNT][4] = {};
 #pragma unroll
         for (int step = 0; step < 2; ++step) {
           uint32_t ar[4], al[4];
-          wb[0].a_regs(step, ar);
-          if constexpr (WB::kWeightLo) wb[0].a_regs_lo(step, al);
+          wb.a_regs(step, ar);
+          if constexpr (WB::kWeightLo) wb.a_regs_lo(step, al);
 #pragma unroll
           for (int nt = 0; nt < kGemmNT; ++nt) {
             const uint4 xv = st[nt * 8 * kGemmRowSlots + j * 8 + 4 * step + c];
-            mma_16816(part[0][nt], ar, xv.x, xv.y);  // hi
-            mma_16816(part[0][nt], ar, xv.z, xv.w);  // lo
-            if constexpr (WB::kWeightLo) mma_16816(part[0][nt], al, xv.x, xv.y);
+            mma_16816(part[nt], ar, xv.x, xv.y);  // hi
+            mma_16816(part[nt], ar, xv.z, xv.w);  // lo
+            if constexpr (WB::kWeightLo) mma_16816(part[nt], al, xv.x, xv.y);
           }
           if (WB::kStepScales || step == 1) {
             // The activation sums of this lane's tokens nt * 8 + 2c, + 1 over the step (or the whole block).
@@ -199,13 +199,13 @@ __global__ void __launch_bounds__(GemmShape<KG>::kThreads, KG == 1 ? 3 : 1) prom
             if constexpr (WB::kStepScales) {
 #pragma unroll
               for (int nt = 0; nt < kGemmNT; ++nt)
-                part[0][nt][0] = part[0][nt][1] = part[0][nt][2] = part[0][nt][3] = 0.f;
+                part[nt][0] = part[nt][1] = part[nt][2] = part[nt][3] = 0.f;
             }
           }
         }
         // These registers take the same block of this group's chunk after next.
         const int next = blk + 2 * KG * kGemmChunkBlocks;
-        if (next < nb) load_w(wb[0], next);
+        if (next < nb) load_w(wb, next);
       }
     }
   }
@@ -223,7 +223,7 @@ __global__ void __launch_bounds__(GemmShape<KG>::kThreads, KG == 1 ? 3 : 1) prom
 #pragma unroll
       for (int nt = 0; nt < kGemmNT; ++nt)
         *reinterpret_cast<float4*>(mine + 4 * nt) =
-            make_float4(acc[0][nt][0], acc[0][nt][1], acc[0][nt][2], acc[0][nt][3]);
+            make_float4(acc[nt][0], acc[nt][1], acc[nt][2], acc[nt][3]);
     }
     __syncthreads();
     if (kg > 0) return;
@@ -233,14 +233,14 @@ __global__ void __launch_bounds__(GemmShape<KG>::kThreads, KG == 1 ? 3 : 1) prom
 #pragma unroll
       for (int nt = 0; nt < kGemmNT; ++nt) {
         const float4 v = *reinterpret_cast<const float4*>(other + 4 * nt);
-        acc[0][nt][0] += v.x;
-        acc[0][nt][1] += v.y;
-        acc[0][nt][2] += v.z;
-        acc[0][nt][3] += v.w;
+        acc[nt][0] += v.x;
+        acc[nt][1] += v.y;
+        acc[nt][2] += v.z;
+        acc[nt][3] += v.w;
       }
     }
   }
-  // acc[0][nt]: rows g, g + 8 x tokens nt * 8 + 2c, + 1.
+  // acc[nt]: rows g, g + 8 x tokens nt * 8 + 2c, + 1.
 #pragma unroll
   for (int nt = 0; nt < kGemmNT; ++nt)
 #pragma unroll
@@ -248,7 +248,7 @@ __global__ void __launch_bounds__(GemmShape<KG>::kThreads, KG == 1 ? 3 : 1) prom
       const int r = rows[i >> 1], t = tok0 + nt * 8 + 2 * c + (i & 1);
       if (r < 0 || t >= a.n) continue;
       float* y = a.y + static_cast<int64_t>(t) * a.W.rows + r;
-      *y = a.accumulate ? *y + acc[0][nt][i] : acc[0][nt][i];
+      *y = a.accumulate ? *y + acc[nt][i] : acc[nt][i];
     }
 }
 

@@ -75,11 +75,11 @@ __device__ __forceinline__ float slot_sum(uint4 s) {
 __host__ __device__ inline int slot_stride(int K) { return K / 4 + 4; }
 
 // K is staged in chunks of kMmaChunkCols columns where the whole of X does not fit in kMmaSmemCap (SmolLM2-1.7B:
-// K 2048 and 8192 at 32 tokens). A chunk holds at least the blocks every warp loads before the wait: kMmaPrefetch
-// each for the 8 warps of a two-tile block, fewer each for the 16 of a one-tile block (mma_prefetch).
+// K 2048 and 8192 at 32 tokens): 8 * kMmaPrefetch blocks, which holds every block the KS warps splitting a tile's K
+// load before the wait (mma_prefetch caps them to fit).
 constexpr int kMmaChunkCols = 8 * kMmaPrefetch * 32;
-// Weight blocks a warp loads before the programmatic wait: the type's own depth, fewer where 16 warps would take
-// them past the first chunk.
+// Weight blocks each of the W warps splitting a tile's K loads before the programmatic wait: the type's own depth,
+// fewer where W warps would take them past the first chunk.
 template <typename WB, int W>
 constexpr int mma_prefetch() {
   return WB::kPrefetch < kMmaChunkCols / 32 / W ? WB::kPrefetch : kMmaChunkCols / 32 / W;
@@ -159,14 +159,13 @@ __device__ __forceinline__ int tile_row(const PromptMmaArgs& a, int tile, int r)
 template <typename WB, int TPB, bool kNormed, int NT>
 __global__ void __launch_bounds__(32 * kMmaWarps, 1) prompt_mma_kernel(const PromptMmaArgs a) {
   constexpr int W = kMmaWarps, kThreads = 32 * W;
-  constexpr int RT = 1;          // row tiles a warp computes
-  constexpr int KS = W / TPB;    // warps that split one tile's K
+  constexpr int KS = W / TPB;  // warps that split one tile's K
   extern __shared__ __align__(16) unsigned char mma_smem[];
   const int K = a.W.cols, nb = a.W.nb;
   constexpr int n_tiles = NT, n_rows = 8 * NT;
   const MmaSmem lay(K, n_tiles);
   uint4* x_s = reinterpret_cast<uint4*>(mma_smem);
-  // After the MMA loop: [warp][RT * 16 rows][n_rows + 1]; the odd row stride keeps the epilogue's reads, 16 or 32
+  // After the MMA loop: [ks][TPB * 16 rows][n_rows + 1]; the odd row stride keeps the epilogue's reads, 16 or 32
   // consecutive rows of one token, on distinct banks.
   float* red = reinterpret_cast<float*>(mma_smem);
   const int red_ld = n_rows + 1;
@@ -177,32 +176,23 @@ __global__ void __launch_bounds__(32 * kMmaWarps, 1) prompt_mma_kernel(const Pro
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, c = lane & 3;
   // Warp w computes tile w % TPB of the block's TPB tiles over the weight blocks w / TPB, + KS, + 2 KS, ...
   const int my_tile = warp % TPB, ks = warp / TPB;
-  int rows[RT][2];
-#pragma unroll
-  for (int rt = 0; rt < RT; ++rt) {
-    rows[rt][0] = tile_row(a, blockIdx.x * TPB + my_tile, g);
-    rows[rt][1] = tile_row(a, blockIdx.x * TPB + my_tile, g + 8);
-  }
-  // The block indices of rows[rt] at block blk (-1 past the matrix), as the weight loaders take them.
-  auto blocks_at = [&](int rt, int blk, int64_t (&b)[2]) {
-    b[0] = rows[rt][0] >= 0 ? static_cast<int64_t>(rows[rt][0]) * nb + blk : -1;
-    b[1] = rows[rt][1] >= 0 ? static_cast<int64_t>(rows[rt][1]) * nb + blk : -1;
+  const int rows[2] = {tile_row(a, blockIdx.x * TPB + my_tile, g), tile_row(a, blockIdx.x * TPB + my_tile, g + 8)};
+  // Loads this warp's j-th weight block of its tile (-1 rows past the matrix), as the weight loaders take them.
+  auto load_block = [&](int j, WB& w) {
+    const int blk = ks + j * KS;
+    const int64_t b[2] = {rows[0] >= 0 ? static_cast<int64_t>(rows[0]) * nb + blk : -1,
+                          rows[1] >= 0 ? static_cast<int64_t>(rows[1]) * nb + blk : -1};
+    w.load(a.W, b, c);
   };
 
   // Before the wait: this warp's first weight blocks, and the norm weights (neither depends on earlier kernels).
   detail::launch_dependents();
   const int my_blocks = (nb - ks + KS - 1) / KS;
   constexpr int kPre = mma_prefetch<WB, KS>();
-  WB pre[kPre][RT];
+  WB pre[kPre];
 #pragma unroll
   for (int j = 0; j < kPre; ++j)
-#pragma unroll
-    for (int rt = 0; rt < RT; ++rt)
-      if (j < my_blocks) {
-        int64_t b[2];
-        blocks_at(rt, ks + j * KS, b);
-        pre[j][rt].load(a.W, b, c);
-      }
+    if (j < my_blocks) load_block(j, pre[j]);
   const int Kc = lay.chunk_cols, chunk_blocks = Kc / 32;  // K itself unless X must be staged in chunks
   if constexpr (kNormed) {
     const float* const norm_w = a.norm_w;  // in a register: see stage_x
@@ -211,36 +201,22 @@ __global__ void __launch_bounds__(32 * kMmaWarps, 1) prompt_mma_kernel(const Pro
   detail::grid_dependency_wait();
   // The weight blocks past the prefetched ones go one ahead of the MMAs that use them, the first now, while X is
   // staged and the prefetched blocks are multiplied.
-  auto load_blocks = [&](int jj, WB(&w)[RT]) {
-#pragma unroll
-    for (int rt = 0; rt < RT; ++rt) {
-      int64_t b[2];
-      blocks_at(rt, ks + jj * KS, b);
-      w[rt].load(a.W, b, c);
-    }
-  };
-  WB cur[RT];
-  if (kPre < my_blocks) load_blocks(kPre, cur);
+  WB cur;
+  if (kPre < my_blocks) load_block(kPre, cur);
 
   stage_x<kNormed, W>(a, K, Kc, 0, min(K, Kc), n_rows, x_s);
 
-  float acc[RT][kMmaMaxTiles][4];
+  float acc[kMmaMaxTiles][4];
 #pragma unroll
-  for (int rt = 0; rt < RT; ++rt)
-#pragma unroll
-    for (int nt = 0; nt < kMmaMaxTiles; ++nt) acc[rt][nt][0] = acc[rt][nt][1] = acc[rt][nt][2] = acc[rt][nt][3] = 0.f;
+  for (int nt = 0; nt < kMmaMaxTiles; ++nt) acc[nt][0] = acc[nt][1] = acc[nt][2] = acc[nt][3] = 0.f;
   const int stride = slot_stride(Kc);
   // Normed input: this lane's sum of squares of token nt * 8 + g over the slots it loads.
   float ss[kMmaMaxTiles] = {};
-  // One 32-column block of K for the RT row tiles: each B fragment (token tile, step) is loaded once for all tiles.
-  // blk0: the first block of the chunk in shared memory.
-  auto do_block = [&](const WB(&wb)[RT], int blk, int blk0) {
-    float part[RT][kMmaMaxTiles][4];
+  // One 32-column block of K of this warp's row tile. blk0: the first block of the chunk in shared memory.
+  auto do_block = [&](const WB& wb, int blk, int blk0) {
+    float part[kMmaMaxTiles][4];
 #pragma unroll
-    for (int rt = 0; rt < RT; ++rt)
-#pragma unroll
-      for (int nt = 0; nt < kMmaMaxTiles; ++nt)
-        part[rt][nt][0] = part[rt][nt][1] = part[rt][nt][2] = part[rt][nt][3] = 0.f;
+    for (int nt = 0; nt < kMmaMaxTiles; ++nt) part[nt][0] = part[nt][1] = part[nt][2] = part[nt][3] = 0.f;
     float xsum[kMmaMaxTiles] = {};  // kHasMin: token nt * 8 + g's activations in this lane's slots of the block
     // Adds the scaled partial tiles (and the min times the activation sums) to acc: once per block, or after each
     // step (16 elements) for the types with a scale per 16 (Q6_K, kWide8), which then start the next step afresh.
@@ -251,9 +227,8 @@ __global__ void __launch_bounds__(32 * kMmaWarps, 1) prompt_mma_kernel(const Pro
     };
 #pragma unroll
     for (int step = 0; step < 2; ++step) {
-      uint32_t ar[RT][4];
-#pragma unroll
-      for (int rt = 0; rt < RT; ++rt) wb[rt].a_regs(step, ar[rt]);
+      uint32_t ar[4];
+      wb.a_regs(step, ar);
       const int slot = (blk - blk0) * 8 + 4 * step + c;
       float4 nw;
       if constexpr (kNormed) nw = reinterpret_cast<const float4*>(norm_s)[slot];
@@ -270,20 +245,14 @@ __global__ void __launch_bounds__(32 * kMmaWarps, 1) prompt_mma_kernel(const Pro
           } else if constexpr (WB::kHasMin) {
             xsum[nt] += slot_sum(xv);
           }
-#pragma unroll
-          for (int rt = 0; rt < RT; ++rt) {
-            mma_16816(part[rt][nt], ar[rt], xv.x, xv.y);  // hi
-            mma_16816(part[rt][nt], ar[rt], xv.z, xv.w);  // lo
-          }
+          mma_16816(part[nt], ar, xv.x, xv.y);  // hi
+          mma_16816(part[nt], ar, xv.z, xv.w);  // lo
         }
       }
       if constexpr (WB::kStepScales) {
         apply(step);
 #pragma unroll
-        for (int rt = 0; rt < RT; ++rt)
-#pragma unroll
-          for (int nt = 0; nt < kMmaMaxTiles; ++nt)
-            part[rt][nt][0] = part[rt][nt][1] = part[rt][nt][2] = part[rt][nt][3] = 0.f;
+        for (int nt = 0; nt < kMmaMaxTiles; ++nt) part[nt][0] = part[nt][1] = part[nt][2] = part[nt][3] = 0.f;
 #pragma unroll
         for (int nt = 0; nt < kMmaMaxTiles; ++nt) xsum[nt] = 0.f;
       }
@@ -301,11 +270,10 @@ __global__ void __launch_bounds__(32 * kMmaWarps, 1) prompt_mma_kernel(const Pro
       stage_x<kNormed, W>(a, K, Kc, 32 * blk0, min(K - 32 * blk0, Kc), n_rows, x_s, kNormed ? norm_s : nullptr);
     }
     for (; j < my_blocks && ks + j * KS < blk0 + chunk_blocks; ++j) {
-      WB next[RT];
-      if (j + 1 < my_blocks) load_blocks(j + 1, next);
+      WB next;
+      if (j + 1 < my_blocks) load_block(j + 1, next);
       do_block(cur, ks + j * KS, blk0);
-#pragma unroll
-      for (int rt = 0; rt < RT; ++rt) cur[rt] = next[rt];
+      cur = next;
     }
   }
 
@@ -325,25 +293,23 @@ __global__ void __launch_bounds__(32 * kMmaWarps, 1) prompt_mma_kernel(const Pro
   constexpr int kRows = TPB * kMmaTileRows;
   __syncthreads();  // every warp is done reading x_s, which red overlays, and has written its ss_s
 #pragma unroll
-  for (int rt = 0; rt < RT; ++rt)
-#pragma unroll
-    for (int nt = 0; nt < kMmaMaxTiles; ++nt) {
-      if (nt < n_tiles) {
-        const int t0 = nt * 8 + 2 * c;
-        float* r = red + (ks * kRows + (my_tile + rt) * kMmaTileRows) * red_ld;
-        r[g * red_ld + t0] = acc[rt][nt][0];
-        r[g * red_ld + t0 + 1] = acc[rt][nt][1];
-        r[(g + 8) * red_ld + t0] = acc[rt][nt][2];
-        r[(g + 8) * red_ld + t0 + 1] = acc[rt][nt][3];
-      }
+  for (int nt = 0; nt < kMmaMaxTiles; ++nt) {
+    if (nt < n_tiles) {
+      const int t0 = nt * 8 + 2 * c;
+      float* r = red + (ks * kRows + my_tile * kMmaTileRows) * red_ld;
+      r[g * red_ld + t0] = acc[nt][0];
+      r[g * red_ld + t0 + 1] = acc[nt][1];
+      r[(g + 8) * red_ld + t0] = acc[nt][2];
+      r[(g + 8) * red_ld + t0 + 1] = acc[nt][3];
     }
+  }
   if (kNormed && threadIdx.x < n_rows) {  // 1/rms of token threadIdx.x (the projection is linear: applied to the outputs)
     float sq = 0.f;
     for (int w = 0; w < W; w += TPB) sq += ss_s[w * n_rows + threadIdx.x];  // the warps of tile 0 cover K once
     rms_s[threadIdx.x] = 1.f / sqrtf(sq / static_cast<float>(K) + a.eps);
   }
   __syncthreads();
-  auto tile_sum = [&](int r, int t) {  // r: row of the block's RT * 16
+  auto tile_sum = [&](int r, int t) {  // r: row of the block's TPB * 16
     float v = 0.f;
     for (int k = 0; k < KS; ++k) v += red[(k * kRows + r) * red_ld + t];
     return kNormed ? v * rms_s[t] : v;
