@@ -7,10 +7,10 @@
 // attention, O+residual, norm+gate/up+SiLU, down+residual), each loading its weights into registers before it waits
 // for its predecessor.
 //
-// Geometry: a block of 16 warps owns TPB 16-row tiles of W (one MMA m16 tile each) for all tokens, TPB the fewest of
-// 1, 2, 4 that keep the grid in one wave; each warp computes one tile, and the 16 / TPB warps of a tile split the
-// 32-column weight blocks of K (warp w: tile w % TPB, blocks w / TPB + j * 16 / TPB) and sum their partial tiles
-// through shared memory at the end. Every block stages the whole activation matrix X (m tokens x K) in shared memory
+// Geometry: a block of 16 warps owns tpb 16-row tiles of W (one MMA m16 tile each) for all tokens, tpb the fewest
+// that keep the grid in one wave (row_tiles_per_block); each warp computes one tile, and KS = 16 / tpb warps of a tile
+// split the 32-column weight blocks of K (warp w: tile w % tpb, blocks w / tpb + j * KS; the 16 - tpb * KS warps
+// left over only stage X) and sum their partial tiles through shared memory at the end. Every block stages the whole activation matrix X (m tokens x K) in shared memory
 // once (in chunks of kMmaChunkCols columns where 32 tokens of it do not fit, as at SmolLM2-1.7B's widths). One block
 // fills an SM (X's shared memory), and the kernel is bound by the latency of each warp's chain of loads,
 // dequantization and MMAs, not by bytes (ncu: the L2 at 1.7-2.5 TB/s; benchmarks/NOTES.md, session 17): more warps a
@@ -78,7 +78,7 @@ __host__ __device__ inline int slot_stride(int K) { return K / 4 + 4; }
 // K 2048 and 8192 at 32 tokens): 8 * kMmaPrefetch blocks, which holds every block the KS warps splitting a tile's K
 // load before the wait (mma_prefetch caps them to fit).
 constexpr int kMmaChunkCols = 8 * kMmaPrefetch * 32;
-// Weight blocks each of the W warps splitting a tile's K loads before the programmatic wait: the type's own depth,
+// Weight blocks each of up to W warps splitting a tile's K loads before the programmatic wait: the type's own depth,
 // fewer where W warps would take them past the first chunk.
 template <typename WB, int W>
 constexpr int mma_prefetch() {
@@ -149,23 +149,24 @@ __device__ __forceinline__ int tile_row(const PromptMmaArgs& a, int tile, int r)
   return row < a.W.rows ? row : -1;
 }
 
-// TPB row tiles per block (more than one where the tiles outnumber the SMs: fewer blocks, and with them less of the
-// redundant staging of X, as every block converts the whole X). kNormed: the input is fp32 rows to rmsnorm (a.x), else slot rows
-// (a.x_slots). NT: token tiles of 8 (n <= 8 * NT). Both are template parameters so that the MMA loop has no runtime
-// tests: with a runtime token-tile count ptxas turned each tile's fragment load and MMAs into a branch of its own,
+// tpb row tiles per block (more than one where the tiles outnumber the SMs: fewer blocks, and with them less of the
+// redundant staging of X, as every block converts the whole X); kMaxKS: 16 where tpb is 1, else 8 (at most that many
+// warps split a tile's K: it sets how many weight blocks a warp can load before the wait). kNormed: the input is fp32
+// rows to rmsnorm (a.x), else slot rows (a.x_slots). NT: token tiles of 8 (n <= 8 * NT). Both are template
+// parameters so that the MMA loop has no runtime tests: with a runtime token-tile count ptxas turned each tile's fragment load and MMAs into a branch of its own,
 // recomputing the shared-memory address every time (SASS: 1,400 instructions in the slot kernel's loop against 650).
 // That and the argument reloads stage_x now avoids made the first version of this kernel slower than its
 // predecessor (H100 pp1 0.57 -> 0.77 ms); with both fixed, pp1 is 0.43 ms.
-template <typename WB, int TPB, bool kNormed, int NT>
-__global__ void __launch_bounds__(32 * kMmaWarps, 1) prompt_mma_kernel(const PromptMmaArgs a) {
+template <typename WB, int kMaxKS, bool kNormed, int NT>
+__global__ void __launch_bounds__(32 * kMmaWarps, 1) prompt_mma_kernel(const PromptMmaArgs a, const int tpb) {
   constexpr int W = kMmaWarps, kThreads = 32 * W;
-  constexpr int KS = W / TPB;  // warps that split one tile's K
+  const int KS = W / tpb;  // warps that split one tile's K (<= kMaxKS)
   extern __shared__ __align__(16) unsigned char mma_smem[];
   const int K = a.W.cols, nb = a.W.nb;
   constexpr int n_tiles = NT, n_rows = 8 * NT;
   const MmaSmem lay(K, n_tiles);
   uint4* x_s = reinterpret_cast<uint4*>(mma_smem);
-  // After the MMA loop: [ks][TPB * 16 rows][n_rows + 1]; the odd row stride keeps the epilogue's reads, 16 or 32
+  // After the MMA loop: [ks][tpb * 16 rows][n_rows + 1]; the odd row stride keeps the epilogue's reads, 16 or 32
   // consecutive rows of one token, on distinct banks.
   float* red = reinterpret_cast<float*>(mma_smem);
   const int red_ld = n_rows + 1;
@@ -174,9 +175,10 @@ __global__ void __launch_bounds__(32 * kMmaWarps, 1) prompt_mma_kernel(const Pro
   float* rms_s = reinterpret_cast<float*>(mma_smem + lay.rms_off);
 
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, c = lane & 3;
-  // Warp w computes tile w % TPB of the block's TPB tiles over the weight blocks w / TPB, + KS, + 2 KS, ...
-  const int my_tile = warp % TPB, ks = warp / TPB;
-  const int rows[2] = {tile_row(a, blockIdx.x * TPB + my_tile, g), tile_row(a, blockIdx.x * TPB + my_tile, g + 8)};
+  // Warp w computes tile w % tpb of the block's tpb tiles over the weight blocks w / tpb, + KS, + 2 KS, ...; the
+  // warps past tpb * KS have no blocks.
+  const int my_tile = warp % tpb, ks = warp / tpb;
+  const int rows[2] = {tile_row(a, blockIdx.x * tpb + my_tile, g), tile_row(a, blockIdx.x * tpb + my_tile, g + 8)};
   // Loads this warp's j-th weight block of its tile (-1 rows past the matrix), as the weight loaders take them.
   auto load_block = [&](int j, WB& w) {
     const int blk = ks + j * KS;
@@ -187,8 +189,8 @@ __global__ void __launch_bounds__(32 * kMmaWarps, 1) prompt_mma_kernel(const Pro
 
   // Before the wait: this warp's first weight blocks, and the norm weights (neither depends on earlier kernels).
   detail::launch_dependents();
-  const int my_blocks = (nb - ks + KS - 1) / KS;
-  constexpr int kPre = mma_prefetch<WB, KS>();
+  const int my_blocks = ks < KS ? (nb - ks + KS - 1) / KS : 0;
+  constexpr int kPre = mma_prefetch<WB, kMaxKS>();
   WB pre[kPre];
 #pragma unroll
   for (int j = 0; j < kPre; ++j)
@@ -289,12 +291,12 @@ __global__ void __launch_bounds__(32 * kMmaWarps, 1) prompt_mma_kernel(const Pro
     }
   }
 
-  // Sum the K-split warps' partial tiles in a fixed order: red is [ks][the block's TPB * 16 rows][token].
-  constexpr int kRows = TPB * kMmaTileRows;
+  // Sum the K-split warps' partial tiles in a fixed order: red is [ks][the block's tpb * 16 rows][token].
+  const int kRows = tpb * kMmaTileRows;
   __syncthreads();  // every warp is done reading x_s, which red overlays, and has written its ss_s
 #pragma unroll
   for (int nt = 0; nt < kMmaMaxTiles; ++nt) {
-    if (nt < n_tiles) {
+    if (nt < n_tiles && ks < KS) {
       const int t0 = nt * 8 + 2 * c;
       float* r = red + (ks * kRows + my_tile * kMmaTileRows) * red_ld;
       r[g * red_ld + t0] = acc[nt][0];
@@ -305,20 +307,20 @@ __global__ void __launch_bounds__(32 * kMmaWarps, 1) prompt_mma_kernel(const Pro
   }
   if (kNormed && threadIdx.x < n_rows) {  // 1/rms of token threadIdx.x (the projection is linear: applied to the outputs)
     float sq = 0.f;
-    for (int w = 0; w < W; w += TPB) sq += ss_s[w * n_rows + threadIdx.x];  // the warps of tile 0 cover K once
+    for (int w = 0; w < KS * tpb; w += tpb) sq += ss_s[w * n_rows + threadIdx.x];  // the warps of tile 0 cover K once
     rms_s[threadIdx.x] = 1.f / sqrtf(sq / static_cast<float>(K) + a.eps);
   }
   __syncthreads();
-  auto tile_sum = [&](int r, int t) {  // r: row of the block's TPB * 16
+  auto tile_sum = [&](int r, int t) {  // r: row of the block's tpb * 16
     float v = 0.f;
     for (int k = 0; k < KS; ++k) v += red[(k * kRows + r) * red_ld + t];
     return kNormed ? v * rms_s[t] : v;
   };
   if (a.out_kind == PromptMmaOut::SiluHalf) {
     // Column j = 8 * tile + r of h = silu(gate) * up, in the slot layout the down projection reads.
-    for (int i = threadIdx.x; i < a.n * 8 * TPB; i += kThreads) {
-      const int t = i / (8 * TPB), q = i % (8 * TPB), rt = q / 8, r = q % 8;
-      const int j = 8 * (blockIdx.x * TPB + rt) + r;
+    for (int i = threadIdx.x; i < a.n * 8 * tpb; i += kThreads) {
+      const int t = i / (8 * tpb), q = i % (8 * tpb), rt = q / 8, r = q % 8;
+      const int j = 8 * (blockIdx.x * tpb + rt) + r;
       if (j >= a.d_ff) continue;
       const float gv = tile_sum(rt * kMmaTileRows + r, t), uv = tile_sum(rt * kMmaTileRows + r + 8, t);
       detail::store_operand(gv / (1.f + expf(-gv)) * uv, t, j, a.d_ff, a.out_slots);
@@ -340,41 +342,32 @@ int row_tiles(const PromptMmaArgs& a) {
   return a.out_kind == PromptMmaOut::SiluHalf ? (a.d_ff + 7) / 8 : (a.W.rows + kMmaTileRows - 1) / kMmaTileRows;
 }
 
-// Row tiles per block: the fewest (1, 2 or 4) that keep the grid in one wave. H200, 32-token prompt (NOTES, "CUDA,
-// session 29"): SmolLM2-1.7B 3.17 -> 2.98 ms against two tiles a block wherever there were more than 128 tiles (3.38
-// ms with the one-ahead loads).
+// Row tiles per block: the fewest that keep the grid in one wave (up to 16 a block, one warp each).
 int row_tiles_per_block(const PromptMmaArgs& a) {
-  const int tiles = row_tiles(a);
   const int sms = device_attribute(cudaDevAttrMultiProcessorCount);
-  return tiles <= sms ? 1 : tiles <= 2 * sms ? 2 : 4;
+  return std::min(kMmaWarps, (row_tiles(a) + sms - 1) / sms);
 }
 
-template <typename WB, int TPB, int NT>
+template <typename WB, int NT>
 void launch_typed(const PromptMmaArgs& a, cudaStream_t s) {
   const MmaSmem lay(a.W.cols, NT);
-  const int tiles = row_tiles(a);
-  auto* kernel = a.x != nullptr ? prompt_mma_kernel<WB, TPB, true, NT> : prompt_mma_kernel<WB, TPB, false, NT>;
+  const int tiles = row_tiles(a), tpb = row_tiles_per_block(a);
+  auto* kernel = tpb == 1 ? (a.x != nullptr ? prompt_mma_kernel<WB, kMmaWarps, true, NT>
+                                            : prompt_mma_kernel<WB, kMmaWarps, false, NT>)
+                          : (a.x != nullptr ? prompt_mma_kernel<WB, kMmaWarps / 2, true, NT>
+                                            : prompt_mma_kernel<WB, kMmaWarps / 2, false, NT>);
   detail::allow_dynamic_smem(kernel, static_cast<size_t>(lay.total));
-  detail::launch_programmatic(kernel, dim3((tiles + TPB - 1) / TPB), dim3(32 * kMmaWarps),
-                              static_cast<size_t>(lay.total), s, a);
-}
-
-template <typename WB, int TPB>
-void launch_typed(const PromptMmaArgs& a, cudaStream_t s) {
-  static_assert(kMmaMaxTiles == 4, "one case per token-tile count");
-  switch ((a.n + 7) / 8) {
-    case 1: launch_typed<WB, TPB, 1>(a, s); break;
-    case 2: launch_typed<WB, TPB, 2>(a, s); break;
-    case 3: launch_typed<WB, TPB, 3>(a, s); break;
-    default: launch_typed<WB, TPB, 4>(a, s); break;
-  }
+  detail::launch_programmatic(kernel, dim3((tiles + tpb - 1) / tpb), dim3(32 * kMmaWarps),
+                              static_cast<size_t>(lay.total), s, a, tpb);
 }
 
 template <typename WB>
 void launch_typed(const PromptMmaArgs& a, cudaStream_t s) {
-  switch (row_tiles_per_block(a)) {
+  static_assert(kMmaMaxTiles == 4, "one case per token-tile count");
+  switch ((a.n + 7) / 8) {
     case 1: launch_typed<WB, 1>(a, s); break;
     case 2: launch_typed<WB, 2>(a, s); break;
+    case 3: launch_typed<WB, 3>(a, s); break;
     default: launch_typed<WB, 4>(a, s); break;
   }
 }

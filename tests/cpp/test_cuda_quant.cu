@@ -408,10 +408,13 @@ TEST(CudaQuant, PromptMmaProjectionsAtRealShapes) {
       {{GgmlType::Q4_K, GgmlType::Q6_K}, 2048, 512, PromptMmaOut::SiluHalf, true},   // kWide8 gate/up
       {{GgmlType::Q3_K}, 512, 1536, PromptMmaOut::AddResidual, false},               // kWide8
       {{GgmlType::Q5_0, GgmlType::Q8_0}, 896, 896, PromptMmaOut::Store, true},      // widened to Q8_0
-      // More row tiles than two a SM, so four tiles a block: Qwen2.5-0.5B's gate/up, SmolLM2-1.7B's QKV and gate/up.
+      // More row tiles than SMs, so several tiles a block (row_tiles_per_block; on a 132-SM GPU): Qwen2.5-0.5B's
+      // gate/up (608 tiles: 5 a block, 3 warps a tile, one warp left over), SmolLM2-1.7B's QKV (384: 3 a block, 5
+      // warps a tile) and gate/up (1,024: 8 a block, 2 warps a tile), and 2,000 tiles (16 a block, one warp a tile).
       {{GgmlType::Q5_0, GgmlType::Q5_0}, 9728, 896, PromptMmaOut::SiluHalf, true},
       {{GgmlType::Q4_0}, 6144, 2048, PromptMmaOut::Store, true},
       {{GgmlType::Q4_0, GgmlType::Q4_0}, 16384, 2048, PromptMmaOut::SiluHalf, true},
+      {{GgmlType::Q8_0}, 32000, 576, PromptMmaOut::Store, true},
   };
   for (const Case& cs : cases) {
     const int K = cs.cols, d_ff = cs.out == PromptMmaOut::SiluHalf ? cs.rows / 2 : 0;
