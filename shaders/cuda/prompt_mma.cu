@@ -108,9 +108,10 @@ struct MmaSmem {
 };
 
 // Copies X into shared memory, one 16-byte slot (4 values) per cp.async, token rows past n zeroed; ends with
-// __syncthreads. An rmsnorm'ed input stays fp32 here: the MMA loop scales it by the norm weights and splits it into
-// [hi | lo] as it loads each fragment (each value is read by exactly one lane, so converting there costs no more than
-// a separate pass, and saves that pass's barrier and shared-memory round trip). Each warp copies whole token rows, so
+// __syncthreads. An rmsnorm'ed input stays fp32 here: at one tile a block the MMA loop scales it by the norm weights
+// and splits it into [hi | lo] as it loads each fragment (each value is read by exactly one lane, so converting there
+// costs no more than a separate pass, and saves that pass's barrier and shared-memory round trip); where tpb tiles
+// share a block each value is read by tpb lanes, and the kernel converts it once in place after staging (convert_x). Each warp copies whole token rows, so
 // there is no per-element index arithmetic. The arguments are copied into registers first: cp.async's memory clobber
 // would otherwise make the compiler reload them from the parameter space in every iteration (measured: +30%
 // instructions in the down projection).
@@ -153,14 +154,21 @@ __device__ __forceinline__ int tile_row(const PromptMmaArgs& a, int tile, int r)
 // redundant staging of X, as every block converts the whole X); kMaxKS: 16 where tpb is 1, else 8 (at most that many
 // warps split a tile's K: it sets how many weight blocks a warp can load before the wait). kNormed: the input is fp32
 // rows to rmsnorm (a.x), else slot rows (a.x_slots). NT: token tiles of 8 (n <= 8 * NT). Both are template
-// parameters so that the MMA loop has no runtime tests: with a runtime token-tile count ptxas turned each tile's fragment load and MMAs into a branch of its own,
-// recomputing the shared-memory address every time (SASS: 1,400 instructions in the slot kernel's loop against 650).
+// parameters so that the MMA loop has no runtime tests: with a runtime token-tile count ptxas turned each tile's
+// fragment load and MMAs into a branch of its own, recomputing the shared-memory address every time (SASS: 1,400 instructions in the slot kernel's loop against 650).
 // That and the argument reloads stage_x now avoids made the first version of this kernel slower than its
 // predecessor (H100 pp1 0.57 -> 0.77 ms); with both fixed, pp1 is 0.43 ms.
 template <typename WB, int kMaxKS, bool kNormed, int NT>
-__global__ void __launch_bounds__(32 * kMmaWarps, 1) prompt_mma_kernel(const PromptMmaArgs a, const int tpb) {
+__global__ void __launch_bounds__(32 * kMmaWarps, 1) prompt_mma_kernel(const PromptMmaArgs a, const int tpb_arg) {
   constexpr int W = kMmaWarps, kThreads = 32 * W;
+  // One tile a block is a compile-time geometry (its instantiation has kMaxKS == W), so that its index arithmetic
+  // folds as when tpb was a template parameter (the all-runtime form measured SmolLM2-135M's pp32 +14%, session 30).
+  const int tpb = kMaxKS == W ? 1 : tpb_arg;
   const int KS = W / tpb;  // warps that split one tile's K (<= kMaxKS)
+  // A normed X that several tiles share is scaled by the norm weights and split into [hi | lo] once per block, in
+  // place in shared memory (convert_x), rather than by each of the tpb warps reading it inside the MMA loop.
+  constexpr bool kConvert = kNormed && kMaxKS < W;
+  constexpr bool kLoopNorm = kNormed && !kConvert;
   extern __shared__ __align__(16) unsigned char mma_smem[];
   const int K = a.W.cols, nb = a.W.nb;
   constexpr int n_tiles = NT, n_rows = 8 * NT;
@@ -206,7 +214,31 @@ __global__ void __launch_bounds__(32 * kMmaWarps, 1) prompt_mma_kernel(const Pro
   WB cur;
   if (kPre < my_blocks) load_block(kPre, cur);
 
+  float ss_own[kMmaMaxTiles / 2] = {};  // kConvert: sums of squares of tokens warp, warp + 16
+  // kConvert: the staged chunk (cols columns) scaled by the norm weights and split into [hi | lo] slots in place; warp
+  // w takes tokens w and w + 16 and adds their squares to ss_own.
+  auto convert_x = [&](int cols) {
+    if constexpr (kConvert) {
+      const int stride_c = slot_stride(Kc);
+#pragma unroll
+      for (int h = 0; h < kMmaMaxTiles / 2; ++h) {
+        const int t = warp + W * h;
+        if (t < n_rows) {
+          float sq = 0.f;
+          for (int q = lane; q < cols / 4; q += 32) {
+            uint4* p = &x_s[t * stride_c + q];
+            const float4 v = *reinterpret_cast<const float4*>(p), nw = reinterpret_cast<const float4*>(norm_s)[q];
+            sq += (v.x * v.x + v.y * v.y) + (v.z * v.z + v.w * v.w);
+            *p = split_slot(make_float4(v.x * nw.x, v.y * nw.y, v.z * nw.z, v.w * nw.w));
+          }
+          ss_own[h] += sq;
+        }
+      }
+      __syncthreads();
+    }
+  };
   stage_x<kNormed, W>(a, K, Kc, 0, min(K, Kc), n_rows, x_s);
+  convert_x(min(K, Kc));
 
   float acc[kMmaMaxTiles][4];
 #pragma unroll
@@ -233,12 +265,12 @@ __global__ void __launch_bounds__(32 * kMmaWarps, 1) prompt_mma_kernel(const Pro
       wb.a_regs(step, ar);
       const int slot = (blk - blk0) * 8 + 4 * step + c;
       float4 nw;
-      if constexpr (kNormed) nw = reinterpret_cast<const float4*>(norm_s)[slot];
+      if constexpr (kLoopNorm) nw = reinterpret_cast<const float4*>(norm_s)[slot];
 #pragma unroll
       for (int nt = 0; nt < kMmaMaxTiles; ++nt) {
         if (nt < n_tiles) {
           uint4 xv = x_s[(nt * 8 + g) * stride + slot];
-          if constexpr (kNormed) {
+          if constexpr (kLoopNorm) {
             const float4 v = *reinterpret_cast<const float4*>(&xv);
             ss[nt] += (v.x * v.x + v.y * v.y) + (v.z * v.z + v.w * v.w);
             const float4 y = make_float4(v.x * nw.x, v.y * nw.y, v.z * nw.z, v.w * nw.w);
@@ -270,6 +302,7 @@ __global__ void __launch_bounds__(32 * kMmaWarps, 1) prompt_mma_kernel(const Pro
     if (blk0 > 0) {
       __syncthreads();  // every warp is done with the previous chunk
       stage_x<kNormed, W>(a, K, Kc, 32 * blk0, min(K - 32 * blk0, Kc), n_rows, x_s, kNormed ? norm_s : nullptr);
+      convert_x(min(K - 32 * blk0, Kc));
     }
     for (; j < my_blocks && ks + j * KS < blk0 + chunk_blocks; ++j) {
       WB next;
@@ -279,7 +312,7 @@ __global__ void __launch_bounds__(32 * kMmaWarps, 1) prompt_mma_kernel(const Pro
     }
   }
 
-  if constexpr (kNormed) {  // this warp's sum of squares per token, for 1/rms below
+  if constexpr (kLoopNorm) {  // this warp's sum of squares per token, for 1/rms below
 #pragma unroll
     for (int nt = 0; nt < kMmaMaxTiles; ++nt) {
       if (nt < n_tiles) {
@@ -288,6 +321,14 @@ __global__ void __launch_bounds__(32 * kMmaWarps, 1) prompt_mma_kernel(const Pro
         v += __shfl_xor_sync(0xffffffffu, v, 2);
         if (c == 0) ss_s[warp * n_rows + nt * 8 + g] = v;
       }
+    }
+  } else if constexpr (kConvert) {  // the whole sums of squares of this warp's tokens
+#pragma unroll
+    for (int h = 0; h < kMmaMaxTiles / 2; ++h) {
+      float v = ss_own[h];
+#pragma unroll
+      for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+      if (lane == 0 && warp + W * h < n_rows) ss_s[warp + W * h] = v;
     }
   }
 
@@ -307,13 +348,17 @@ __global__ void __launch_bounds__(32 * kMmaWarps, 1) prompt_mma_kernel(const Pro
   }
   if (kNormed && threadIdx.x < n_rows) {  // 1/rms of token threadIdx.x (the projection is linear: applied to the outputs)
     float sq = 0.f;
-    for (int w = 0; w < KS * tpb; w += tpb) sq += ss_s[w * n_rows + threadIdx.x];  // the warps of tile 0 cover K once
+    if constexpr (kConvert) sq = ss_s[threadIdx.x];
+    else
+      for (int w = 0; w < W; ++w) sq += ss_s[w * n_rows + threadIdx.x];
     rms_s[threadIdx.x] = 1.f / sqrtf(sq / static_cast<float>(K) + a.eps);
   }
   __syncthreads();
   auto tile_sum = [&](int r, int t) {  // r: row of the block's tpb * 16
     float v = 0.f;
-    for (int k = 0; k < KS; ++k) v += red[(k * kRows + r) * red_ld + t];
+#pragma unroll
+    for (int k = 0; k < kMaxKS; ++k)  // a compile-time bound, so that the loads issue together
+      if (k < KS) v += red[(k * kRows + r) * red_ld + t];
     return kNormed ? v * rms_s[t] : v;
   };
   if (a.out_kind == PromptMmaOut::SiluHalf) {
