@@ -209,10 +209,14 @@ __global__ void __launch_bounds__(32 * kMmaWarps, 1) prompt_mma_kernel(const Pro
     for (int i = threadIdx.x; i < Kc / 4; i += kThreads) detail::cp_async16(norm_s + 4 * i, norm_w + 4 * i);
   }
   detail::grid_dependency_wait();
-  // The weight blocks past the prefetched ones go one ahead of the MMAs that use them, the first now, while X is
-  // staged and the prefetched blocks are multiplied.
-  WB cur;
+  // The weight blocks past the prefetched ones go kAhead ahead of the MMAs that use them, the first now, while X is
+  // staged and the prefetched blocks are multiplied: two where the loop holds no norm state (slot inputs and
+  // converted X), one where the per-lane norm's registers leave no room (the one-tile normed instantiations are at
+  // the 128-register limit of 16 warps).
+  constexpr int kAhead = kLoopNorm ? 1 : 2;
+  WB cur, nxt;
   if (kPre < my_blocks) load_block(kPre, cur);
+  if (kAhead > 1 && kPre + 1 < my_blocks) load_block(kPre + 1, nxt);
 
   float ss_own[kMmaMaxTiles / 2] = {};  // kConvert: sums of squares of tokens warp, warp + 16
   // kConvert: the staged chunk (cols columns) scaled by the norm weights and split into [hi | lo] slots in place; warp
@@ -306,9 +310,14 @@ __global__ void __launch_bounds__(32 * kMmaWarps, 1) prompt_mma_kernel(const Pro
     }
     for (; j < my_blocks && ks + j * KS < blk0 + chunk_blocks; ++j) {
       WB next;
-      if (j + 1 < my_blocks) load_block(j + 1, next);
+      if (j + kAhead < my_blocks) load_block(j + kAhead, next);
       do_block(cur, ks + j * KS, blk0);
-      cur = next;
+      if constexpr (kAhead > 1) {
+        cur = nxt;
+        nxt = next;
+      } else {
+        cur = next;
+      }
     }
   }
 
