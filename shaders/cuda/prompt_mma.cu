@@ -31,6 +31,7 @@
 // projection is linear). Shared rows are padded by 64 bytes so that the eight lanes of a quarter-warp (2 tokens x 4
 // slots) hit distinct banks.
 #include <algorithm>
+#include <type_traits>
 
 #include "cuda/cuda_check.h"
 #include "kernels.cuh"
@@ -211,9 +212,12 @@ __global__ void __launch_bounds__(32 * kMmaWarps, 1) prompt_mma_kernel(const Pro
   detail::grid_dependency_wait();
   // The weight blocks past the prefetched ones go kAhead ahead of the MMAs that use them, the first now, while X is
   // staged and the prefetched blocks are multiplied: two where the loop holds no norm state (slot inputs and
-  // converted X), one where the per-lane norm's registers leave no room (the one-tile normed instantiations are at
-  // the 128-register limit of 16 warps).
-  constexpr int kAhead = kLoopNorm ? 1 : 2;
+  // converted X) and the type's blocks are small enough, one where that would spill (ptxas: Q5_K, Q6_K, Q8_0 and the
+  // kWide8 blocks; the one-tile normed instantiations are at the 128-register limit of 16 warps already).
+  constexpr bool kSmallBlock = std::is_same_v<WB, WBlock<GgmlType::Q4_0>> || std::is_same_v<WB, WBlock<GgmlType::Q4_1>> ||
+                               std::is_same_v<WB, WBlock<GgmlType::Q5_0>> || std::is_same_v<WB, WBlock<GgmlType::Q5_1>> ||
+                               std::is_same_v<WB, WBlock<GgmlType::Q4_K>>;
+  constexpr int kAhead = !kLoopNorm && kSmallBlock ? 2 : 1;
   WB cur, nxt;
   if (kPre < my_blocks) load_block(kPre, cur);
   if (kAhead > 1 && kPre + 1 < my_blocks) load_block(kPre + 1, nxt);
