@@ -7,14 +7,14 @@
 // attention, O+residual, norm+gate/up+SiLU, down+residual), each loading its weights into registers before it waits
 // for its predecessor.
 //
-// Geometry: a block of 16 warps owns tpb 16-row tiles of W (one MMA m16 tile each) for all tokens, tpb the fewest
-// that keep the grid in one wave (row_tiles_per_block); each warp computes one tile, and KS = 16 / tpb warps of a tile
-// split the 32-column weight blocks of K (warp w: tile w % tpb, blocks w / tpb + j * KS; the 16 - tpb * KS warps
-// left over only stage X) and sum their partial tiles through shared memory at the end. Every block stages the whole activation matrix X (m tokens x K) in shared memory
-// once (in chunks of kMmaChunkCols columns where 32 tokens of it do not fit, as at SmolLM2-1.7B's widths). One block
-// fills an SM (X's shared memory), and the kernel is bound by the latency of each warp's chain of loads,
-// dequantization and MMAs, not by bytes (ncu: the L2 at 1.7-2.5 TB/s; benchmarks/NOTES.md, session 17): more warps a
-// block and weight loads ahead of their MMAs are what made it faster (session 29).
+// Geometry: a block of 16 warps owns tpb 16-row tiles of W (one MMA m16 tile each) for all tokens, tpb the fewest that
+// keep the grid in one wave (row_tiles_per_block); each warp computes one tile, and KS = 16 / tpb warps of a tile split
+// the 32-column weight blocks of K (warp w: tile w % tpb, blocks w / tpb + j * KS; the 16 - tpb * KS warps left over
+// only stage X) and sum their partial tiles through shared memory at the end. Every block stages the whole activation
+// matrix X (m tokens x K) in shared memory once (in chunks of kMmaChunkCols columns where 32 tokens of it do not fit,
+// as at SmolLM2-1.7B's widths). One block fills an SM (X's shared memory), and the kernel is bound by the latency of
+// each warp's chain of loads, dequantization and MMAs, not by bytes (ncu: the L2 at 1.7-2.5 TB/s; benchmarks/NOTES.md,
+// session 17): more warps a block and weight loads ahead of their MMAs are what made it faster (session 29).
 //
 // Numerics: the weights enter the MMA exactly (integer quants as fp16, the per-block scale d applied in fp32 after
 // the block's MMAs, the Q4_1 minimum m times the block's activation sum); an activation travels as fp16 hi + lo
@@ -112,12 +112,12 @@ struct MmaSmem {
 // __syncthreads. An rmsnorm'ed input stays fp32 here: at one tile a block the MMA loop scales it by the norm weights
 // and splits it into [hi | lo] as it loads each fragment (each value is read by exactly one lane, so converting there
 // costs no more than a separate pass, and saves that pass's barrier and shared-memory round trip); where tpb tiles
-// share a block each value is read by tpb lanes, and the kernel converts it once in place after staging (convert_x). Each warp copies whole token rows, so
-// there is no per-element index arithmetic. The arguments are copied into registers first: cp.async's memory clobber
-// would otherwise make the compiler reload them from the parameter space in every iteration (measured: +30%
-// instructions in the down projection).
-// One chunk: the columns [col0, col0 + cols) of K (chunk_cols wide in shared memory; the last chunk may be narrower),
-// and with norm_s set (a later chunk of a normed input) the chunk's norm weights too.
+// share a block each value is read by tpb lanes, and the kernel converts it once in place after staging (convert_x).
+// Each warp copies whole token rows, so there is no per-element index arithmetic. The arguments are copied into
+// registers first: cp.async's memory clobber would otherwise make the compiler reload them from the parameter space in
+// every iteration (measured: +30% instructions in the down projection). One chunk: the columns [col0, col0 + cols) of K
+// (chunk_cols wide in shared memory; the last chunk may be narrower), and with norm_s set (a later chunk of a normed
+// input) the chunk's norm weights too.
 template <bool kNormed, int W>
 __device__ void stage_x(const PromptMmaArgs& a, int K, int chunk_cols, int col0, int cols, int n_rows, uint4* x_s,
                         float* norm_s = nullptr) {
@@ -154,11 +154,11 @@ __device__ __forceinline__ int tile_row(const PromptMmaArgs& a, int tile, int r)
 // tpb row tiles per block (more than one where the tiles outnumber the SMs: fewer blocks, and with them less of the
 // redundant staging of X, as every block converts the whole X); kMaxKS: 16 where tpb is 1, else 8 (at most that many
 // warps split a tile's K: it sets how many weight blocks a warp can load before the wait). kNormed: the input is fp32
-// rows to rmsnorm (a.x), else slot rows (a.x_slots). NT: token tiles of 8 (n <= 8 * NT). Both are template
-// parameters so that the MMA loop has no runtime tests: with a runtime token-tile count ptxas turned each tile's
-// fragment load and MMAs into a branch of its own, recomputing the shared-memory address every time (SASS: 1,400 instructions in the slot kernel's loop against 650).
-// That and the argument reloads stage_x now avoids made the first version of this kernel slower than its
-// predecessor (H100 pp1 0.57 -> 0.77 ms); with both fixed, pp1 is 0.43 ms.
+// rows to rmsnorm (a.x), else slot rows (a.x_slots). NT: token tiles of 8 (n <= 8 * NT). Both are template parameters
+// so that the MMA loop has no runtime tests: with a runtime token-tile count ptxas turned each tile's fragment load and
+// MMAs into a branch of its own, recomputing the shared-memory address every time (SASS: 1,400 instructions in the slot
+// kernel's loop against 650). That and the argument reloads stage_x now avoids made the first version of this kernel
+// slower than its predecessor (H100 pp1 0.57 -> 0.77 ms); with both fixed, pp1 is 0.43 ms.
 template <typename WB, int kMaxKS, bool kNormed, int NT>
 __global__ void __launch_bounds__(32 * kMmaWarps, 1) prompt_mma_kernel(const PromptMmaArgs a, const int tpb_arg) {
   constexpr int W = kMmaWarps, kThreads = 32 * W;
@@ -212,11 +212,13 @@ __global__ void __launch_bounds__(32 * kMmaWarps, 1) prompt_mma_kernel(const Pro
   detail::grid_dependency_wait();
   // The weight blocks past the prefetched ones go kAhead ahead of the MMAs that use them, the first now, while X is
   // staged and the prefetched blocks are multiplied: two where the loop holds no norm state (slot inputs and
-  // converted X) and the type's blocks are small enough, one where that would spill (ptxas: Q5_K, Q6_K, Q8_0 and the
-  // kWide8 blocks; the one-tile normed instantiations are at the 128-register limit of 16 warps already).
-  constexpr bool kSmallBlock = std::is_same_v<WB, WBlock<GgmlType::Q4_0>> || std::is_same_v<WB, WBlock<GgmlType::Q4_1>> ||
-                               std::is_same_v<WB, WBlock<GgmlType::Q5_0>> || std::is_same_v<WB, WBlock<GgmlType::Q5_1>> ||
-                               std::is_same_v<WB, WBlock<GgmlType::Q4_K>>;
+  // converted X) and the type's blocks are small enough, one where that would spill (ptxas: Q5_K, Q6_K and Q8_0;
+  // the one-tile normed instantiations are at the 128-register limit of 16 warps already). H200, session 30: 1.7B
+  // TTFT -1.1%, Qwen2.5 -0.6%, pp1 -2 to -3%; SmolLM2-135M even.
+  constexpr bool kSmallBlock =
+      std::is_same_v<WB, WBlock<GgmlType::Q4_0>> || std::is_same_v<WB, WBlock<GgmlType::Q4_1>> ||
+      std::is_same_v<WB, WBlock<GgmlType::Q5_0>> || std::is_same_v<WB, WBlock<GgmlType::Q5_1>> ||
+      std::is_same_v<WB, WBlock<GgmlType::Q4_K>>;
   constexpr int kAhead = !kLoopNorm && kSmallBlock ? 2 : 1;
   WB cur, nxt;
   if (kPre < my_blocks) load_block(kPre, cur);
