@@ -415,6 +415,12 @@ TEST(CudaQuant, PromptMmaProjectionsAtRealShapes) {
       {{GgmlType::Q4_0}, 6144, 2048, PromptMmaOut::Store, true},
       {{GgmlType::Q4_0, GgmlType::Q4_0}, 16384, 2048, PromptMmaOut::SiluHalf, true},
       {{GgmlType::Q8_0}, 32000, 576, PromptMmaOut::Store, true},
+      // The same several-tiles-a-block geometry (a normed X converted once a block) for the types with a min or a
+      // scale per 16: Llama 3.2 1B's gate/up (Q4_K, 1,024 tiles) and QKV widths (3,072 rows at Q6_K, 2 a block), and
+      // Q4_1 at 160 tiles.
+      {{GgmlType::Q4_K, GgmlType::Q4_K}, 16384, 2048, PromptMmaOut::SiluHalf, true},
+      {{GgmlType::Q6_K}, 3072, 2048, PromptMmaOut::Store, true},
+      {{GgmlType::Q4_1}, 2560, 576, PromptMmaOut::Store, true},
   };
   for (const Case& cs : cases) {
     const int K = cs.cols, d_ff = cs.out == PromptMmaOut::SiluHalf ? cs.rows / 2 : 0;
