@@ -180,7 +180,7 @@ __global__ void __launch_bounds__(32 * kMmaWarps, 1) prompt_mma_kernel(const Pro
   float* red = reinterpret_cast<float*>(mma_smem);
   const int red_ld = n_rows + 1;
   float* norm_s = reinterpret_cast<float*>(mma_smem + lay.norm_off);
-  float* ss_s = reinterpret_cast<float*>(mma_smem + lay.ss_off);  // [warp][token]
+  float* ss_s = reinterpret_cast<float*>(mma_smem + lay.ss_off);  // [warp][token]; kConvert: [token]
   float* rms_s = reinterpret_cast<float*>(mma_smem + lay.rms_off);
 
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, c = lane & 3;
@@ -224,6 +224,7 @@ __global__ void __launch_bounds__(32 * kMmaWarps, 1) prompt_mma_kernel(const Pro
   if (kPre < my_blocks) load_block(kPre, cur);
   if (kAhead > 1 && kPre + 1 < my_blocks) load_block(kPre + 1, nxt);
 
+  static_assert(W * (kMmaMaxTiles / 2) == 8 * kMmaMaxTiles, "convert_x: two token rows a warp cover the tokens");
   float ss_own[kMmaMaxTiles / 2] = {};  // kConvert: sums of squares of tokens warp, warp + 16
   // kConvert: the staged chunk (cols columns) scaled by the norm weights and split into [hi | lo] slots in place; warp
   // w takes tokens w and w + 16 and adds their squares to ss_own.
