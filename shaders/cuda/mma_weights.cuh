@@ -25,6 +25,9 @@ namespace metalattn::cuda::mma {
 // Weight blocks per warp the few-token kernel loads before its programmatic wait (d_ff 1536 / 8 warps / 32); the
 // long-prompt GEMM keeps a chunk of blocks in flight instead and ignores kPrefetch.
 constexpr int kMmaPrefetch = 6;
+// kAhead: how many blocks ahead of their MMAs the few-token kernel loads the blocks past those (where its loop holds
+// no per-lane norm state): two where the kernel's instantiations still fit 128 registers, one where two spilled
+// (ptxas, session 30: Q5_K, Q6_K, Q8_0). H200: two ahead was -1.1% on SmolLM2-1.7B's first token, -0.6% on Qwen2.5's.
 
 // The two rows a thread feeds the MMA (tile rows g and g + 8), one block: payload words and scales.
 template <GgmlType T>
@@ -61,6 +64,7 @@ constexpr uint32_t kHalf1024x2 = 0x64006400u;
 template <>
 struct WBlock<GgmlType::Q4_0> {
   static constexpr int kPrefetch = kMmaPrefetch;
+  static constexpr int kAhead = 2;
   static constexpr bool kStepScales = false;
   static constexpr bool kHasMin = false;
   static constexpr bool kWeightLo = false;
@@ -85,6 +89,7 @@ struct WBlock<GgmlType::Q4_0> {
 template <>
 struct WBlock<GgmlType::Q4_1> {
   static constexpr int kPrefetch = kMmaPrefetch;
+  static constexpr int kAhead = 2;
   static constexpr bool kStepScales = false;
   static constexpr bool kHasMin = true;
   static constexpr bool kWeightLo = false;
@@ -113,6 +118,7 @@ struct WBlock<GgmlType::Q4_1> {
 template <>
 struct WBlock<GgmlType::Q8_0> {
   static constexpr int kPrefetch = kMmaPrefetch;
+  static constexpr int kAhead = 1;
   static constexpr bool kStepScales = false;
   static constexpr bool kHasMin = false;
   static constexpr bool kWeightLo = false;
@@ -160,6 +166,7 @@ struct WBlockQ5K {
   static constexpr bool kHasMin = T != GgmlType::Q5_0;
   static constexpr bool kWeightLo = false;
   static constexpr int kPrefetch = kMmaPrefetch;
+  static constexpr int kAhead = T == GgmlType::Q5_K ? 1 : 2;
   static constexpr bool kStepScales = false;
   uint32_t w[2], h[2];
   float2 sm[2];  // scale, min: fp16 d (and m) widened, or the K-quants' mma_scales
@@ -207,6 +214,7 @@ struct WBlock<GgmlType::Q5_K> : WBlockQ5K<GgmlType::Q5_K> {};
 template <>
 struct WBlock<GgmlType::Q6_K> {
   static constexpr int kPrefetch = 4;
+  static constexpr int kAhead = 1;
   static constexpr bool kStepScales = true;
   static constexpr bool kHasMin = false;
   static constexpr bool kWeightLo = false;
@@ -239,6 +247,7 @@ struct WBlock<GgmlType::Q6_K> {
 // int8 words c and 4 + c as Q8_0, fp32 scale and min per step.
 struct WBlockWide8 {
   static constexpr int kPrefetch = 3;
+  static constexpr int kAhead = 1;
   static constexpr bool kStepScales = true;
   static constexpr bool kHasMin = true;
   static constexpr bool kWeightLo = false;

@@ -31,7 +31,6 @@
 // projection is linear). Shared rows are padded by 64 bytes so that the eight lanes of a quarter-warp (2 tokens x 4
 // slots) hit distinct banks.
 #include <algorithm>
-#include <type_traits>
 
 #include "cuda/cuda_check.h"
 #include "kernels.cuh"
@@ -211,15 +210,10 @@ __global__ void __launch_bounds__(32 * kMmaWarps, 1) prompt_mma_kernel(const Pro
   }
   detail::grid_dependency_wait();
   // The weight blocks past the prefetched ones go kAhead ahead of the MMAs that use them, the first now, while X is
-  // staged and the prefetched blocks are multiplied: two where the loop holds no norm state (slot inputs and
-  // converted X) and the type's blocks are small enough, one where that would spill (ptxas: Q5_K, Q6_K and Q8_0;
-  // the one-tile normed instantiations are at the 128-register limit of 16 warps already). H200, session 30: 1.7B
-  // TTFT -1.1%, Qwen2.5 -0.6%, pp1 -2 to -3%; SmolLM2-135M even.
-  constexpr bool kSmallBlock =
-      std::is_same_v<WB, WBlock<GgmlType::Q4_0>> || std::is_same_v<WB, WBlock<GgmlType::Q4_1>> ||
-      std::is_same_v<WB, WBlock<GgmlType::Q5_0>> || std::is_same_v<WB, WBlock<GgmlType::Q5_1>> ||
-      std::is_same_v<WB, WBlock<GgmlType::Q4_K>>;
-  constexpr int kAhead = !kLoopNorm && kSmallBlock ? 2 : 1;
+  // staged and the prefetched blocks are multiplied: the type's own depth (WB::kAhead, mma_weights.cuh) where the
+  // loop holds no norm state (slot inputs and converted X), one where it does (the one-tile normed instantiations are
+  // at the 128-register limit of 16 warps already).
+  constexpr int kAhead = kLoopNorm ? 1 : WB::kAhead;
   WB cur, nxt;
   if (kPre < my_blocks) load_block(kPre, cur);
   if (kAhead > 1 && kPre + 1 < my_blocks) load_block(kPre + 1, nxt);
@@ -304,7 +298,7 @@ __global__ void __launch_bounds__(32 * kMmaWarps, 1) prompt_mma_kernel(const Pro
     }
     if constexpr (!WB::kStepScales) apply(0);
   };
-  // The prefetched blocks all lie in the first chunk (chunk_blocks >= W * kPre).
+  // The prefetched blocks all lie in the first chunk (chunk_blocks >= kMaxKS * kPre >= KS * kPre).
 #pragma unroll
   for (int j = 0; j < kPre; ++j)
     if (j < my_blocks) do_block(pre[j], ks + j * KS, 0);
@@ -341,21 +335,19 @@ __global__ void __launch_bounds__(32 * kMmaWarps, 1) prompt_mma_kernel(const Pro
   } else if constexpr (kConvert) {  // the whole sums of squares of this warp's tokens
 #pragma unroll
     for (int h = 0; h < kMmaMaxTiles / 2; ++h) {
-      float v = ss_own[h];
-#pragma unroll
-      for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+      const float v = detail::warp_sum(ss_own[h]);
       if (lane == 0 && warp + W * h < n_rows) ss_s[warp + W * h] = v;
     }
   }
 
   // Sum the K-split warps' partial tiles in a fixed order: red is [ks][the block's tpb * 16 rows][token].
-  const int kRows = tpb * kMmaTileRows;
+  const int block_rows = tpb * kMmaTileRows;
   __syncthreads();  // every warp is done reading x_s, which red overlays, and has written its ss_s
 #pragma unroll
   for (int nt = 0; nt < kMmaMaxTiles; ++nt) {
     if (nt < n_tiles && ks < KS) {
       const int t0 = nt * 8 + 2 * c;
-      float* r = red + (ks * kRows + my_tile * kMmaTileRows) * red_ld;
+      float* r = red + (ks * block_rows + my_tile * kMmaTileRows) * red_ld;
       r[g * red_ld + t0] = acc[nt][0];
       r[g * red_ld + t0 + 1] = acc[nt][1];
       r[(g + 8) * red_ld + t0] = acc[nt][2];
@@ -374,7 +366,7 @@ __global__ void __launch_bounds__(32 * kMmaWarps, 1) prompt_mma_kernel(const Pro
     float v = 0.f;
 #pragma unroll
     for (int k = 0; k < kMaxKS; ++k)  // a compile-time bound, so that the loads issue together
-      if (k < KS) v += red[(k * kRows + r) * red_ld + t];
+      if (k < KS) v += red[(k * block_rows + r) * red_ld + t];
     return kNormed ? v * rms_s[t] : v;
   };
   if (a.out_kind == PromptMmaOut::SiluHalf) {
@@ -388,9 +380,9 @@ __global__ void __launch_bounds__(32 * kMmaWarps, 1) prompt_mma_kernel(const Pro
     }
     return;
   }
-  for (int i = threadIdx.x; i < a.n * kRows; i += kThreads) {
-    const int t = i / kRows, r = i % kRows;
-    const int row = blockIdx.x * kRows + r;
+  for (int i = threadIdx.x; i < a.n * block_rows; i += kThreads) {
+    const int t = i / block_rows, r = i % block_rows;
+    const int row = blockIdx.x * block_rows + r;
     if (row >= a.W.rows) continue;
     const float v = tile_sum(r, t);
     float* y = a.y + static_cast<int64_t>(t) * a.W.rows + row;
