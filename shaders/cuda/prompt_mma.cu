@@ -430,33 +430,35 @@ void launch_typed(const PromptMmaArgs& a, cudaStream_t s) {
 constexpr int kFewAttnThreads = 128;
 constexpr int kFewAttnTile = 64;  // keys per shared-memory tile
 constexpr int kFewHd = 64;
-constexpr int kFewKStride = kFewHd + 4;  // padded K rows: the two threads of a key read different banks
+constexpr int kFewKStride = kFewHd + 4;  // padded K rows: a quarter warp's float4 loads of 8 rows hit distinct banks
+constexpr int kFewQueries = kFewAttnThreads / 32;  // prompt tokens a block: one a warp
 
 struct FewAttnSmem {
   float k[kFewAttnTile][kFewKStride];
   float v[kFewAttnTile][kFewHd];
-  float q[kFewHd];
-  float p[kFewAttnTile];
-  float pv[2][kFewHd];
-  float max_run, sum_run, alpha;
+  float q[kFewQueries][kFewHd];
+  float p[kFewQueries][kFewAttnTile];
 };
 
-// One block per (query head, prompt token): RoPE of the token's q, the KV-head group's first head appends the
-// token's roped k and plain v to the cache, then attention over keys 0..pos0+t in tiles of kFewAttnTile (online
-// softmax): keys before pos0 come from the (fp16) cache, the prompt's own keys from the raw QKV rows (roped and
-// rounded to fp16 here exactly as the append does, never read back from the cache, which other blocks are writing).
-// Output: the slot layout the O projection reads.
+// One block per (query head, kFewQueries prompt tokens), a warp per token: RoPE of the token's q, the KV-head group's
+// first head appends the tokens' roped k and plain v to the cache, then attention over keys 0..pos0+t in tiles of
+// kFewAttnTile that the block's warps share (each tile loaded once for its tokens), each warp keeping its own online
+// softmax: keys before pos0 come from the (fp16) cache, the prompt's own keys from the raw QKV rows (roped and rounded
+// to fp16 here exactly as the append does, never read back from the cache, which other blocks are writing). Lane l of
+// a warp scores keys l and l + 32 of a tile and accumulates output dims l and l + 32. Output: the slot layout the O
+// projection reads.
 __global__ void __launch_bounds__(kFewAttnThreads) attention_prompt_few_kernel(const FewAttnArgs a) {
   extern __shared__ __align__(16) unsigned char few_smem_raw[];
   FewAttnSmem& sm = *reinterpret_cast<FewAttnSmem*>(few_smem_raw);
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
-  const int h = blockIdx.x, t = blockIdx.y, group = a.n_heads / a.n_kv_heads, kvh = h / group;
+  const int h = blockIdx.x, t0 = blockIdx.y * kFewQueries, t = t0 + warp, group = a.n_heads / a.n_kv_heads;
+  const int kvh = h / group;
   const int q_dim = a.n_heads * kFewHd, kv_dim = a.n_kv_heads * kFewHd, qkv_rows = q_dim + 2 * kv_dim;
+  const bool live = t < a.n;  // warp-uniform: the block's last warps may have no token
   // The start position was copied in before this graph began, so it may be read before the wait.
   const int pos0 = *a.pos0_dev, p = pos0 + t;
-  const float2* rope_p = a.rope_table + static_cast<int64_t>(p) * (kFewHd / 2);
-  const float2 cs = tid < kFewHd / 2 ? rope_p[tid] : make_float2(1.f, 0.f);
-  const int n_keys = p + 1;
+  const int n_keys = pos0 + min(a.n, t0 + kFewQueries);  // the keys of the block's last token
+  const float2 cs = live ? a.rope_table[static_cast<int64_t>(p) * (kFewHd / 2) + lane] : make_float2(1.f, 0.f);
   // The RoPE factors of the first tile's prompt keys, also loaded before the wait (kFewRopePerThread per thread).
   constexpr int kFewRopePerThread = kFewAttnTile * (kFewHd / 2) / kFewAttnThreads;
   float2 rope0[kFewRopePerThread];
@@ -469,15 +471,10 @@ __global__ void __launch_bounds__(kFewAttnThreads) attention_prompt_few_kernel(c
   detail::grid_dependency_wait();
   detail::launch_dependents();
 
-  if (tid == 0) {
-    sm.max_run = -INFINITY;
-    sm.sum_run = 0.f;
-  }
-  const int d = tid & (kFewHd - 1), half = tid / kFewHd;  // P.V: output dim d, keys of parity `half`
-  float acc = 0.f;
+  float m_run = -INFINITY, l_run = 0.f, acc0 = 0.f, acc1 = 0.f;  // this warp's token: dims lane, lane + 32
   for (int j0 = 0; j0 < n_keys; j0 += kFewAttnTile) {
     const int rows = min(kFewAttnTile, n_keys - j0);
-    __syncthreads();  // the previous tile is consumed (and q, max_run published on the first pass)
+    __syncthreads();  // every warp is done with the previous tile
     for (int i = tid; i < rows * (kFewHd / 4); i += kFewAttnThreads) {
       const int r = i / (kFewHd / 4), c = 4 * (i % (kFewHd / 4)), j = j0 + r;
       float4* kd = reinterpret_cast<float4*>(&sm.k[r][c]);
@@ -492,17 +489,17 @@ __global__ void __launch_bounds__(kFewAttnThreads) attention_prompt_few_kernel(c
         *vd = detail::kv_round4(*reinterpret_cast<const float4*>(row + kv_dim));
       }
     }
-    if (j0 == 0 && tid < kFewHd / 2) {  // while the first tile is in flight: q, and the cache append
+    if (j0 == 0 && live) {  // while the first tile is in flight: this warp's q, and its token's cache append
       const float* row = a.qkv + static_cast<int64_t>(t) * qkv_rows;
-      const float2 q = *reinterpret_cast<const float2*>(row + h * kFewHd + 2 * tid);
+      const float2 q = *reinterpret_cast<const float2*>(row + h * kFewHd + 2 * lane);
       constexpr float kScale = 0.125f * 1.4426950408889634f;  // 1/sqrt(64) * log2(e): scores in base 2
-      sm.q[2 * tid] = (q.x * cs.x - q.y * cs.y) * kScale;
-      sm.q[2 * tid + 1] = (q.x * cs.y + q.y * cs.x) * kScale;
+      sm.q[warp][2 * lane] = (q.x * cs.x - q.y * cs.y) * kScale;
+      sm.q[warp][2 * lane + 1] = (q.x * cs.y + q.y * cs.x) * kScale;
       if (h % group == 0) {
-        const float2 k = *reinterpret_cast<const float2*>(row + q_dim + kvh * kFewHd + 2 * tid);
-        const float2 v = *reinterpret_cast<const float2*>(row + q_dim + kv_dim + kvh * kFewHd + 2 * tid);
-        __half* kc = a.k_cache + static_cast<int64_t>(p) * kv_dim + kvh * kFewHd + 2 * tid;
-        __half* vc = a.v_cache + static_cast<int64_t>(p) * kv_dim + kvh * kFewHd + 2 * tid;
+        const float2 k = *reinterpret_cast<const float2*>(row + q_dim + kvh * kFewHd + 2 * lane);
+        const float2 v = *reinterpret_cast<const float2*>(row + q_dim + kv_dim + kvh * kFewHd + 2 * lane);
+        __half* kc = a.k_cache + static_cast<int64_t>(p) * kv_dim + kvh * kFewHd + 2 * lane;
+        __half* vc = a.v_cache + static_cast<int64_t>(p) * kv_dim + kvh * kFewHd + 2 * lane;
         kc[0] = detail::kv_store(k.x * cs.x - k.y * cs.y);
         kc[1] = detail::kv_store(k.x * cs.y + k.y * cs.x);
         vc[0] = detail::kv_store(v.x);
@@ -533,46 +530,53 @@ __global__ void __launch_bounds__(kFewAttnThreads) attention_prompt_few_kernel(c
       }
     }
     __syncthreads();
-    // Scores: two threads per key, 32 dims each.
-    {
-      const int r = tid >> 1, part = tid & 1;
-      float s = 0.f;
-      if (r < rows) {
+    const int n_mine = live ? min(rows, p + 1 - j0) : 0;  // the tile's keys this warp's token sees (causal)
+    if (n_mine > 0) {
+      // Scores: lane takes keys lane and lane + 32, all 64 dims (q is read by every lane at once: a broadcast).
+      float s0 = -INFINITY, s1 = -INFINITY;
+      const float4* q4 = reinterpret_cast<const float4*>(sm.q[warp]);
+      if (lane < n_mine) {
+        const float4* k4 = reinterpret_cast<const float4*>(sm.k[lane]);
+        float s = 0.f;
 #pragma unroll
-        for (int c = 0; c < kFewHd / 2; c += 4) {
-          const float4 k4 = *reinterpret_cast<const float4*>(&sm.k[r][part * 32 + c]);
-          const float4 q4 = *reinterpret_cast<const float4*>(&sm.q[part * 32 + c]);
-          s += (k4.x * q4.x + k4.y * q4.y) + (k4.z * q4.z + k4.w * q4.w);
+        for (int c = 0; c < kFewHd / 4; ++c) {
+          const float4 kv = k4[c], qv = q4[c];
+          s += (kv.x * qv.x + kv.y * qv.y) + (kv.z * qv.z + kv.w * qv.w);
         }
+        s0 = s;
       }
-      s += __shfl_xor_sync(0xffffffffu, s, 1);
-      if (r < rows && part == 0) sm.p[r] = s;
-    }
-    __syncthreads();
-    if (warp == 0) {  // online softmax bookkeeping for the tile
-      const float s0 = lane < rows ? sm.p[lane] : -INFINITY, s1 = lane + 32 < rows ? sm.p[lane + 32] : -INFINITY;
-      const float m_old = sm.max_run, m_new = fmaxf(m_old, detail::warp_max(fmaxf(s0, s1)));
-      const float e0 = lane < rows ? exp2f(s0 - m_new) : 0.f, e1 = lane + 32 < rows ? exp2f(s1 - m_new) : 0.f;
-      if (lane < rows) sm.p[lane] = e0;
-      if (lane + 32 < rows) sm.p[lane + 32] = e1;
-      const float tile_sum = detail::warp_sum(e0 + e1);
+      if (lane + 32 < n_mine) {
+        const float4* k4 = reinterpret_cast<const float4*>(sm.k[lane + 32]);
+        float s = 0.f;
+#pragma unroll
+        for (int c = 0; c < kFewHd / 4; ++c) {
+          const float4 kv = k4[c], qv = q4[c];
+          s += (kv.x * qv.x + kv.y * qv.y) + (kv.z * qv.z + kv.w * qv.w);
+        }
+        s1 = s;
+      }
+      // Online softmax of this warp's token (lane 0's key is always live, so m_new is finite).
+      const float m_new = fmaxf(m_run, detail::warp_max(fmaxf(s0, s1)));
+      const float e0 = lane < n_mine ? exp2f(s0 - m_new) : 0.f, e1 = lane + 32 < n_mine ? exp2f(s1 - m_new) : 0.f;
+      const float alpha = exp2f(m_run - m_new);  // 0 on the first tile (m_run = -inf)
+      l_run = l_run * alpha + detail::warp_sum(e0 + e1);
+      m_run = m_new;
+      sm.p[warp][lane] = e0;
+      sm.p[warp][lane + 32] = e1;
       __syncwarp();
-      if (lane == 0) {
-        const float alpha = exp2f(m_old - m_new);  // 0 on the first tile (m_old = -inf)
-        sm.alpha = alpha;
-        sm.sum_run = sm.sum_run * alpha + tile_sum;
-        sm.max_run = m_new;
+      acc0 *= alpha;
+      acc1 *= alpha;
+      for (int r = 0; r < n_mine; ++r) {
+        const float pr = sm.p[warp][r];
+        acc0 += pr * sm.v[r][lane];
+        acc1 += pr * sm.v[r][lane + 32];
       }
+      __syncwarp();  // p is read before the next tile writes it
     }
-    __syncthreads();
-    acc *= sm.alpha;
-    for (int r = half; r < rows; r += 2) acc += sm.p[r] * sm.v[r][d];
   }
-  sm.pv[half][d] = acc;
-  __syncthreads();
-  if (tid < kFewHd) {
-    const float o = (sm.pv[0][tid] + sm.pv[1][tid]) / sm.sum_run;
-    detail::store_operand(o, t, h * kFewHd + tid, q_dim, a.out_slots);
+  if (live) {
+    detail::store_operand(acc0 / l_run, t, h * kFewHd + lane, q_dim, a.out_slots);
+    detail::store_operand(acc1 / l_run, t, h * kFewHd + lane + 32, q_dim, a.out_slots);
   }
 }
 
@@ -622,7 +626,8 @@ void launch_attention_prompt_few(const FewAttnArgs& a, cudaStream_t s) {
   if (a.n < 1 || a.n > kPromptMmaMaxTokens) throw EngineError("launch_attention_prompt_few: token count out of range");
   if (a.head_dim != kFewHd || a.n_kv_heads <= 0 || a.n_heads % a.n_kv_heads != 0)
     throw EngineError("launch_attention_prompt_few: needs head_dim 64 and whole query-head groups");
-  detail::launch_programmatic(attention_prompt_few_kernel, dim3(a.n_heads, a.n), dim3(kFewAttnThreads),
+  detail::launch_programmatic(attention_prompt_few_kernel,
+                              dim3(a.n_heads, (a.n + kFewQueries - 1) / kFewQueries), dim3(kFewAttnThreads),
                               sizeof(FewAttnSmem), s, a);
 }
 
