@@ -533,28 +533,19 @@ __global__ void __launch_bounds__(kFewAttnThreads) attention_prompt_few_kernel(c
     const int n_mine = live ? min(rows, p + 1 - j0) : 0;  // the tile's keys this warp's token sees (causal)
     if (n_mine > 0) {
       // Scores: lane takes keys lane and lane + 32, all 64 dims (q is read by every lane at once: a broadcast).
-      float s0 = -INFINITY, s1 = -INFINITY;
       const float4* q4 = reinterpret_cast<const float4*>(sm.q[warp]);
-      if (lane < n_mine) {
-        const float4* k4 = reinterpret_cast<const float4*>(sm.k[lane]);
+      auto score = [&](int r) {  // key r of the tile against this warp's q
+        const float4* k4 = reinterpret_cast<const float4*>(sm.k[r]);
         float s = 0.f;
 #pragma unroll
         for (int c = 0; c < kFewHd / 4; ++c) {
           const float4 kv = k4[c], qv = q4[c];
           s += (kv.x * qv.x + kv.y * qv.y) + (kv.z * qv.z + kv.w * qv.w);
         }
-        s0 = s;
-      }
-      if (lane + 32 < n_mine) {
-        const float4* k4 = reinterpret_cast<const float4*>(sm.k[lane + 32]);
-        float s = 0.f;
-#pragma unroll
-        for (int c = 0; c < kFewHd / 4; ++c) {
-          const float4 kv = k4[c], qv = q4[c];
-          s += (kv.x * qv.x + kv.y * qv.y) + (kv.z * qv.z + kv.w * qv.w);
-        }
-        s1 = s;
-      }
+        return s;
+      };
+      const float s0 = lane < n_mine ? score(lane) : -INFINITY;
+      const float s1 = lane + 32 < n_mine ? score(lane + 32) : -INFINITY;
       // Online softmax of this warp's token (lane 0's key is always live, so m_new is finite).
       const float m_new = fmaxf(m_run, detail::warp_max(fmaxf(s0, s1)));
       const float e0 = lane < n_mine ? exp2f(s0 - m_new) : 0.f, e1 = lane + 32 < n_mine ? exp2f(s1 - m_new) : 0.f;
