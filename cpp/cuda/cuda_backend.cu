@@ -200,7 +200,10 @@ CudaBackend::CudaBackend(const ModelSpec& spec, const ModelWeights& w, bool debu
     CUDA_CHECK(cudaStreamSynchronize(res_.stream));  // `table` dies here
   }
 
-  prompt_mma_ = !general_ && env_flag("METALATTN_CUDA_PROMPT_MMA", true) && spec.head_dim == 64;
+  // The Llama layer with Q/K/V biases or NeoX pairs (Qwen 2) runs the plain prompt path too, its QKV rows finished
+  // by launch_qkv_finish (arch.cuh) before the attention (cuda_backend.h, prompt_finish_).
+  prompt_finish_ = general_ && fused_decode_;
+  prompt_mma_ = (!general_ || prompt_finish_) && env_flag("METALATTN_CUDA_PROMPT_MMA", true) && spec.head_dim == 64;
   for (const DevLayer& dl : layers_)
     prompt_mma_ = prompt_mma_ && prompt_mma_supported(dl.qkv.type, dl.qkv.cols, 0) &&
                   prompt_mma_supported(dl.o.type, dl.o.cols, 0) &&
@@ -466,7 +469,7 @@ void CudaBackend::ensure_all_logits_buffer() {
 // the last token's norm+lm_head+argmax. Our kernels launch with PDL (unless METALATTN_CUDA_PDL=0). Chunks of at most
 // kPromptMmaMaxTokens tokens run 5 launches per layer instead, whose projections split K (prompt_mma.cu).
 void CudaBackend::enqueue_prefill_chunk(int m, const int32_t* io, PrefillVariant variant) {
-  if (general_) return enqueue_prefill_chunk_general(m, io);
+  if (general_ && !prompt_finish_) return enqueue_prefill_chunk_general(m, io);
   const ProgrammaticLaunchScope pdl_scope(use_pdl_);
   const ModelSpec& s = spec_;
   cudaStream_t st = res_.stream;
@@ -484,7 +487,9 @@ void CudaBackend::enqueue_prefill_chunk(int m, const int32_t* io, PrefillVariant
       qkv.y = pc_;
       launch_prompt_mma(qkv, st);
       after_launch();
-      if (variant == kPrefillFewAttention) {
+      if (prompt_finish_) {
+        enqueue_finished_attention(L, m, io, kc, vc);
+      } else if (variant == kPrefillFewAttention) {
         FewAttnArgs fa;
         fa.qkv = pc_;
         fa.n = m;
@@ -507,8 +512,12 @@ void CudaBackend::enqueue_prefill_chunk(int m, const int32_t* io, PrefillVariant
     launch_rmsnorm_to_half(px_, m, d, L.attn_norm, s.rms_eps, pa_, st);
     after_launch();
     gemm(L.qkv, m, pc_, false);
-    launch_rope_attention_prefill(pc_, m, io, rope_, s.n_heads, s.n_kv_heads, s.head_dim, kc, vc, pq_, pa_, st);
-    after_launch();
+    if (prompt_finish_) {
+      enqueue_finished_attention(L, m, io, kc, vc);
+    } else {
+      launch_rope_attention_prefill(pc_, m, io, rope_, s.n_heads, s.n_kv_heads, s.head_dim, kc, vc, pq_, pa_, st);
+      after_launch();
+    }
     gemm(L.o, m, px_, true);  // added into the residual stream
     launch_rmsnorm_to_half(px_, m, d, L.ffn_norm, s.rms_eps, pa_, st);
     after_launch();
@@ -519,6 +528,17 @@ void CudaBackend::enqueue_prefill_chunk(int m, const int32_t* io, PrefillVariant
   }
   launch_norm_matvec_argmax(lm_head_, px_ + static_cast<size_t>(m - 1) * d, out_norm_, s.rms_eps, logits_, argmax_,
                             result_dev_, nullptr, st);
+  after_launch();
+}
+
+// The attention of a prompt chunk whose raw QKV rows (pc_) need the general finish (prompt_finish_): bias and RoPE in
+// either pairing by launch_qkv_finish, which writes the roped q rows to pq_ and appends k and v to the cache, then the
+// prompt attention over those q rows and the cache into the operand rows pa_.
+void CudaBackend::enqueue_finished_attention(const DevLayer& L, int m, const int32_t* io, __half* kc, __half* vc) {
+  const ModelSpec& s = spec_;
+  launch_qkv_finish(finish_args(L, pc_, m, io, pq_, kc, vc), res_.stream);
+  after_launch();
+  launch_attention_prefill_at(pq_, kc, vc, m, io, s.n_heads, s.n_kv_heads, s.head_dim, pa_, res_.stream);
   after_launch();
 }
 

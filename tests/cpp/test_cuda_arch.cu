@@ -668,7 +668,8 @@ TEST(CudaArch, WholeModelsMatchCpuBackend) {
     SCOPED_TRACE(c.name);
     auto m = make_arch_model(c);
     EXPECT_EQ(m->spec.plain_llama(), c.plain_expected);
-    // Qwen 2's layer (biases, NeoX pairs) decodes on the fused kernels; its prompts take the general path.
+    // Qwen 2's layer (biases, NeoX pairs) decodes on the fused kernels; its prompts take the plain path's kernels with
+    // the general QKV finish (short prompts: 1, 2, 5 and 8 tokens on the few-token projections; 37, 63 and 100 not).
     const bool fused_decode = c.plain_expected || std::string(c.name) == "qwen2";
     EXPECT_EQ(m->spec.llama_layer_up_to_qkv(), fused_decode);
     auto gpu = make_cuda_backend(m->spec, m->w, false);
@@ -891,7 +892,8 @@ TEST(CudaArch, RefusesHeadDimBeyondTheKernels) {
 }
 
 // Batched decode (forward_batch) against the scalar CPU backend's, on the plain Llama path (tensor-core projections,
-// 40 slots: five parallel chains of 8 rows, the last joining late) and the general path (Qwen 2 biases, Gemma 3 windows and post-norms):
+// 40 slots: five parallel chains of 8 rows, the last joining late; Qwen 2 with biases and NeoX pairs on the same
+// projections) and the general path (Gemma 3 windows and post-norms):
 // sequences of different lengths in their own slots, rows in an order that is not the slots', a row joining late,
 // and each batch shape run several times (graph capture from a shape's second use). Slot-0 decode afterwards still
 // matches: the batch left it alone.
