@@ -487,37 +487,14 @@ void CudaBackend::enqueue_prefill_chunk(int m, const int32_t* io, PrefillVariant
       qkv.y = pc_;
       launch_prompt_mma(qkv, st);
       after_launch();
-      if (prompt_finish_) {
-        enqueue_finished_attention(L, m, io, kc, vc);
-      } else if (variant == kPrefillFewAttention) {
-        FewAttnArgs fa;
-        fa.qkv = pc_;
-        fa.n = m;
-        fa.pos0_dev = io;
-        fa.rope_table = rope_;
-        fa.k_cache = kc;
-        fa.v_cache = vc;
-        fa.n_heads = s.n_heads;
-        fa.n_kv_heads = s.n_kv_heads;
-        fa.head_dim = s.head_dim;
-        fa.out_slots = pa_;
-        launch_attention_prompt_few(fa, st);
-      } else {
-        launch_rope_attention_prefill(pc_, m, io, rope_, s.n_heads, s.n_kv_heads, s.head_dim, kc, vc, pq_, pa_, st);
-      }
-      after_launch();
+      enqueue_prompt_attention(L, m, io, kc, vc, variant);
       enqueue_mma_o_ffn(L, m, pa_, px_, st);
       continue;
     }
     launch_rmsnorm_to_half(px_, m, d, L.attn_norm, s.rms_eps, pa_, st);
     after_launch();
     gemm(L.qkv, m, pc_, false);
-    if (prompt_finish_) {
-      enqueue_finished_attention(L, m, io, kc, vc);
-    } else {
-      launch_rope_attention_prefill(pc_, m, io, rope_, s.n_heads, s.n_kv_heads, s.head_dim, kc, vc, pq_, pa_, st);
-      after_launch();
-    }
+    enqueue_prompt_attention(L, m, io, kc, vc, variant);
     gemm(L.o, m, px_, true);  // added into the residual stream
     launch_rmsnorm_to_half(px_, m, d, L.ffn_norm, s.rms_eps, pa_, st);
     after_launch();
@@ -531,14 +508,36 @@ void CudaBackend::enqueue_prefill_chunk(int m, const int32_t* io, PrefillVariant
   after_launch();
 }
 
-// The attention of a prompt chunk whose raw QKV rows (pc_) need the general finish (prompt_finish_): bias and RoPE in
-// either pairing by launch_qkv_finish, which writes the roped q rows to pq_ and appends k and v to the cache, then the
-// prompt attention over those q rows and the cache into the operand rows pa_.
-void CudaBackend::enqueue_finished_attention(const DevLayer& L, int m, const int32_t* io, __half* kc, __half* vc) {
+// The attention of a prompt chunk from its raw QKV rows (pc_) into the operand rows pa_, appending its k and v rows to
+// the layer's cache: the few-token kernel (kPrefillFewAttention; it adds Q/K/V biases and turns NeoX pairs itself), or
+// the tensor-core prefill attention, which for a prompt_finish_ model reads q rows that launch_qkv_finish has biased
+// and roped (into pq_, k and v into the cache) the launch before.
+void CudaBackend::enqueue_prompt_attention(const DevLayer& L, int m, const int32_t* io, __half* kc, __half* vc,
+                                           PrefillVariant variant) {
   const ModelSpec& s = spec_;
-  launch_qkv_finish(finish_args(L, pc_, m, io, pq_, kc, vc), res_.stream);
-  after_launch();
-  launch_attention_prefill_at(pq_, kc, vc, m, io, s.n_heads, s.n_kv_heads, s.head_dim, pa_, res_.stream);
+  cudaStream_t st = res_.stream;
+  if (variant == kPrefillFewAttention) {
+    FewAttnArgs fa;
+    fa.qkv = pc_;
+    fa.bias = L.qkv_bias;
+    fa.neox = s.rope_style == RopeStyle::Neox;
+    fa.n = m;
+    fa.pos0_dev = io;
+    fa.rope_table = rope_;
+    fa.k_cache = kc;
+    fa.v_cache = vc;
+    fa.n_heads = s.n_heads;
+    fa.n_kv_heads = s.n_kv_heads;
+    fa.head_dim = s.head_dim;
+    fa.out_slots = pa_;
+    launch_attention_prompt_few(fa, st);
+  } else if (prompt_finish_) {
+    launch_qkv_finish(finish_args(L, pc_, m, io, pq_, kc, vc), st);
+    after_launch();
+    launch_attention_prefill_at(pq_, kc, vc, m, io, s.n_heads, s.n_kv_heads, s.head_dim, pa_, st);
+  } else {
+    launch_rope_attention_prefill(pc_, m, io, rope_, s.n_heads, s.n_kv_heads, s.head_dim, kc, vc, pq_, pa_, st);
+  }
   after_launch();
 }
 

@@ -229,11 +229,12 @@ class CudaBackend final : public Backend {
   // Decode on the fused kernels of kernels.cuh: the plain Llama layer, and also the Llama layer with Q/K/V biases or
   // NeoX RoPE pairs (Qwen 2) (the K/V cache layout is the same).
   bool fused_decode_ = false;
-  // The plain path's prompt chunks and batches for a general_ model of the fused_decode_ kind (Qwen 2): the same
-  // projections, with the QKV rows finished by launch_qkv_finish before a prompt attention that reads roped q rows
-  // (enqueue_finished_attention), where the plain path's attention kernels rope the raw rows themselves.
+  // The plain path's prompt chunks and batches also serve a general_ model of the fused_decode_ kind (Qwen 2): the
+  // same projections; its few-token attention adds the biases and turns NeoX pairs itself, and longer chunks run
+  // launch_qkv_finish before a prefill attention that reads the roped q rows (enqueue_prompt_attention).
   bool prompt_finish_ = false;
-  void enqueue_finished_attention(const DevLayer& L, int m, const int32_t* io, __half* kc, __half* vc);
+  void enqueue_prompt_attention(const DevLayer& L, int m, const int32_t* io, __half* kc, __half* vc,
+                                PrefillVariant variant);
   float* g_qkv_ = nullptr;     // decode: raw QKV projections [q_dim + 2 kv_dim]
   float* g_tmp_ = nullptr;     // decode: O / down projection before its post-norm [d_model]
   float* g_xalt_ = nullptr;    // decode with post-norms: the residual stream's second buffer [d_model] (PreAdd)

@@ -775,12 +775,14 @@ struct PromptMmaArgs {
   int d_ff = 0;                     // SiluHalf
 };
 // Causal attention of a prompt chunk of n <= kPromptMmaMaxTokens tokens at positions *pos0_dev.. (head_dim 64),
-// from the raw QKV rows: appends the roped k and the v rows to the caches and writes the attention output in the
-// slot layout (q_dim values per token). Keys are taken in tiles of 64, one after the other, so the backend uses it
+// from the raw QKV rows (plus the Q/K/V biases where given; RoPE on interleaved or NeoX pairs): appends the roped k
+// and the v rows to the caches and writes the attention output in the slot layout (q_dim values per token). Keys are taken in tiles of 64, one after the other, so the backend uses it
 // while pos0 + n <= kPromptFewAttnMaxKeys and the tensor-core prefill attention beyond.
 constexpr int kPromptFewAttnMaxKeys = 256;
 struct FewAttnArgs {
   const float* qkv = nullptr;  // [n][q_dim + 2 kv_dim]
+  const float* bias = nullptr;  // [q_dim + 2 kv_dim] (bq | bk | bv) added to the raw rows, or null (Qwen 2 has them)
+  bool neox = false;            // RoPE turns (i, i + 32) of a head instead of (2i, 2i + 1)
   int n = 0;
   const int32_t* pos0_dev = nullptr;  // written before the graph that reads it starts
   const float2* rope_table = nullptr;

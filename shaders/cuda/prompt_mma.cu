@@ -446,7 +446,9 @@ struct FewAttnSmem {
 // softmax: keys before pos0 come from the (fp16) cache, the prompt's own keys from the raw QKV rows (roped and rounded
 // to fp16 here exactly as the append does, never read back from the cache, which other blocks are writing). Lane l of
 // a warp scores keys l and l + 32 of a tile and accumulates output dims l and l + 32. Output: the slot layout the O
-// projection reads.
+// projection reads. kBias: the raw rows get the Q/K/V biases first; kNeox: RoPE pair l of a head is (l, l + 32), not
+// (2l, 2l + 1) (the cache keeps each value at its own index, as the decode kernels read it).
+template <bool kNeox, bool kBias>
 __global__ void __launch_bounds__(kFewAttnThreads) attention_prompt_few_kernel(const FewAttnArgs a) {
   extern __shared__ __align__(16) unsigned char few_smem_raw[];
   FewAttnSmem& sm = *reinterpret_cast<FewAttnSmem*>(few_smem_raw);
@@ -455,6 +457,22 @@ __global__ void __launch_bounds__(kFewAttnThreads) attention_prompt_few_kernel(c
   const int kvh = h / group;
   const int q_dim = a.n_heads * kFewHd, kv_dim = a.n_kv_heads * kFewHd, qkv_rows = q_dim + 2 * kv_dim;
   const bool live = t < a.n;  // warp-uniform: the block's last warps may have no token
+  // The two elements of a head that this thread turns together: RoPE pair `lane` (the q and the append below, and the
+  // RoPE passes over the key tiles, whose threads all have pair index tid % 32 = lane).
+  const int ia = kNeox ? lane : 2 * lane, ib = kNeox ? lane + kFewHd / 2 : 2 * lane + 1;
+  auto pair_of = [&](const float* head) {  // elements ia, ib of a head's raw row
+    return kNeox ? make_float2(head[ia], head[ib]) : *reinterpret_cast<const float2*>(head + ia);
+  };
+  // The biases this thread adds (weights: loaded before the wait): q's and k's pair, v's pair for the append, and the
+  // four v values at 4 (tid % 16) that it stages in every key tile.
+  float2 bq = make_float2(0.f, 0.f), bk = bq, bv = bq;
+  float4 bv4 = make_float4(0.f, 0.f, 0.f, 0.f);
+  if constexpr (kBias) {
+    bq = pair_of(a.bias + h * kFewHd);
+    bk = pair_of(a.bias + q_dim + kvh * kFewHd);
+    bv = pair_of(a.bias + q_dim + kv_dim + kvh * kFewHd);
+    bv4 = *reinterpret_cast<const float4*>(a.bias + q_dim + kv_dim + kvh * kFewHd + 4 * (tid % (kFewHd / 4)));
+  }
   // The start position was copied in before this graph began, so it may be read before the wait.
   const int pos0 = *a.pos0_dev, p = pos0 + t;
   const int n_keys = pos0 + min(a.n, t0 + kFewQueries);  // the keys of the block's last token
@@ -486,24 +504,25 @@ __global__ void __launch_bounds__(kFewAttnThreads) attention_prompt_few_kernel(c
       } else {  // the prompt's own rows: k raw (turned below), v rounded as the cache holds it
         const float* row = a.qkv + static_cast<int64_t>(j - pos0) * qkv_rows + q_dim + kvh * kFewHd + c;
         detail::cp_async16(kd, row);
-        *vd = detail::kv_round4(*reinterpret_cast<const float4*>(row + kv_dim));
+        const float4 v = *reinterpret_cast<const float4*>(row + kv_dim);
+        *vd = detail::kv_round4(make_float4(v.x + bv4.x, v.y + bv4.y, v.z + bv4.z, v.w + bv4.w));
       }
     }
     if (j0 == 0 && live) {  // while the first tile is in flight: this warp's q, and its token's cache append
       const float* row = a.qkv + static_cast<int64_t>(t) * qkv_rows;
-      const float2 q = *reinterpret_cast<const float2*>(row + h * kFewHd + 2 * lane);
+      const float2 raw_q = pair_of(row + h * kFewHd), q = make_float2(raw_q.x + bq.x, raw_q.y + bq.y);
       constexpr float kScale = 0.125f * 1.4426950408889634f;  // 1/sqrt(64) * log2(e): scores in base 2
-      sm.q[warp][2 * lane] = (q.x * cs.x - q.y * cs.y) * kScale;
-      sm.q[warp][2 * lane + 1] = (q.x * cs.y + q.y * cs.x) * kScale;
+      sm.q[warp][ia] = (q.x * cs.x - q.y * cs.y) * kScale;
+      sm.q[warp][ib] = (q.x * cs.y + q.y * cs.x) * kScale;
       if (h % group == 0) {
-        const float2 k = *reinterpret_cast<const float2*>(row + q_dim + kvh * kFewHd + 2 * lane);
-        const float2 v = *reinterpret_cast<const float2*>(row + q_dim + kv_dim + kvh * kFewHd + 2 * lane);
-        __half* kc = a.k_cache + static_cast<int64_t>(p) * kv_dim + kvh * kFewHd + 2 * lane;
-        __half* vc = a.v_cache + static_cast<int64_t>(p) * kv_dim + kvh * kFewHd + 2 * lane;
-        kc[0] = detail::kv_store(k.x * cs.x - k.y * cs.y);
-        kc[1] = detail::kv_store(k.x * cs.y + k.y * cs.x);
-        vc[0] = detail::kv_store(v.x);
-        vc[1] = detail::kv_store(v.y);
+        const float2 raw_k = pair_of(row + q_dim + kvh * kFewHd), raw_v = pair_of(row + q_dim + kv_dim + kvh * kFewHd);
+        const float2 k = make_float2(raw_k.x + bk.x, raw_k.y + bk.y);
+        __half* kc = a.k_cache + static_cast<int64_t>(p) * kv_dim + kvh * kFewHd;
+        __half* vc = a.v_cache + static_cast<int64_t>(p) * kv_dim + kvh * kFewHd;
+        kc[ia] = detail::kv_store(k.x * cs.x - k.y * cs.y);
+        kc[ib] = detail::kv_store(k.x * cs.y + k.y * cs.x);
+        vc[ia] = detail::kv_store(raw_v.x + bv.x);
+        vc[ib] = detail::kv_store(raw_v.y + bv.y);
       }
     }
     detail::cp_async_wait_all();
@@ -512,21 +531,21 @@ __global__ void __launch_bounds__(kFewAttnThreads) attention_prompt_few_kernel(c
     if (j0 == 0) {
 #pragma unroll
       for (int k = 0; k < kFewRopePerThread; ++k) {
-        const int i = tid + k * kFewAttnThreads, r = i / (kFewHd / 2), c = i % (kFewHd / 2);
+        const int r = (tid + k * kFewAttnThreads) / (kFewHd / 2);  // pair `lane` of row r
         if (r >= rows || r < pos0) continue;
         const float2 f = rope0[k];
-        const float x = sm.k[r][2 * c], y = sm.k[r][2 * c + 1];
-        sm.k[r][2 * c] = detail::kv_round(x * f.x - y * f.y);
-        sm.k[r][2 * c + 1] = detail::kv_round(x * f.y + y * f.x);
+        const float x = sm.k[r][ia] + bk.x, y = sm.k[r][ib] + bk.y;
+        sm.k[r][ia] = detail::kv_round(x * f.x - y * f.y);
+        sm.k[r][ib] = detail::kv_round(x * f.y + y * f.x);
       }
     } else {
       for (int i = tid; i < rows * (kFewHd / 2); i += kFewAttnThreads) {
-        const int r = i / (kFewHd / 2), c = i % (kFewHd / 2), j = j0 + r;
+        const int r = i / (kFewHd / 2), j = j0 + r;  // pair `lane` of row r
         if (j < pos0) continue;
-        const float2 f = a.rope_table[static_cast<int64_t>(j) * (kFewHd / 2) + c];
-        const float x = sm.k[r][2 * c], y = sm.k[r][2 * c + 1];
-        sm.k[r][2 * c] = detail::kv_round(x * f.x - y * f.y);
-        sm.k[r][2 * c + 1] = detail::kv_round(x * f.y + y * f.x);
+        const float2 f = a.rope_table[static_cast<int64_t>(j) * (kFewHd / 2) + lane];
+        const float x = sm.k[r][ia] + bk.x, y = sm.k[r][ib] + bk.y;
+        sm.k[r][ia] = detail::kv_round(x * f.x - y * f.y);
+        sm.k[r][ib] = detail::kv_round(x * f.y + y * f.x);
       }
     }
     __syncthreads();
@@ -617,8 +636,11 @@ void launch_attention_prompt_few(const FewAttnArgs& a, cudaStream_t s) {
   if (a.n < 1 || a.n > kPromptMmaMaxTokens) throw EngineError("launch_attention_prompt_few: token count out of range");
   if (a.head_dim != kFewHd || a.n_kv_heads <= 0 || a.n_heads % a.n_kv_heads != 0)
     throw EngineError("launch_attention_prompt_few: needs head_dim 64 and whole query-head groups");
-  detail::launch_programmatic(attention_prompt_few_kernel,
-                              dim3(a.n_heads, (a.n + kFewQueries - 1) / kFewQueries), dim3(kFewAttnThreads),
+  void (*k)(FewAttnArgs) = a.neox ? (a.bias != nullptr ? attention_prompt_few_kernel<true, true>
+                                                        : attention_prompt_few_kernel<true, false>)
+                                  : (a.bias != nullptr ? attention_prompt_few_kernel<false, true>
+                                                       : attention_prompt_few_kernel<false, false>);
+  detail::launch_programmatic(k, dim3(a.n_heads, (a.n + kFewQueries - 1) / kFewQueries), dim3(kFewAttnThreads),
                               sizeof(FewAttnSmem), s, a);
 }
 

@@ -668,8 +668,9 @@ TEST(CudaArch, WholeModelsMatchCpuBackend) {
     SCOPED_TRACE(c.name);
     auto m = make_arch_model(c);
     EXPECT_EQ(m->spec.plain_llama(), c.plain_expected);
-    // Qwen 2's layer (biases, NeoX pairs) decodes on the fused kernels; its prompts take the plain path's kernels with
-    // the general QKV finish (short prompts: 1, 2, 5 and 8 tokens on the few-token projections; 37, 63 and 100 not).
+    // Qwen 2's layer (biases, NeoX pairs) decodes on the fused kernels; its prompts take the plain path's kernels: up
+    // to 32 tokens (1, 2, 5, 8 below) the few-token attention adds the biases and turns NeoX pairs itself, longer
+    // chunks (37, 63, 100) run the general QKV finish before the prefill attention.
     const bool fused_decode = c.plain_expected || std::string(c.name) == "qwen2";
     EXPECT_EQ(m->spec.llama_layer_up_to_qkv(), fused_decode);
     auto gpu = make_cuda_backend(m->spec, m->w, false);

@@ -251,18 +251,38 @@ TEST(CudaPrompt, MmaProjectionsMatchReferenceAtEveryShape) {
   }
 }
 
+// ref::rope (interleaved pairs) of n_heads heads, or the same turn of the NeoX pairs (i, i + hd / 2).
+static void rope_pairs(float* v, int n_heads, int hd, int pos, bool neox) {
+  if (!neox) return ref::rope(v, n_heads, hd, pos, 100000.f);
+  std::vector<float> pairs(hd);
+  for (int h = 0; h < n_heads; ++h) {
+    float* head = v + h * hd;
+    for (int i = 0; i < hd / 2; ++i) pairs[2 * i] = head[i], pairs[2 * i + 1] = head[i + hd / 2];
+    ref::rope(pairs.data(), 1, hd, pos, 100000.f);
+    for (int i = 0; i < hd / 2; ++i) head[i] = pairs[2 * i], head[i + hd / 2] = pairs[2 * i + 1];
+  }
+}
+
 // Causal attention of a few-token prompt chunk at start positions inside and past the first key tile, against the
-// scalar reference: the few-token kernel and the tensor-core prefill kernel with slot output, from raw QKV rows.
-// Both must append the chunk's roped k / plain v rows to the caches and leave every other cache row alone.
+// scalar reference: the few-token kernel (also with Q/K/V biases and NeoX pairs, Qwen 2's layer, and each alone) and
+// the tensor-core prefill kernel with slot output, from raw QKV rows. Both must append the chunk's roped k / plain v
+// rows to the caches and leave every other cache row alone.
 TEST(CudaPrompt, FewTokenAttentionMatchesReference) {
   REQUIRE_GPU();
   const int n_heads = 9, n_kv = 3, hd = 64, q_dim = 576, kv_dim = 192, rows = q_dim + 2 * kv_dim, n_ctx = 512;
   DevBuf<float2> dtab(rope_table(n_ctx, hd));
+  const std::vector<float> bias = random_vec(rows);
+  DevBuf<float> dbias(bias);
+  struct Variant {
+    bool few, neox, bias;
+  };
   for (int pos0 : {0, 37, 200, 300}) {
     for (int n : {1, 9, 32}) {
-      for (bool few : {true, false}) {
-        SCOPED_TRACE(std::string(few ? "few-token kernel" : "prefill kernel") + ", " + std::to_string(n) +
-                     " tokens at " + std::to_string(pos0));
+      for (const Variant va : {Variant{true, false, false}, Variant{false, false, false}, Variant{true, true, true},
+                               Variant{true, true, false}, Variant{true, false, true}}) {
+        const bool few = va.few;
+        SCOPED_TRACE(std::string(few ? "few-token kernel" : "prefill kernel") + (va.neox ? ", NeoX pairs" : "") +
+                     (va.bias ? ", biases" : "") + ", " + std::to_string(n) + " tokens at " + std::to_string(pos0));
         const std::vector<float> qkv = random_vec(static_cast<size_t>(n) * rows);
         std::vector<float> kc(static_cast<size_t>(n_ctx) * kv_dim), vc(kc.size());
         const std::vector<float> old_k = random_cache(static_cast<size_t>(pos0) * kv_dim),
@@ -281,6 +301,8 @@ TEST(CudaPrompt, FewTokenAttentionMatchesReference) {
         if (few) {
           FewAttnArgs a;
           a.qkv = dqkv.p;
+          a.bias = va.bias ? dbias.p : nullptr;
+          a.neox = va.neox;
           a.n = n;
           a.pos0_dev = dpos.p;
           a.rope_table = dtab.p;
@@ -305,11 +327,14 @@ TEST(CudaPrompt, FewTokenAttentionMatchesReference) {
         std::vector<std::vector<float>> qs(n);
         for (int t = 0; t < n; ++t) {
           const int p = pos0 + t;
-          qs[t].assign(qkv.begin() + t * rows, qkv.begin() + t * rows + q_dim);
-          std::copy(qkv.begin() + t * rows + q_dim, qkv.begin() + t * rows + q_dim + kv_dim, kc.begin() + p * kv_dim);
-          std::copy(qkv.begin() + t * rows + q_dim + kv_dim, qkv.begin() + (t + 1) * rows, vc.begin() + p * kv_dim);
-          ref::rope(qs[t].data(), n_heads, hd, p, 100000.f);
-          ref::rope(kc.data() + p * kv_dim, n_kv, hd, p, 100000.f);
+          std::vector<float> row(qkv.begin() + t * rows, qkv.begin() + (t + 1) * rows);
+          if (va.bias)
+            for (int i = 0; i < rows; ++i) row[i] += bias[i];
+          qs[t].assign(row.begin(), row.begin() + q_dim);
+          std::copy(row.begin() + q_dim, row.begin() + q_dim + kv_dim, kc.begin() + p * kv_dim);
+          std::copy(row.begin() + q_dim + kv_dim, row.end(), vc.begin() + p * kv_dim);
+          rope_pairs(qs[t].data(), n_heads, hd, p, va.neox);
+          rope_pairs(kc.data() + p * kv_dim, n_kv, hd, p, va.neox);
         }
         double cache_err = 0;
         for (size_t i = 0; i < static_cast<size_t>(pos0 + n) * kv_dim; ++i)

@@ -277,8 +277,8 @@ QUANT_CASES = {
     "llama-q5_k_m": dict(n_layers=3, d_model=512, d_ff=1024, n_heads=8, n_kv_heads=4, quant="q5_k",
                          embd_quant="q5_k", output_quant="q6_k", tied=False,
                          quants_by_part={"attn_v": "q6_k", "attn_output": "q5_1", "ffn_down": "q6_k"}),
-    # Qwen2.5-0.5B's shapes and per-layer types (qwen2: the fused decode kernels and the plain path's prompt kernels
-    # with the general QKV finish), fewer layers.
+    # Qwen2.5-0.5B's shapes and per-layer types (qwen2: the fused decode kernels and the plain path's prompt kernels),
+    # fewer layers.
     "qwen2.5-0.5b-q4_k_m": dict(arch="qwen2", n_layers=3, d_model=896, d_ff=4864, n_heads=14, n_kv_heads=2,
                                 rope_base=1e6, rms_eps=1e-6, quant="q5_0", embd_quant="q5_0", output_quant="q8_0",
                                 tied=False, quants_by_part={"attn_v": ["q8_0", "q5_0", "q8_0"],
