@@ -464,9 +464,11 @@ __global__ void __launch_bounds__(kFewAttnThreads) attention_prompt_few_kernel(c
     return kNeox ? make_float2(head[ia], head[ib]) : *reinterpret_cast<const float2*>(head + ia);
   };
   // The biases this thread adds (weights: loaded before the wait): q's and k's pair, v's pair for the append, and the
-  // four v values at 4 (tid % 16) that it stages in every key tile.
-  float2 bq = make_float2(0.f, 0.f), bk = bq, bv = bq;
-  float4 bv4 = make_float4(0.f, 0.f, 0.f, 0.f);
+  // four v values at 4 (tid % 16) that it stages in every key tile. Without kBias nothing is added (x + 0.f is not
+  // x for x = -0.f, so the compiler would keep the additions).
+  float2 bq{}, bk{}, bv{};
+  float4 bv4{};
+  auto add2 = [](float2 x, float2 b) { return kBias ? make_float2(x.x + b.x, x.y + b.y) : x; };
   if constexpr (kBias) {
     bq = pair_of(a.bias + h * kFewHd);
     bk = pair_of(a.bias + q_dim + kvh * kFewHd);
@@ -504,25 +506,26 @@ __global__ void __launch_bounds__(kFewAttnThreads) attention_prompt_few_kernel(c
       } else {  // the prompt's own rows: k raw (turned below), v rounded as the cache holds it
         const float* row = a.qkv + static_cast<int64_t>(j - pos0) * qkv_rows + q_dim + kvh * kFewHd + c;
         detail::cp_async16(kd, row);
-        const float4 v = *reinterpret_cast<const float4*>(row + kv_dim);
-        *vd = detail::kv_round4(make_float4(v.x + bv4.x, v.y + bv4.y, v.z + bv4.z, v.w + bv4.w));
+        float4 v = *reinterpret_cast<const float4*>(row + kv_dim);
+        if constexpr (kBias) v = make_float4(v.x + bv4.x, v.y + bv4.y, v.z + bv4.z, v.w + bv4.w);
+        *vd = detail::kv_round4(v);
       }
     }
     if (j0 == 0 && live) {  // while the first tile is in flight: this warp's q, and its token's cache append
       const float* row = a.qkv + static_cast<int64_t>(t) * qkv_rows;
-      const float2 raw_q = pair_of(row + h * kFewHd), q = make_float2(raw_q.x + bq.x, raw_q.y + bq.y);
+      const float2 q = add2(pair_of(row + h * kFewHd), bq);
       constexpr float kScale = 0.125f * 1.4426950408889634f;  // 1/sqrt(64) * log2(e): scores in base 2
       sm.q[warp][ia] = (q.x * cs.x - q.y * cs.y) * kScale;
       sm.q[warp][ib] = (q.x * cs.y + q.y * cs.x) * kScale;
       if (h % group == 0) {
-        const float2 raw_k = pair_of(row + q_dim + kvh * kFewHd), raw_v = pair_of(row + q_dim + kv_dim + kvh * kFewHd);
-        const float2 k = make_float2(raw_k.x + bk.x, raw_k.y + bk.y);
+        const float2 k = add2(pair_of(row + q_dim + kvh * kFewHd), bk);
+        const float2 v = add2(pair_of(row + q_dim + kv_dim + kvh * kFewHd), bv);
         __half* kc = a.k_cache + static_cast<int64_t>(p) * kv_dim + kvh * kFewHd;
         __half* vc = a.v_cache + static_cast<int64_t>(p) * kv_dim + kvh * kFewHd;
         kc[ia] = detail::kv_store(k.x * cs.x - k.y * cs.y);
         kc[ib] = detail::kv_store(k.x * cs.y + k.y * cs.x);
-        vc[ia] = detail::kv_store(raw_v.x + bv.x);
-        vc[ib] = detail::kv_store(raw_v.y + bv.y);
+        vc[ia] = detail::kv_store(v.x);
+        vc[ib] = detail::kv_store(v.y);
       }
     }
     detail::cp_async_wait_all();
@@ -534,18 +537,18 @@ __global__ void __launch_bounds__(kFewAttnThreads) attention_prompt_few_kernel(c
         const int r = (tid + k * kFewAttnThreads) / (kFewHd / 2);  // pair `lane` of row r
         if (r >= rows || r < pos0) continue;
         const float2 f = rope0[k];
-        const float x = sm.k[r][ia] + bk.x, y = sm.k[r][ib] + bk.y;
-        sm.k[r][ia] = detail::kv_round(x * f.x - y * f.y);
-        sm.k[r][ib] = detail::kv_round(x * f.y + y * f.x);
+        const float2 x = add2(make_float2(sm.k[r][ia], sm.k[r][ib]), bk);
+        sm.k[r][ia] = detail::kv_round(x.x * f.x - x.y * f.y);
+        sm.k[r][ib] = detail::kv_round(x.x * f.y + x.y * f.x);
       }
     } else {
       for (int i = tid; i < rows * (kFewHd / 2); i += kFewAttnThreads) {
         const int r = i / (kFewHd / 2), j = j0 + r;  // pair `lane` of row r
         if (j < pos0) continue;
         const float2 f = a.rope_table[static_cast<int64_t>(j) * (kFewHd / 2) + lane];
-        const float x = sm.k[r][ia] + bk.x, y = sm.k[r][ib] + bk.y;
-        sm.k[r][ia] = detail::kv_round(x * f.x - y * f.y);
-        sm.k[r][ib] = detail::kv_round(x * f.y + y * f.x);
+        const float2 x = add2(make_float2(sm.k[r][ia], sm.k[r][ib]), bk);
+        sm.k[r][ia] = detail::kv_round(x.x * f.x - x.y * f.y);
+        sm.k[r][ib] = detail::kv_round(x.x * f.y + x.y * f.x);
       }
     }
     __syncthreads();
