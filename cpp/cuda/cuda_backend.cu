@@ -200,8 +200,7 @@ CudaBackend::CudaBackend(const ModelSpec& spec, const ModelWeights& w, bool debu
     CUDA_CHECK(cudaStreamSynchronize(res_.stream));  // `table` dies here
   }
 
-  // The Llama layer with Q/K/V biases or NeoX pairs (Qwen 2) runs the plain prompt path too, its QKV rows finished
-  // by launch_qkv_finish (arch.cuh) before the attention (cuda_backend.h, prompt_finish_).
+  // The Llama layer with Q/K/V biases or NeoX pairs (Qwen 2) runs the plain prompt path too (prompt_finish_).
   prompt_finish_ = general_ && fused_decode_;
   prompt_mma_ = (!general_ || prompt_finish_) && env_flag("METALATTN_CUDA_PROMPT_MMA", true) && spec.head_dim == 64;
   for (const DevLayer& dl : layers_)
@@ -463,10 +462,11 @@ void CudaBackend::ensure_all_logits_buffer() {
 }
 
 // One chunk of a prompt, layer-major: io points at [start position, m tokens] in device memory, so the same
-// sequence (captured once as a graph) serves every start position. Per layer 8 launches (9 when head_dim != 64):
-// norm->operand, QKV projection, RoPE+KV append+attention->operand, O projection (+residual), norm->operand, gate/up
-// projection, SiLU*up->operand, down projection (+residual), the projections on tensor cores (prompt_gemm.cu); then
-// the last token's norm+lm_head+argmax. Our kernels launch with PDL (unless METALATTN_CUDA_PDL=0). Chunks of at most
+// sequence (captured once as a graph) serves every start position. Per layer 8 launches (9 when head_dim != 64, or
+// with Qwen 2's QKV finish before the attention: enqueue_prompt_attention): norm->operand, QKV projection,
+// RoPE+KV append+attention->operand, O projection (+residual), norm->operand, gate/up projection, SiLU*up->operand,
+// down projection (+residual), the projections on tensor cores (prompt_gemm.cu); then the last token's
+// norm+lm_head+argmax. Our kernels launch with PDL (unless METALATTN_CUDA_PDL=0). Chunks of at most
 // kPromptMmaMaxTokens tokens run 5 launches per layer instead, whose projections split K (prompt_mma.cu).
 void CudaBackend::enqueue_prefill_chunk(int m, const int32_t* io, PrefillVariant variant) {
   if (general_ && !prompt_finish_) return enqueue_prefill_chunk_general(m, io);

@@ -776,8 +776,9 @@ struct PromptMmaArgs {
 };
 // Causal attention of a prompt chunk of n <= kPromptMmaMaxTokens tokens at positions *pos0_dev.. (head_dim 64),
 // from the raw QKV rows (plus the Q/K/V biases where given; RoPE on interleaved or NeoX pairs): appends the roped k
-// and the v rows to the caches and writes the attention output in the slot layout (q_dim values per token). Keys are taken in tiles of 64, one after the other, so the backend uses it
-// while pos0 + n <= kPromptFewAttnMaxKeys and the tensor-core prefill attention beyond.
+// and the v rows to the caches and writes the attention output in the slot layout (q_dim values per token). Keys are
+// taken in tiles of 64, one after the other, so the backend uses it while pos0 + n <= kPromptFewAttnMaxKeys and the
+// tensor-core prefill attention beyond.
 constexpr int kPromptFewAttnMaxKeys = 256;
 struct FewAttnArgs {
   const float* qkv = nullptr;  // [n][q_dim + 2 kv_dim]
