@@ -10,7 +10,9 @@
 // token_embd Q8_0); `bench_cuda <n_ctx> types` times one matvec per weight type at Llama 3.2 1B's shapes (graph
 // replay, effective GB/s of the GPU layout's bytes); `bench_cuda <n_ctx> decode` stops after the decode tg128 line.
 // METALATTN_BENCH_SHAPE=qwen takes Qwen2.5-0.5B's shape instead (24 layers, d 896, ffn 4864, 14/2 heads, vocab
-// 151,936) with its Q4_K_M file's types (no biases: the same decode kernels); METALATTN_BENCH_SHAPE=1.7b takes
+// 151,936) with its Q4_K_M file's types, Q/K/V biases and NeoX RoPE (the paths the real file takes: the fused decode
+// kernels with their bias and pair gathering, the plain path's prompt kernels; before session 31 the shape had no
+// biases and interleaved pairs, so older qwen figures are not comparable); METALATTN_BENCH_SHAPE=1.7b takes
 // SmolLM2-1.7B's (24 layers, d 2048, ffn 8192, 32/32 heads, vocab 49,152) with the 135M's types; =360m SmolLM2-360M's
 // (32 layers, d 960, ffn 2560, 15/5 heads); =gemma Gemma 3 270M's (18 layers, d 640, ffn 2048, 4/1 heads of 256,
 // vocab 262,144, QK-norm, post-norms, GELU, five 512-position sliding-window layers to one global) with its Q4_K_M
@@ -107,6 +109,14 @@ WeightView random_q(Storage& st, GgmlType t, int64_t rows, int64_t cols, float s
 
 const float* random_norm(Storage& st, int n) {
   std::uniform_real_distribution<float> u(0.6f, 1.4f);
+  st.floats.emplace_back(n);
+  for (float& x : st.floats.back()) x = u(g_rng);
+  return st.floats.back().data();
+}
+
+// Q/K/V biases (Qwen 2 has them): uniform in [-0.5, 0.5].
+const float* random_bias(Storage& st, int n) {
+  std::uniform_real_distribution<float> u(-0.5f, 0.5f);
   st.floats.emplace_back(n);
   for (float& x : st.floats.back()) x = u(g_rng);
   return st.floats.back().data();
@@ -328,7 +338,7 @@ int main(int argc, char** argv) {
       std::printf("no CUDA device\n");
       return 0;
     }
-    // METALATTN_BENCH_SHAPE=qwen: Qwen2.5-0.5B's shape (llama layers, no biases) with its Q4_K_M file's types;
+    // METALATTN_BENCH_SHAPE=qwen: Qwen2.5-0.5B's shape (Qwen 2 layers: biases, NeoX) with its Q4_K_M file's types;
     // 1.7b: SmolLM2-1.7B's with Q4_0 layers; 360m: SmolLM2-360M's likewise; unset or 135m: SmolLM2-135M's.
     const char* shape = std::getenv("METALATTN_BENCH_SHAPE");
     const bool qwen = shape != nullptr && std::strcmp(shape, "qwen") == 0;
@@ -359,6 +369,10 @@ int main(int argc, char** argv) {
     s.n_ctx = argc > 1 ? std::atoi(argv[1]) : 2048;
     s.rope_base = sh.rope_base;
     s.rms_eps = sh.eps;
+    if (qwen) {  // as the Python loader reads a Qwen 2 file
+      s.rope_style = RopeStyle::Neox;
+      s.attn_bias = true;
+    }
     if (gemma) {  // as the Python loader reads a Gemma 3 file (gguf_model.py): local layers at base 10,000
       s.rope_style = RopeStyle::Neox;
       s.activation = Activation::GeluTanh;
@@ -390,6 +404,11 @@ int main(int argc, char** argv) {
       L.ffn_norm = random_norm(st, s.d_model);
       const GgmlType vt = q4_k_m ? (l % 2 == 0 ? GgmlType::Q8_0 : GgmlType::Q5_0) : lt;
       const GgmlType dt = q4_k_m ? (l % 2 == 0 ? GgmlType::Q6_K : GgmlType::Q4_K) : lt;
+      if (qwen) {
+        L.bq = random_bias(st, s.q_dim());
+        L.bk = random_bias(st, s.kv_dim());
+        L.bv = random_bias(st, s.kv_dim());
+      }
       if (gemma) {
         L.q_norm = random_norm(st, s.head_dim);
         L.k_norm = random_norm(st, s.head_dim);
@@ -405,7 +424,9 @@ int main(int argc, char** argv) {
       L.w_down = random_q(st, dt, s.d_model, s.d_ff, 0.5f * sf);
       w.layers.push_back(L);
     }
-    if (qwen) std::printf("weights: Qwen2.5-0.5B shape, Q4_K_M mix (Q5_0, Q8_0 / Q5_0 v, Q6_K / Q4_K down, Q8_0 output)\n");
+    if (qwen)
+      std::printf("weights: Qwen2.5-0.5B shape, Q4_K_M mix (Q5_0, Q8_0 / Q5_0 v, Q6_K / Q4_K down, Q8_0 output), "
+                  "Q/K/V biases, NeoX RoPE\n");
     else if (gemma) std::printf("weights: Gemma 3 270M shape, Q4_K_M mix (Q5_0, Q8_0 / Q5_0 v, Q4_K o, Q6_K / Q4_K down, Q8_0 tied output)\n");
     else if (q4_k_m) std::printf("weights: SmolLM2-135M Q4_K_M mix (Q5_0, Q8_0 / Q5_0 v, Q6_K / Q4_K down)\n");
     cudaDeviceProp prop{};
