@@ -469,6 +469,7 @@ __global__ void __launch_bounds__(kFewAttnThreads) attention_prompt_few_kernel(c
   float2 bq{}, bk{}, bv{};
   float4 bv4{};
   auto add2 = [](float2 x, float2 b) { return kBias ? make_float2(x.x + b.x, x.y + b.y) : x; };
+  auto turn = [](float2 v, float2 f) { return make_float2(v.x * f.x - v.y * f.y, v.x * f.y + v.y * f.x); };
   if constexpr (kBias) {
     bq = pair_of(a.bias + h * kFewHd);
     bk = pair_of(a.bias + q_dim + kvh * kFewHd);
@@ -513,42 +514,40 @@ __global__ void __launch_bounds__(kFewAttnThreads) attention_prompt_few_kernel(c
     }
     if (j0 == 0 && live) {  // while the first tile is in flight: this warp's q, and its token's cache append
       const float* row = a.qkv + static_cast<int64_t>(t) * qkv_rows;
-      const float2 q = add2(pair_of(row + h * kFewHd), bq);
+      const float2 q = turn(add2(pair_of(row + h * kFewHd), bq), cs);
       constexpr float kScale = 0.125f * 1.4426950408889634f;  // 1/sqrt(64) * log2(e): scores in base 2
-      sm.q[warp][ia] = (q.x * cs.x - q.y * cs.y) * kScale;
-      sm.q[warp][ib] = (q.x * cs.y + q.y * cs.x) * kScale;
+      sm.q[warp][ia] = q.x * kScale;
+      sm.q[warp][ib] = q.y * kScale;
       if (h % group == 0) {
-        const float2 k = add2(pair_of(row + q_dim + kvh * kFewHd), bk);
+        const float2 k = turn(add2(pair_of(row + q_dim + kvh * kFewHd), bk), cs);
         const float2 v = add2(pair_of(row + q_dim + kv_dim + kvh * kFewHd), bv);
         __half* kc = a.k_cache + static_cast<int64_t>(p) * kv_dim + kvh * kFewHd;
         __half* vc = a.v_cache + static_cast<int64_t>(p) * kv_dim + kvh * kFewHd;
-        kc[ia] = detail::kv_store(k.x * cs.x - k.y * cs.y);
-        kc[ib] = detail::kv_store(k.x * cs.y + k.y * cs.x);
+        kc[ia] = detail::kv_store(k.x);
+        kc[ib] = detail::kv_store(k.y);
         vc[ia] = detail::kv_store(v.x);
         vc[ib] = detail::kv_store(v.y);
       }
     }
     detail::cp_async_wait_all();
     __syncthreads();
-    // The prompt's own keys arrive raw: turn them by their position.
+    // The prompt's own keys arrive raw: turn them by their position (pair `lane` of tile row r, factors f), rounded
+    // as the cache holds them.
+    auto turn_key = [&](int r, float2 f) {
+      const float2 k = turn(add2(make_float2(sm.k[r][ia], sm.k[r][ib]), bk), f);
+      sm.k[r][ia] = detail::kv_round(k.x);
+      sm.k[r][ib] = detail::kv_round(k.y);
+    };
     if (j0 == 0) {
 #pragma unroll
       for (int k = 0; k < kFewRopePerThread; ++k) {
-        const int r = (tid + k * kFewAttnThreads) / (kFewHd / 2);  // pair `lane` of row r
-        if (r >= rows || r < pos0) continue;
-        const float2 f = rope0[k];
-        const float2 x = add2(make_float2(sm.k[r][ia], sm.k[r][ib]), bk);
-        sm.k[r][ia] = detail::kv_round(x.x * f.x - x.y * f.y);
-        sm.k[r][ib] = detail::kv_round(x.x * f.y + x.y * f.x);
+        const int r = (tid + k * kFewAttnThreads) / (kFewHd / 2);
+        if (r < rows && r >= pos0) turn_key(r, rope0[k]);
       }
     } else {
       for (int i = tid; i < rows * (kFewHd / 2); i += kFewAttnThreads) {
-        const int r = i / (kFewHd / 2), j = j0 + r;  // pair `lane` of row r
-        if (j < pos0) continue;
-        const float2 f = a.rope_table[static_cast<int64_t>(j) * (kFewHd / 2) + lane];
-        const float2 x = add2(make_float2(sm.k[r][ia], sm.k[r][ib]), bk);
-        sm.k[r][ia] = detail::kv_round(x.x * f.x - x.y * f.y);
-        sm.k[r][ib] = detail::kv_round(x.x * f.y + x.y * f.x);
+        const int r = i / (kFewHd / 2), j = j0 + r;
+        if (j >= pos0) turn_key(r, a.rope_table[static_cast<int64_t>(j) * (kFewHd / 2) + lane]);
       }
     }
     __syncthreads();
