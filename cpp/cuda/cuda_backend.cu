@@ -200,9 +200,8 @@ CudaBackend::CudaBackend(const ModelSpec& spec, const ModelWeights& w, bool debu
     CUDA_CHECK(cudaStreamSynchronize(res_.stream));  // `table` dies here
   }
 
-  // The Llama layer with Q/K/V biases or NeoX pairs (Qwen 2) runs the plain prompt path too (prompt_finish_).
-  prompt_finish_ = general_ && fused_decode_;
-  prompt_mma_ = (!general_ || prompt_finish_) && env_flag("METALATTN_CUDA_PROMPT_MMA", true) && spec.head_dim == 64;
+  // Every model the fused decode kernels run (Qwen 2's layer too) prompts on the plain path's kernels.
+  prompt_mma_ = fused_decode_ && env_flag("METALATTN_CUDA_PROMPT_MMA", true) && spec.head_dim == 64;
   for (const DevLayer& dl : layers_)
     prompt_mma_ = prompt_mma_ && prompt_mma_supported(dl.qkv.type, dl.qkv.cols, 0) &&
                   prompt_mma_supported(dl.o.type, dl.o.cols, 0) &&
@@ -469,7 +468,7 @@ void CudaBackend::ensure_all_logits_buffer() {
 // norm+lm_head+argmax. Our kernels launch with PDL (unless METALATTN_CUDA_PDL=0). Chunks of at most
 // kPromptMmaMaxTokens tokens run 5 launches per layer instead, whose projections split K (prompt_mma.cu).
 void CudaBackend::enqueue_prefill_chunk(int m, const int32_t* io, PrefillVariant variant) {
-  if (general_ && !prompt_finish_) return enqueue_prefill_chunk_general(m, io);
+  if (!fused_decode_) return enqueue_prefill_chunk_general(m, io);
   const ProgrammaticLaunchScope pdl_scope(use_pdl_);
   const ModelSpec& s = spec_;
   cudaStream_t st = res_.stream;
@@ -510,8 +509,8 @@ void CudaBackend::enqueue_prefill_chunk(int m, const int32_t* io, PrefillVariant
 
 // The attention of a prompt chunk from its raw QKV rows (pc_) into the operand rows pa_, appending its k and v rows to
 // the layer's cache: the few-token kernel (kPrefillFewAttention; it adds Q/K/V biases and turns NeoX pairs itself), or
-// the tensor-core prefill attention, which for a prompt_finish_ model reads q rows that launch_qkv_finish has biased
-// and roped (into pq_, k and v into the cache) the launch before.
+// the tensor-core prefill attention, which for a general_ model on this path (Qwen 2's layer: biases or NeoX pairs)
+// reads q rows that launch_qkv_finish has biased and roped (into pq_, k and v into the cache) the launch before.
 void CudaBackend::enqueue_prompt_attention(const DevLayer& L, int m, const int32_t* io, __half* kc, __half* vc,
                                            PrefillVariant variant) {
   const ModelSpec& s = spec_;
@@ -531,7 +530,7 @@ void CudaBackend::enqueue_prompt_attention(const DevLayer& L, int m, const int32
     fa.head_dim = s.head_dim;
     fa.out_slots = pa_;
     launch_attention_prompt_few(fa, st);
-  } else if (prompt_finish_) {
+  } else if (general_) {
     launch_qkv_finish(finish_args(L, pc_, m, io, pq_, kc, vc), st);
     after_launch();
     launch_attention_prefill_at(pq_, kc, vc, m, io, s.n_heads, s.n_kv_heads, s.head_dim, pa_, st);

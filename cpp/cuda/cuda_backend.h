@@ -226,13 +226,11 @@ class CudaBackend final : public Backend {
   ArchAttnArgs attention_args(const DevLayer& L, const float* q, int n, const int32_t* pos0, const __half* kc,
                               const __half* vc) const;
   bool general_ = false;
-  // Decode on the fused kernels of kernels.cuh: the plain Llama layer, and also the Llama layer with Q/K/V biases or
-  // NeoX RoPE pairs (Qwen 2) (the K/V cache layout is the same).
-  bool fused_decode_ = false;
-  // The plain path's prompt chunks and batches also serve a general_ model of the fused_decode_ kind (Qwen 2): the
-  // same projections; its few-token attention adds the biases and turns NeoX pairs itself, and longer chunks run
+  // Decode on the fused kernels of kernels.cuh, and prompt chunks and batches on the plain path's: the plain Llama
+  // layer, and also the Llama layer with Q/K/V biases or NeoX RoPE pairs (Qwen 2; the K/V cache layout is the same),
+  // whose few-token attention adds the biases and turns NeoX pairs itself and whose longer chunks run
   // launch_qkv_finish before a prefill attention that reads the roped q rows (enqueue_prompt_attention).
-  bool prompt_finish_ = false;
+  bool fused_decode_ = false;
   void enqueue_prompt_attention(const DevLayer& L, int m, const int32_t* io, __half* kc, __half* vc,
                                 PrefillVariant variant);
   float* g_qkv_ = nullptr;     // decode: raw QKV projections [q_dim + 2 kv_dim]

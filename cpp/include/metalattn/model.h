@@ -57,7 +57,7 @@ struct ModelSpec {
   bool plain_llama() const { return rope_style == RopeStyle::Interleaved && !attn_bias && llama_layer_up_to_qkv(); }
   // The Llama layer, allowing Q/K/V biases and either RoPE pairing (Qwen 2): what the fused CUDA decode kernels run
   // (their QKV epilogue adds the bias and turns the pairs), and whose prompts run the plain CUDA prompt path too
-  // (cuda_backend.h, prompt_finish_).
+  // (cuda_backend.h, fused_decode_).
   bool llama_layer_up_to_qkv() const {
     if (activation != Activation::Silu || embed_scale != 1.f || qk_norm || post_norms ||
         attention_scale() != 1.f / __builtin_sqrtf(float(head_dim)))
