@@ -107,20 +107,14 @@ WeightView random_q(Storage& st, GgmlType t, int64_t rows, int64_t cols, float s
   return w;
 }
 
-const float* random_norm(Storage& st, int n) {
-  std::uniform_real_distribution<float> u(0.6f, 1.4f);
+// n floats uniform in [lo, hi), kept in st.
+const float* random_floats(Storage& st, int n, float lo, float hi) {
+  std::uniform_real_distribution<float> u(lo, hi);
   st.floats.emplace_back(n);
   for (float& x : st.floats.back()) x = u(g_rng);
   return st.floats.back().data();
 }
-
-// Q/K/V biases (Qwen 2 has them): uniform in [-0.5, 0.5].
-const float* random_bias(Storage& st, int n) {
-  std::uniform_real_distribution<float> u(-0.5f, 0.5f);
-  st.floats.emplace_back(n);
-  for (float& x : st.floats.back()) x = u(g_rng);
-  return st.floats.back().data();
-}
+const float* random_norm(Storage& st, int n) { return random_floats(st, n, 0.6f, 1.4f); }
 
 double median(std::vector<double> v) {
   std::sort(v.begin(), v.end());
@@ -404,10 +398,10 @@ int main(int argc, char** argv) {
       L.ffn_norm = random_norm(st, s.d_model);
       const GgmlType vt = q4_k_m ? (l % 2 == 0 ? GgmlType::Q8_0 : GgmlType::Q5_0) : lt;
       const GgmlType dt = q4_k_m ? (l % 2 == 0 ? GgmlType::Q6_K : GgmlType::Q4_K) : lt;
-      if (qwen) {
-        L.bq = random_bias(st, s.q_dim());
-        L.bk = random_bias(st, s.kv_dim());
-        L.bv = random_bias(st, s.kv_dim());
+      if (qwen) {  // Q/K/V biases
+        L.bq = random_floats(st, s.q_dim(), -0.5f, 0.5f);
+        L.bk = random_floats(st, s.kv_dim(), -0.5f, 0.5f);
+        L.bv = random_floats(st, s.kv_dim(), -0.5f, 0.5f);
       }
       if (gemma) {
         L.q_norm = random_norm(st, s.head_dim);
