@@ -333,6 +333,19 @@ double max_kv_pair_diff(const std::vector<float>& a, const std::vector<float>& b
   return max_kv_pair_diff(a.data(), b.data(), a.size());
 }
 
+// The CPU backend's RoPE: pair i of each head, (2i, 2i+1) interleaved or (i, i + hd/2) NeoX, turned by row[i].
+void ref_rope_pairs(float* v, int n_heads, int hd, RopeStyle style, const float2* row) {
+  const int half = hd / 2;
+  for (int h = 0; h < n_heads; ++h)
+    for (int i = 0; i < half; ++i) {
+      float* a = v + h * hd + (style == RopeStyle::Neox ? i : 2 * i);
+      const int other = style == RopeStyle::Neox ? half : 1;
+      const float x = a[0], y = a[other];
+      a[0] = x * row[i].x - y * row[i].y;
+      a[other] = x * row[i].y + y * row[i].x;
+    }
+}
+
 // The RoPE angle table the backend uploads: [n_ctx][head_dim/2] (cos, sin), rope base 100000 as in SmolLM2.
 std::vector<float2> rope_table(int n_ctx, int hd) {
   std::vector<float2> table(static_cast<size_t>(n_ctx) * hd / 2);

@@ -21,19 +21,6 @@ const ArchShape kArchShapes[] = {
     {"qwen3-0.6b", 1024, 3072, 16, 8, 128, false, true, 1e6f, 0},
 };
 
-// The CPU backend's RoPE: pair i of each head, (2i, 2i+1) interleaved or (i, i + hd/2) NeoX, turned by row[i].
-void ref_rope_pairs(float* v, int n_heads, int hd, RopeStyle style, const float2* row) {
-  const int half = hd / 2;
-  for (int h = 0; h < n_heads; ++h)
-    for (int i = 0; i < half; ++i) {
-      float* a = v + h * hd + (style == RopeStyle::Neox ? i : 2 * i);
-      const int other = style == RopeStyle::Neox ? half : 1;
-      const float x = a[0], y = a[other];
-      a[0] = x * row[i].x - y * row[i].y;
-      a[other] = x * row[i].y + y * row[i].x;
-    }
-}
-
 // Attention of one query (all heads) at position pos over cache rows, in double: the positions
 // [max(0, pos - window + 1), pos] (window 0: all up to pos), scores q.k * scale.
 std::vector<float> ref_attention_window(const float* q, const float* kc, const float* vc, int n_heads, int n_kv,

@@ -251,18 +251,6 @@ TEST(CudaPrompt, MmaProjectionsMatchReferenceAtEveryShape) {
   }
 }
 
-// ref::rope (interleaved pairs) of n_heads heads, or the same turn of the NeoX pairs (i, i + hd / 2).
-static void rope_pairs(float* v, int n_heads, int hd, int pos, bool neox) {
-  if (!neox) return ref::rope(v, n_heads, hd, pos, 100000.f);
-  std::vector<float> pairs(hd);
-  for (int h = 0; h < n_heads; ++h) {
-    float* head = v + h * hd;
-    for (int i = 0; i < hd / 2; ++i) pairs[2 * i] = head[i], pairs[2 * i + 1] = head[i + hd / 2];
-    ref::rope(pairs.data(), 1, hd, pos, 100000.f);
-    for (int i = 0; i < hd / 2; ++i) head[i] = pairs[2 * i], head[i + hd / 2] = pairs[2 * i + 1];
-  }
-}
-
 // Causal attention of a few-token prompt chunk at start positions inside and past the first key tile, against the
 // scalar reference: the few-token kernel (also with Q/K/V biases and NeoX pairs, Qwen 2's layer, and each alone) and
 // the tensor-core prefill kernel with slot output, from raw QKV rows. Both must append the chunk's roped k / plain v
@@ -270,7 +258,8 @@ static void rope_pairs(float* v, int n_heads, int hd, int pos, bool neox) {
 TEST(CudaPrompt, FewTokenAttentionMatchesReference) {
   REQUIRE_GPU();
   const int n_heads = 9, n_kv = 3, hd = 64, q_dim = 576, kv_dim = 192, rows = q_dim + 2 * kv_dim, n_ctx = 512;
-  DevBuf<float2> dtab(rope_table(n_ctx, hd));
+  const std::vector<float2> tab = rope_table(n_ctx, hd);
+  DevBuf<float2> dtab(tab);
   const std::vector<float> bias = random_vec(rows);
   DevBuf<float> dbias(bias);
   struct Variant {
@@ -333,8 +322,9 @@ TEST(CudaPrompt, FewTokenAttentionMatchesReference) {
           qs[t].assign(row.begin(), row.begin() + q_dim);
           std::copy(row.begin() + q_dim, row.begin() + q_dim + kv_dim, kc.begin() + p * kv_dim);
           std::copy(row.begin() + q_dim + kv_dim, row.end(), vc.begin() + p * kv_dim);
-          rope_pairs(qs[t].data(), n_heads, hd, p, va.neox);
-          rope_pairs(kc.data() + p * kv_dim, n_kv, hd, p, va.neox);
+          const RopeStyle style = va.neox ? RopeStyle::Neox : RopeStyle::Interleaved;
+          ref_rope_pairs(qs[t].data(), n_heads, hd, style, tab.data() + p * hd / 2);
+          ref_rope_pairs(kc.data() + p * kv_dim, n_kv, hd, style, tab.data() + p * hd / 2);
         }
         double cache_err = 0;
         for (size_t i = 0; i < static_cast<size_t>(pos0 + n) * kv_dim; ++i)
