@@ -191,8 +191,9 @@ constexpr int unroll_for(int tpr, int minb = 1) {
 
 // The body of the fused norm + matvec kernels below. PRE: the PreAdd variant (a.pre set), a separate instantiation so
 // that the kernels of every other layer compile as if it did not exist (a runtime test cost Qwen2.5-0.5B-shaped
-// decode 2.5% on the H100). MINB: see norm_matvec_kernel_5.
-template <typename B, int TPR, bool PRE, int MINB>
+// decode 2.5% on the H100). MINB: see norm_matvec_kernel_5. PAIRS (SiluGlu only): each lane group computes one unit's
+// gate and up rows together (norm_matvec_glu_pairs_kernel), so a block covers rows_per_block units, not half as many.
+template <typename B, int TPR, bool PRE, int MINB, bool PAIRS = false>
 __device__ __forceinline__ void norm_matvec_body(const DevMatrix& W, const float* __restrict__ x,
                                                  const float* __restrict__ norm_w, float eps, const NormMatvecArgs& a) {
   extern __shared__ float4 smem_dyn[];
@@ -206,8 +207,10 @@ __device__ __forceinline__ void norm_matvec_body(const DevMatrix& W, const float
   // which every row test treats as absent.
   const int units = W.rows / 2, units_per_block = rows_per_block / 2, unit0 = blockIdx.x * units_per_block;
   const int glu_unit = unit0 + (local < units_per_block ? local : local - units_per_block);
+  const int pair_unit = blockIdx.x * rows_per_block + local;  // PAIRS: this group's unit (gate row; up row + units)
   // Qkv: the rows in pair order (detail::qkv_pair_row), so that the two rows RoPE turns together are adjacent here.
-  const int row = a.mode == NormOut::Qkv
+  const int row = PAIRS ? (pair_unit < units ? pair_unit : W.rows)
+                  : a.mode == NormOut::Qkv
                       ? detail::qkv_pair_row(blockIdx.x * rows_per_block + local, a.qkv.neox, a.qkv.q_dim,
                                              a.qkv.kv_dim, a.qkv.head_dim)
                   : a.mode != NormOut::SiluGlu ? blockIdx.x * rows_per_block + local
@@ -220,7 +223,9 @@ __device__ __forceinline__ void norm_matvec_body(const DevMatrix& W, const float
                                                  : kTracePlain);
   detail::launch_dependents();
   RowDotB<B, TPR, unroll_for<B>(TPR, MINB)> rd;
-  rd.prefetch(W, row, sub);
+  RowDotPair<B, TPR, unroll_for<B>(TPR, MINB)> rp;
+  if constexpr (PAIRS) rp.prefetch(W, row, row + units, sub);
+  else rd.prefetch(W, row, sub);
   NormPrefetch nw;
   nw.load(norm_w, W.cols);
   // PreAdd in one round trip where the row fits a batch (stage_pre_added).
@@ -269,6 +274,19 @@ __device__ __forceinline__ void norm_matvec_body(const DevMatrix& W, const float
     }
   }
 
+  if constexpr (PAIRS) {
+    const float2 gu = rp.finish(W, row, row + units, sub, x_s);
+    const float g = gu.x * scale, up = gu.y * scale;
+    if (sub == 0 && row < W.rows) {
+      if (a.gelu) {  // the formula of glu_kernel (arch.cu) and the CPU reference
+        const float t = 0.7978845608028654f * g * (1.f + 0.044715f * g * g);
+        a.y[pair_unit] = 0.5f * g * (1.f + tanhf(t)) * up;
+      } else {
+        a.y[pair_unit] = g / (1.f + expf(-g)) * up;
+      }
+    }
+    return;
+  }
   const float acc = rd.finish(W, row, sub, x_s) * scale;
 
   if (a.mode == NormOut::Plain) {
@@ -324,6 +342,17 @@ __global__ void __launch_bounds__(256, 5) norm_matvec_kernel_5(DevMatrix W, cons
                                                                const float* __restrict__ norm_w, float eps,
                                                                NormMatvecArgs a) {
   norm_matvec_body<B, 16, false, 5>(W, x, norm_w, eps, a);
+}
+
+// SiluGlu in the same 16-lane rows and 256 threads, each lane group computing one unit's gate and up rows together
+// (RowDotPair: every x block read from shared memory once for both): 16 units a block where norm_matvec_kernel_5 has
+// 8, so half the blocks stage and normalize x, for twice the weights each. Four resident a SM (two rows of 2 blocks a
+// lane before the wait need more than kernel_5's 48 registers).
+template <typename B>
+__global__ void __launch_bounds__(256, 3) norm_matvec_glu_pairs_kernel(DevMatrix W, const float* __restrict__ x,
+                                                                        const float* __restrict__ norm_w, float eps,
+                                                                        NormMatvecArgs a) {
+  norm_matvec_body<B, 16, false, 4, true>(W, x, norm_w, eps, a);
 }
 
 // ------------------------------------------------------------------ final norm + lm_head + argmax
@@ -543,6 +572,11 @@ struct NormKernels5 {
   template <GgmlType T>
   static Fn get() { return norm_matvec_kernel_5<typename BlkSel<T>::type>; }
 };
+struct NormKernelsGluPairs {
+  using Fn = void (*)(DevMatrix, const float*, const float*, float, NormMatvecArgs);
+  template <GgmlType T>
+  static Fn get() { return norm_matvec_glu_pairs_kernel<typename BlkSel<T>::type>; }
+};
 // U: weight blocks per lane loaded before the wait, at least the type's own kUnroll.
 template <int TPR, int U = 0>
 struct ResidualKernels {
@@ -627,6 +661,16 @@ void run_norm_matvec(const DevMatrix& W, const float* x, const float* norm_w, fl
     const auto k5 = pre || !quantized(W.type) ? k : kernel_for<NormKernels5>(W.type);
     if (k5 != k && W.rows > wave16 && W.rows <= rows_per_wave(k5, g)) {
       k = k5;
+      // The gate/up: the paired form where its units fit one wave (16 units a block, 4 blocks a SM).
+      if (a.mode == NormOut::SiluGlu) {
+        const auto kp = kernel_for<NormKernelsGluPairs>(W.type);
+        Geometry gp = g;
+        gp.grid = (W.rows / 2 + gp.threads / gp.tpr - 1) / (gp.threads / gp.tpr);
+        if (W.rows / 2 <= rows_per_wave(kp, gp)) {
+          k = kp;
+          g = gp;
+        }
+      }
     } else if (W.rows > kWaveSlack * static_cast<double>(wave16)) {
       g = matvec_geometry(W, 8, 256);
       k = norm_kernel<8>(W, pre);

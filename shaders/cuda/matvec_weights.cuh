@@ -417,6 +417,63 @@ struct RowDotB {
   }
 };
 
+// Two rows a lane group, a and b, whose dots share every x block read from shared memory (the gate and up rows of
+// one GLU unit). Row b is valid wherever row a is. Returns both rows' dot products in every lane of the group.
+template <typename B, int TPR, int UN = B::kUnroll>
+struct RowDotPair {
+  static constexpr int U = UN;
+  B first[U], second[U];
+
+  __device__ __forceinline__ void prefetch(const DevMatrix& W, int row_a, int row_b, int sub) {
+    if (row_a >= W.rows) return;
+#pragma unroll
+    for (int u = 0; u < U; ++u) {
+      const int b = sub + u * TPR;
+      if (b < W.nb) {
+        first[u].load(W, static_cast<int64_t>(row_a) * W.nb + b);
+        second[u].load(W, static_cast<int64_t>(row_b) * W.nb + b);
+      }
+    }
+  }
+
+  __device__ __forceinline__ float2 finish(const DevMatrix& W, int row_a, int row_b, int sub, const float* x_s) {
+    float acc_a = 0.f, acc_b = 0.f;
+    if (row_a < W.rows) {
+#pragma unroll
+      for (int u = 0; u < U; ++u) {
+        const int b = sub + u * TPR;
+        if (b < W.nb) {
+          const float* xb = x_s + b * kSmemBlockStride;
+          acc_a += first[u].dot(xb);
+          acc_b += second[u].dot(xb);
+        }
+      }
+      for (int b0 = sub + U * TPR; b0 < W.nb; b0 += U * TPR) {
+        B blk_a[U], blk_b[U];
+#pragma unroll
+        for (int u = 0; u < U; ++u)
+          if (b0 + u * TPR < W.nb) {
+            blk_a[u].load(W, static_cast<int64_t>(row_a) * W.nb + b0 + u * TPR);
+            blk_b[u].load(W, static_cast<int64_t>(row_b) * W.nb + b0 + u * TPR);
+          }
+#pragma unroll
+        for (int u = 0; u < U; ++u)
+          if (b0 + u * TPR < W.nb) {
+            const float* xb = x_s + (b0 + u * TPR) * kSmemBlockStride;
+            acc_a += blk_a[u].dot(xb);
+            acc_b += blk_b[u].dot(xb);
+          }
+      }
+    }
+#pragma unroll
+    for (int o = TPR / 2; o > 0; o >>= 1) {
+      acc_a += __shfl_xor_sync(0xffffffffu, acc_a, o);
+      acc_b += __shfl_xor_sync(0xffffffffu, acc_b, o);
+    }
+    return make_float2(acc_a, acc_b);
+  }
+};
+
 constexpr int kStageVec = 4;  // 16-byte activation loads each thread of matvec_residual_kernel issues before using any
 
 __device__ __forceinline__ int smem_index(int i) { return (i >> 5) * kSmemBlockStride + (i & 31); }
