@@ -879,12 +879,15 @@ TEST(CudaArch, RefusesHeadDimBeyondTheKernels) {
   }
 }
 
-// Batched decode (forward_batch) against the scalar CPU backend's, on the plain Llama path (tensor-core projections,
-// 40 slots: five parallel chains of 8 rows, the last joining late; Qwen 2 with biases and NeoX pairs on the same
-// projections) and the general path (Gemma 3 windows and post-norms):
-// sequences of different lengths in their own slots, rows in an order that is not the slots', a row joining late,
-// and each batch shape run several times (graph capture from a shape's second use). Slot-0 decode afterwards still
-// matches: the batch left it alone.
+// Batched decode (forward_batch) on the plain Llama path (tensor-core projections, 40 slots: five parallel chains of 8
+// rows, the last joining late; Qwen 2 with biases and NeoX pairs on the same projections) and the general path
+// (Gemma 3 windows and post-norms): sequences of different lengths in their own slots, rows in an order that is not
+// the slots', a row joining late, and each batch shape run several times (graph capture from a shape's second use).
+// Slot-0 decode afterwards still matches: the batch left it alone. The plain model's rows are checked against the
+// float reference in mirror mode (RefForward over the GPU's own cache rows of the row's slot), which removes the fp16
+// rounding flips that two engines' caches show now and then (NOTES, "CUDA, session 20"; one row of the CPU
+// comparison reached 1.02e-3 in session 31 with the kernels' numbers unchanged); the Qwen 2 and Gemma 3 rows, which
+// RefForward does not model, against the scalar CPU backend's batch.
 TEST(CudaBatch, RowsMatchCpuBatchAcrossSlotsAndPaths) {
   REQUIRE_GPU();
   struct Case {
@@ -904,15 +907,32 @@ TEST(CudaBatch, RowsMatchCpuBatchAcrossSlotsAndPaths) {
     auto cpu = make_scalar_cpu_backend(*c.m);
     const int V = s.vocab, S = s.n_seq;
     std::vector<int> pos(S);
+    // The plain model: a mirror reference per slot (its cache rows adopted from the GPU's slot at every step).
+    const bool mirrored = c.name == "plain-smollm2-shape";
+    std::vector<std::unique_ptr<RefForward>> refs;
+    std::vector<char> adopted(S, 0);
+    if (mirrored)
+      for (int slot = 0; slot < S; ++slot) refs.push_back(std::make_unique<RefForward>(*c.m, gpu.get(), slot));
+    auto ref_logits = [&](int slot, int32_t tok, int p) {
+      RefForward& ref = *refs[slot];
+      const int64_t changed_before = ref.rows_changed;
+      std::vector<float> l = ref.forward(tok, p);
+      // A slot's first step adopts its prompt's rows (counted as changed once); after that the rows before p are the
+      // ones adopted at the slot's earlier steps and must not have moved.
+      if (adopted[slot]) EXPECT_EQ(ref.rows_changed, changed_before) << "older cache rows changed";
+      adopted[slot] = 1;
+      EXPECT_LE(ref.kv_excess_max, kMirrorKvTol) << "the GPU's new cache row against the reference's";
+      return l;
+    };
     std::mt19937 gen(7);
-    std::vector<double> errs;  // every row's rel L2 against the CPU, printed as median and worst
+    std::vector<double> errs;  // every row's rel L2 against its reference, printed as median and worst
     double worst = -1;
     std::string worst_at;
     for (int slot = 0; slot < S - 1; ++slot) {  // the last slot stays empty until it joins
       const int len = 1 + static_cast<int>(gen() % 40);
       const std::vector<int32_t> p = random_tokens(len, V);
       gpu->forward_prompt(p.data(), len, 0, nullptr, nullptr, slot);
-      cpu->forward_prompt(p.data(), len, 0, nullptr, nullptr, slot);
+      if (!mirrored) cpu->forward_prompt(p.data(), len, 0, nullptr, nullptr, slot);
       pos[slot] = len;
     }
     for (int step = 0; step < 4; ++step) {
@@ -926,27 +946,28 @@ TEST(CudaBatch, RowsMatchCpuBatchAcrossSlotsAndPaths) {
       std::vector<float> lg(static_cast<size_t>(n) * V, NAN), lc(lg.size(), NAN);
       std::vector<ArgmaxResult> rg(n), rc(n);
       gpu->forward_batch(toks.data(), slots.data(), ps.data(), n, lg.data(), rg.data());
-      cpu->forward_batch(toks.data(), slots.data(), ps.data(), n, lc.data(), rc.data());
+      if (!mirrored) cpu->forward_batch(toks.data(), slots.data(), ps.data(), n, lc.data(), rc.data());
       for (int i = 0; i < n; ++i) {
         SCOPED_TRACE("step " + std::to_string(step) + " row " + std::to_string(i) + " slot " + std::to_string(slots[i]));
-        const auto a = row_of(lg, i, V), b = row_of(lc, i, V);
+        const auto a = row_of(lg, i, V), b = mirrored ? ref_logits(slots[i], toks[i], ps[i]) : row_of(lc, i, V);
         errs.push_back(rel_l2(a, b));
         if (errs.back() > worst) {
           worst = errs.back();
           worst_at = "step " + std::to_string(step) + " row " + std::to_string(i);
         }
-        expect_logits_close_or_tie(a, b, 1e-3, "batch row vs CPU");
+        expect_logits_close_or_tie(a, b, 1e-3, mirrored ? "batch row vs mirrored reference" : "batch row vs CPU");
         EXPECT_EQ(rg[i].token, ref::argmax(a.data(), V).token);
       }
       for (int i = 0; i < n; ++i) ++pos[slots[i]];
     }
     std::nth_element(errs.begin(), errs.begin() + errs.size() / 2, errs.end());
-    std::printf("[ %s: batch rows vs CPU, rel L2 median %.2e, worst %.2e at %s ]\n", c.name.c_str(),
-                errs[errs.size() / 2], worst, worst_at.c_str());
+    std::printf("[ %s: batch rows vs %s, rel L2 median %.2e, worst %.2e at %s ]\n", c.name.c_str(),
+                mirrored ? "the mirrored reference" : "CPU", errs[errs.size() / 2], worst, worst_at.c_str());
     // Slot 0 continues by single-sequence decode from where the batch left it.
     std::vector<float> a(V, NAN), b(V, NAN);
     gpu->forward_token(5, pos[0], a.data());
-    cpu->forward_token(5, pos[0], b.data());
+    if (mirrored) b = ref_logits(0, 5, pos[0]);
+    else cpu->forward_token(5, pos[0], b.data());
     expect_logits_close_or_tie(a, b, 1e-3, "slot-0 decode after batches");
     const int32_t one = 1, bad_slot = S, zero = 0;
     ArgmaxResult r{};
