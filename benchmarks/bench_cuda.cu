@@ -556,7 +556,7 @@ int main(int argc, char** argv) {
     }
     // Prefill pp512 and time to first token of a 32-token prompt (and of shorter ones: the few-token path's cost
     // by prompt length).
-    for (int n : {1, 8, 16, 32, 128, 512, 2048}) {
+    for (int n : {1, 8, 16, 32, 48, 64, 96, 128, 192, 256, 512, 2048}) {
       if (n > s.n_ctx) continue;
       std::vector<double> t;
       for (int it = 0; it < 8; ++it) {

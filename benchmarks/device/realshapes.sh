@@ -12,6 +12,8 @@
 #   bench:    llama-bench (-fa 1, all layers on the GPU) then `metalattn bench -d cuda`, each model, tables to $OUT
 #   shapes:   the same for the three SmolLM2 shapes (135M, 360M, 1.7B; synthetic Q4_0 layers + Q8_0 embeddings
 #             written by metalattn.testing, read by both engines as they are)
+# PLENS (default 32,512) sets the prompt lengths both tools time; SHAPES (default all three) the SmolLM2 shapes, e.g.
+# SHAPES="smollm2_1_7b:SMOLLM2_1_7B".
 set -o pipefail
 OUT=${OUT:-$PWD/device-out}
 mkdir -p "$OUT" /tmp/rs
@@ -21,8 +23,8 @@ export LD_LIBRARY_PATH=/usr/local/cuda/lib64${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH
 bench_one() {
   local name=$1 f=$2
   echo "== $name"
-  timeout 200 $LB/llama-bench -m $f -p 32,512 -n 128 -fa 1 -ngl 99 -r 5 -o md 2>/dev/null | tee "$OUT/llamabench_$name.md"
-  timeout 200 python3 -m metalattn bench -m $f -d cuda --prompt-lengths 32,512 --iterations 10 --json -q \
+  timeout 200 $LB/llama-bench -m $f -p ${PLENS:-32,512} -n 128 -fa 1 -ngl 99 -r 5 -o md 2>/dev/null | tee "$OUT/llamabench_$name.md"
+  timeout 200 python3 -m metalattn bench -m $f -d cuda --prompt-lengths ${PLENS:-32,512} --iterations 10 --json -q \
     > "$OUT/metalattn_$name.json" 2> "$OUT/metalattn_$name.err" || tail -5 "$OUT/metalattn_$name.err"
   python3 -c "import json; from metalattn.bench import format_table; print(format_table(json.load(open('$OUT/metalattn_$name.json'))))"
 }
@@ -58,7 +60,7 @@ write_synthetic_gguf('/tmp/rs/$name-f16.gguf', **kw)" || exit 1
     bench)
       for name in gemma3 qwen25; do bench_one $name /tmp/rs/$name-q4_k_m.gguf; done ;;
     shapes)
-      for m in smollm2_135m:SMOLLM2_135M smollm2_360m:SMOLLM2_360M smollm2_1_7b:SMOLLM2_1_7B; do
+      for m in ${SHAPES:-smollm2_135m:SMOLLM2_135M smollm2_360m:SMOLLM2_360M smollm2_1_7b:SMOLLM2_1_7B}; do
         name=${m%%:*}; preset=${m#*:}; f=/tmp/rs/$name.gguf
         [ -f $f ] || python3 -c "from metalattn.testing import write_synthetic_gguf, $preset as p; write_synthetic_gguf('$f', **p)" || exit 1
         bench_one $name $f

@@ -238,7 +238,8 @@ CudaBackend::CudaBackend(const ModelSpec& spec, const ModelWeights& w, bool debu
   chunk_ = std::min(spec.n_ctx, 2048);
   const size_t widest_in = std::max({static_cast<size_t>(d), static_cast<size_t>(q_dim), static_cast<size_t>(spec.d_ff)});
   const size_t widest_out = std::max(static_cast<size_t>(q_dim + 2 * kv_dim), 2 * static_cast<size_t>(spec.d_ff));
-  max_chunks_ = (spec.n_ctx + chunk_ - 1) / chunk_;
+  // At least kPromptFewChunks: a prompt of a few dozen tokens runs as that many chunks (prompt_chunk_len).
+  max_chunks_ = std::max(kPromptFewChunks, (spec.n_ctx + chunk_ - 1) / chunk_);
   tokens_dev_ = device_alloc<int32_t>(static_cast<size_t>(chunk_) + 1, mem_.scratch);
   tokens_host_ = pinned_alloc<int32_t>(static_cast<size_t>(max_chunks_) * (chunk_ + 1), cudaHostAllocDefault);
   px_ = device_alloc<float>(static_cast<size_t>(chunk_) * d, mem_.scratch);
@@ -461,14 +462,15 @@ void CudaBackend::ensure_all_logits_buffer() {
 }
 
 // One chunk of a prompt, layer-major: io points at [start position, m tokens] in device memory, so the same
-// sequence (captured once as a graph) serves every start position. Per layer 8 launches (9 when head_dim != 64, or
+// sequence (captured once as a graph) serves every start position. Only the prompt's last chunk (last) ends with the
+// lm_head. Per layer 8 launches (9 when head_dim != 64, or
 // with Qwen 2's QKV finish before the attention: enqueue_prompt_attention): norm->operand, QKV projection,
 // RoPE+KV append+attention->operand, O projection (+residual), norm->operand, gate/up projection, SiLU*up->operand,
 // down projection (+residual), the projections on tensor cores (prompt_gemm.cu); then the last token's
 // norm+lm_head+argmax. Our kernels launch with PDL (unless METALATTN_CUDA_PDL=0). Chunks of at most
 // kPromptMmaMaxTokens tokens run 5 launches per layer instead, whose projections split K (prompt_mma.cu).
-void CudaBackend::enqueue_prefill_chunk(int m, const int32_t* io, PrefillVariant variant) {
-  if (!fused_decode_) return enqueue_prefill_chunk_general(m, io);
+void CudaBackend::enqueue_prefill_chunk(int m, const int32_t* io, PrefillVariant variant, bool last) {
+  if (!fused_decode_) return enqueue_prefill_chunk_general(m, io, last);
   const ProgrammaticLaunchScope pdl_scope(use_pdl_);
   const ModelSpec& s = spec_;
   cudaStream_t st = res_.stream;
@@ -502,6 +504,7 @@ void CudaBackend::enqueue_prefill_chunk(int m, const int32_t* io, PrefillVariant
     after_launch();
     gemm(L.down, m, px_, true);
   }
+  if (!last) return;
   launch_norm_matvec_argmax(lm_head_, px_ + static_cast<size_t>(m - 1) * d, out_norm_, s.rms_eps, logits_, argmax_,
                             result_dev_, nullptr, st);
   after_launch();
@@ -542,8 +545,9 @@ void CudaBackend::enqueue_prompt_attention(const DevLayer& L, int m, const int32
 
 // A chunk length's first use runs eagerly (modules load, no capture cost for a one-off
 // length); from the second use on it is one graph launch. The graph bakes in the prompt's slot.
-void CudaBackend::run_prefill_chunk(int m, const int32_t* io, PrefillVariant variant) {
-  run_cached_graph(res_.prefill_graphs, m, variant, prompt_slot_, [&] { enqueue_prefill_chunk(m, io, variant); });
+void CudaBackend::run_prefill_chunk(int m, const int32_t* io, PrefillVariant variant, bool last) {
+  run_cached_graph(res_.prefill_graphs, m, variant + (last ? 0 : kPrefillNoLmHead), prompt_slot_,
+                   [&] { enqueue_prefill_chunk(m, io, variant, last); });
 }
 
 
@@ -561,15 +565,16 @@ ArgmaxResult CudaBackend::forward_prompt(const int32_t* tokens, int n, int pos, 
   cudaStream_t st = res_.stream;
   const int d = s.d_model;
   prompt_slot_ = slot;
-  for (int c0 = 0, c = 0; c0 < n; c0 += chunk_, ++c) {
-    const int m = std::min(chunk_, n - c0);
+  const int step = prompt_chunk_len(n);
+  for (int c0 = 0, c = 0; c0 < n; c0 += step, ++c) {
+    const int m = std::min(step, n - c0);
     // Each chunk has its own pinned staging slot (an earlier chunk's copy may still be queued); the device slot is
     // shared, its copy is ordered after the previous chunk's kernels.
     int32_t* io_host = tokens_host_ + static_cast<size_t>(c) * (chunk_ + 1);
     io_host[0] = pos + c0;
     std::memcpy(io_host + 1, tokens + c0, m * sizeof(int32_t));
     CUDA_CHECK(cudaMemcpyAsync(tokens_dev_, io_host, (m + 1) * sizeof(int32_t), cudaMemcpyHostToDevice, st));
-    run_prefill_chunk(m, tokens_dev_, prefill_variant(m, pos + c0));
+    run_prefill_chunk(m, tokens_dev_, prefill_variant(m, pos + c0), c0 + m == n);
     if (all_logits != nullptr) {
       // Every row through the exact quantized lm_head (the decode kernel), not an fp16 copy of it: rounding the
       // weights to fp16 cost up to 8e-3 relative error on some models. Rows run in order, so the last one leaves

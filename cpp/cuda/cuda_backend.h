@@ -193,8 +193,21 @@ class CudaBackend final : public Backend {
     if (!prompt_mma_ || m > kPromptMmaMaxTokens) return kPrefillGemm;
     return pos + m <= kPromptFewAttnMaxKeys ? kPrefillFewAttention : kPrefillFewLongAttention;
   }
-  void enqueue_prefill_chunk(int m, const int32_t* io, PrefillVariant variant);
-  void run_prefill_chunk(int m, const int32_t* io, PrefillVariant variant);
+  // Tokens a chunk of an n-token prompt takes. Up to kPromptFewChunks * kPromptMmaMaxTokens tokens the prompt runs as
+  // that many few-token chunks of (nearly) equal length as it needs: at these lengths the long path's small grids cost
+  // more than the few-token path's five launches a layer per chunk (H200, session 32, against one long-path chunk:
+  // pp64 -5% / -14% / -12% and pp96 -8% / -23% / even for SmolLM2-1.7B / Qwen2.5 / SmolLM2-135M shapes; at 128 tokens
+  // four chunks lose on two of them; benchmarks/NOTES.md). Longer prompts run in chunks of chunk_.
+  static constexpr int kPromptFewChunks = 3;
+  int prompt_chunk_len(int n) const {
+    if (!prompt_mma_ || n <= kPromptMmaMaxTokens || n > kPromptFewChunks * kPromptMmaMaxTokens) return chunk_;
+    const int chunks = (n + kPromptMmaMaxTokens - 1) / kPromptMmaMaxTokens;
+    return (n + chunks - 1) / chunks;
+  }
+  // Graph key: a chunk before the prompt's last one, which skips the lm_head.
+  static constexpr int kPrefillNoLmHead = 4;
+  void enqueue_prefill_chunk(int m, const int32_t* io, PrefillVariant variant, bool last);
+  void run_prefill_chunk(int m, const int32_t* io, PrefillVariant variant, bool last);
   // Runs enqueue() eagerly on a key's first use, from its second use on as a graph captured then (LRU of 8).
   template <class Enqueue>
   void run_cached_graph(std::vector<Resources::PrefillGraph>& graphs, int n, int variant, int extra,
@@ -216,7 +229,7 @@ class CudaBackend final : public Backend {
   // head_dim > 128 or more than 8 query heads per KV head, or when METALATTN_CUDA_GENERAL=1 forces it.
   void setup_general(const ModelWeights& w);
   void enqueue_decode_general(bool capture_hidden, DecodeVariant variant);
-  void enqueue_prefill_chunk_general(int m, const int32_t* io);
+  void enqueue_prefill_chunk_general(int m, const int32_t* io, bool last);
   // Embedding and every layer of m rows on the general path: a prompt chunk (tokens = io + 1 at positions *io..) or
   // a batch group (rows.pos set; tokens its token array).
   void enqueue_layers_general(int m, const int32_t* tokens, const int32_t* pos0, const BatchRows& rows);

@@ -187,9 +187,10 @@ void CudaBackend::enqueue_decode_general(bool capture_hidden, DecodeVariant vari
 // kernels of arch.cuh between them, per layer: norm->operand, QKV projection, QKV finish, attention->operand, O
 // projection (+residual, or into g_ptmp_ and add_normed), norm->operand, gate/up projection, GLU->operand, down
 // projection (likewise); then the last token's norm + lm_head + argmax.
-void CudaBackend::enqueue_prefill_chunk_general(int m, const int32_t* io) {
+void CudaBackend::enqueue_prefill_chunk_general(int m, const int32_t* io, bool last) {
   const ProgrammaticLaunchScope pdl_scope(use_pdl_);
   enqueue_layers_general(m, io + 1, io, BatchRows{});
+  if (!last) return;
   launch_norm_matvec_argmax(lm_head_, px_ + static_cast<size_t>(m - 1) * spec_.d_model, out_norm_, spec_.rms_eps,
                             logits_, argmax_, result_dev_, nullptr, res_.stream);
   after_launch();
