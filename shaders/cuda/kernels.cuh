@@ -551,21 +551,35 @@ __device__ __forceinline__ void store_operand(float v, int64_t t, int j, int wid
 
 // Launches `kernel`, with Programmatic Dependent Launch while programmatic_launch() is on: the kernel is scheduled
 // while its predecessor drains and must call grid_dependency_wait() before it touches what that predecessor writes.
+// The blocks form thread-block clusters of `cluster` blocks where that is more than one.
 template <typename... KernelArgs, typename... Args>
-void launch_programmatic(void (*kernel)(KernelArgs...), dim3 grid, dim3 block, size_t smem, cudaStream_t s,
-                         Args&&... args) {
-  cudaLaunchAttribute attr[1];
-  attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
-  attr[0].val.programmaticStreamSerializationAllowed = 1;
+void launch_programmatic_clusters(void (*kernel)(KernelArgs...), dim3 grid, dim3 block, size_t smem, cudaStream_t s,
+                                  dim3 cluster, Args&&... args) {
+  cudaLaunchAttribute attr[2];
+  int n = 0;
+  if (programmatic_launch()) {
+    attr[n].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+    attr[n++].val.programmaticStreamSerializationAllowed = 1;
+  }
+  if (cluster.x * cluster.y * cluster.z > 1) {
+    attr[n].id = cudaLaunchAttributeClusterDimension;
+    attr[n].val.clusterDim.x = cluster.x;
+    attr[n].val.clusterDim.y = cluster.y;
+    attr[n++].val.clusterDim.z = cluster.z;
+  }
   cudaLaunchConfig_t cfg{};
   cfg.gridDim = grid;
   cfg.blockDim = block;
   cfg.dynamicSmemBytes = smem;
   cfg.stream = s;
-  const bool on = programmatic_launch();
-  cfg.attrs = on ? attr : nullptr;
-  cfg.numAttrs = on ? 1 : 0;
+  cfg.attrs = n > 0 ? attr : nullptr;
+  cfg.numAttrs = n;
   CUDA_CHECK(cudaLaunchKernelEx(&cfg, kernel, std::forward<Args>(args)...));
+}
+template <typename... KernelArgs, typename... Args>
+void launch_programmatic(void (*kernel)(KernelArgs...), dim3 grid, dim3 block, size_t smem, cudaStream_t s,
+                         Args&&... args) {
+  launch_programmatic_clusters(kernel, grid, block, smem, s, dim3(1, 1, 1), std::forward<Args>(args)...);
 }
 
 // Whether this block is the last of `n` to arrive at `counter` (all threads call it). Thread 0's acq_rel add after

@@ -8,7 +8,10 @@
 // 16 rows at 16 w (one m16 tile of mma.sync m16n8k16) x all 64 tokens (eight n8 tiles), so each A fragment it decodes
 // serves eight MMAs. K is walked in chunks of two 32-weight blocks; a block of KG groups (KG = 2 for projections of
 // at most one tile per SM, where 4 warps per SM could not hide the latencies) gives chunk ch to group ch % KG and
-// sums the groups' tiles at the end, in group order. The activations (kernels.cuh store_operand: per 4 values
+// sums the groups' tiles at the end, in group order. Where a projection has few tiles, a thread-block cluster of 2 or 4
+// such blocks splits K further (chunk ch to the cluster's group ch % (2 x cluster size)), and the cluster's first
+// block sums the blocks' tiles in block order, reading them from the others' shared memory (cluster_split): a fixed
+// order of sums, so replays stay bit-identical. The activations (kernels.cuh store_operand: per 4 values
 // [hi x4 | lo x4] fp16) of the chunks are copied into shared memory by cp.async, rounds of KG chunks in flight;
 // each lane's B fragment of a step is one 16-byte load that holds both the hi and the lo half. Each warp reads its
 // own rows' weights from global memory into registers (mma_weights.cuh), two of its chunks ahead of the MMAs that use
@@ -21,6 +24,8 @@
 //
 // Speed: pp512 0.5-0.7x what the cuBLAS GEMMs reached (H100; NOTES, "CUDA, session 15"): the L1/shared pipe is the
 // busiest unit (each warp of a group reads the whole 64-token B tile) and small grids keep one warp per scheduler.
+#include <cooperative_groups.h>
+
 #include <algorithm>
 
 #include "cuda/cuda_check.h"
@@ -71,8 +76,12 @@ __global__ void __launch_bounds__(GemmShape<KG>::kThreads, KG == 1 ? 3 : 1) prom
   float* sums = reinterpret_cast<float*>(gemm_smem + Shape::kRounds * KG * kGemmChunkBytes);  // [group][kGemmSums]
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, c = lane & 3;
   const int kg = warp / 4, wr = warp % 4;
+  // A projection of few tiles splits K over a thread-block cluster of S = gridDim.z blocks as well (launch_typed):
+  // its G = S * KG groups take the chunks in turn (chunk ch to group ch % G), block z holding groups z * KG ..
+  // z * KG + KG - 1. Without a cluster S is 1 and G is KG (a constant in the one-group form, which never clusters).
+  const int S = KG > 1 ? static_cast<int>(gridDim.z) : 1, G = S * KG, gg = (KG > 1 ? blockIdx.z * KG : 0) + kg;
   const int K = a.W.cols, nb = a.W.nb, n_chunks = (nb + kGemmChunkBlocks - 1) / kGemmChunkBlocks;
-  const int n_rounds = (n_chunks + KG - 1) / KG;
+  const int n_rounds = (n_chunks + G - 1) / G;
   const int tok0 = blockIdx.x * kGemmTokens, row0 = blockIdx.y * kGemmRows + 16 * wr;
   const int rows[2] = {row0 + g < a.W.rows ? row0 + g : -1, row0 + g + 8 < a.W.rows ? row0 + g + 8 : -1};
   // Block indices of the two rows at block 0 (a row past the matrix: -1, which every block offset keeps negative).
@@ -95,7 +104,7 @@ __global__ void __launch_bounds__(GemmShape<KG>::kThreads, KG == 1 ? 3 : 1) prom
   auto stage_round = [&](int r, int slot) {
 #pragma unroll
     for (int q = 0; q < KG; ++q) {
-      const int ch = r * KG + q;
+      const int ch = r * G + (gg - kg) + q;
       const unsigned ok = ch < n_chunks && 4 * (ch * kGemmChunkSlots + my_slot) < K ? tok_ok : 0u;
       uint4* dst = chunks + (slot * KG + q) * (kGemmChunkBytes / 16) + my_tok * kGemmRowSlots + my_slot;
       const __half* src = x_base + ch * 8 * kGemmChunkSlots;
@@ -109,7 +118,7 @@ __global__ void __launch_bounds__(GemmShape<KG>::kThreads, KG == 1 ? 3 : 1) prom
   WB w[kGemmAhead];
 #pragma unroll
   for (int j = 0; j < kGemmAhead; ++j) {
-    const int blk = (kg + KG * (j / kGemmChunkBlocks)) * kGemmChunkBlocks + j % kGemmChunkBlocks;
+    const int blk = (gg + G * (j / kGemmChunkBlocks)) * kGemmChunkBlocks + j % kGemmChunkBlocks;
     if (blk < nb) load_w(w[j], blk);
   }
   detail::grid_dependency_wait();
@@ -156,7 +165,7 @@ __global__ void __launch_bounds__(GemmShape<KG>::kThreads, KG == 1 ? 3 : 1) prom
         }
         __syncthreads();
       }
-      const int ch = r * KG + kg;
+      const int ch = r * G + gg;
       if (ch >= n_chunks) continue;  // the last round's spare groups (uniform per group)
       const uint4* st = round + kg * (kGemmChunkBytes / 16) + g * kGemmRowSlots;
       const float* my_sums = sums + kg * kGemmSums;
@@ -204,7 +213,7 @@ __global__ void __launch_bounds__(GemmShape<KG>::kThreads, KG == 1 ? 3 : 1) prom
           }
         }
         // These registers take the same block of this group's chunk after next.
-        const int next = blk + 2 * KG * kGemmChunkBlocks;
+        const int next = blk + 2 * G * kGemmChunkBlocks;
         if (next < nb) load_w(wb, next);
       }
     }
@@ -226,10 +235,7 @@ __global__ void __launch_bounds__(GemmShape<KG>::kThreads, KG == 1 ? 3 : 1) prom
             make_float4(acc[nt][0], acc[nt][1], acc[nt][2], acc[nt][3]);
     }
     __syncthreads();
-    if (kg > 0) return;
-#pragma unroll
-    for (int q = 1; q < KG; ++q) {
-      const float* other = red + (((q - 1) * 4 + wr) * 32 + lane) * (4 * kGemmNT);
+    auto add_tile = [&](const float* other) {
 #pragma unroll
       for (int nt = 0; nt < kGemmNT; ++nt) {
         const float4 v = *reinterpret_cast<const float4*>(other + 4 * nt);
@@ -238,7 +244,29 @@ __global__ void __launch_bounds__(GemmShape<KG>::kThreads, KG == 1 ? 3 : 1) prom
         acc[nt][2] += v.z;
         acc[nt][3] += v.w;
       }
+    };
+    if (kg == 0)
+#pragma unroll
+      for (int q = 1; q < KG; ++q) add_tile(red + (((q - 1) * 4 + wr) * 32 + lane) * (4 * kGemmNT));
+    if (S > 1) {
+      // The cluster's tiles summed in block order by block 0, which reads the others' from their shared memory
+      // (past the groups' tiles); every thread of every block takes part in both cluster barriers.
+      namespace cg = cooperative_groups;
+      cg::cluster_group cluster = cg::this_cluster();
+      float* part = red + (KG - 1) * 4 * 32 * (4 * kGemmNT);
+      const int me = (wr * 32 + lane) * (4 * kGemmNT);
+      const unsigned rank = cluster.block_rank();
+      if (kg == 0 && rank > 0)
+#pragma unroll
+        for (int nt = 0; nt < kGemmNT; ++nt)
+          *reinterpret_cast<float4*>(part + me + 4 * nt) = make_float4(acc[nt][0], acc[nt][1], acc[nt][2], acc[nt][3]);
+      cluster.sync();
+      if (kg == 0 && rank == 0)
+        for (int q = 1; q < S; ++q) add_tile(cluster.map_shared_rank(part, q) + me);
+      cluster.sync();  // block 0 has read every tile: the others' shared memory may go
+      if (rank > 0) return;
     }
+    if (kg > 0) return;
   }
   // acc[nt]: rows g, g + 8 x tokens nt * 8 + 2c, + 1.
 #pragma unroll
@@ -252,20 +280,39 @@ __global__ void __launch_bounds__(GemmShape<KG>::kThreads, KG == 1 ? 3 : 1) prom
     }
 }
 
+// The cluster's partial tiles sit after the groups' in the chunk buffers.
+static_assert(2 * 4 * 32 * 4 * kGemmNT * 4 <= GemmShape<2>::kRounds * 2 * kGemmChunkBytes,
+              "the cluster reduction's two tiles fit the chunk buffers");
+
 template <typename WB, int KG>
-void launch_kg(const PromptGemmArgs& a, cudaStream_t s, dim3 grid) {
+void launch_kg(const PromptGemmArgs& a, cudaStream_t s, dim3 grid, int split) {
   constexpr int smem = GemmShape<KG>::kSmemBytes;
   detail::allow_dynamic_smem(prompt_gemm_kernel<WB, KG>, smem);
-  detail::launch_programmatic(prompt_gemm_kernel<WB, KG>, grid, dim3(GemmShape<KG>::kThreads), smem, s, a);
+  grid.z = split;
+  detail::launch_programmatic_clusters(prompt_gemm_kernel<WB, KG>, grid, dim3(GemmShape<KG>::kThreads), smem, s,
+                                       dim3(1, 1, split), a);
 }
 
-// Two groups per block where the projection has at most one 64 x 64 tile per SM.
+// Blocks of a cluster that split K where a projection has few tiles: the most of 4 and 2 that keep the grid within
+// the SMs and every one of the cluster's groups at two chunks or more; else 1 (no cluster). At such sizes a tile's
+// whole K on one SM was the projection's latency: Qwen2.5-0.5B's down at 128 tokens is 28 tiles of 152 weight blocks
+// each, on 28 of 132 SMs. H200, session 32 (benchmarks/NOTES.md): pp128 -32% (Qwen2.5), -15% (SmolLM2-1.7B), -13%
+// (SmolLM2-135M); the 135M's pp256 +7%, where the rule splits its shallow QKV and O (9 chunks) too.
+int cluster_split(int tiles, int sms, int n_chunks) {
+  for (int split = 4; split > 1; split /= 2)
+    if (tiles * split <= sms && n_chunks >= 2 * 2 * split) return split;
+  return 1;
+}
+
+// Two groups per block where the projection has at most one 64 x 64 tile per SM, and K split further over a cluster
+// of blocks where it has few (cluster_split).
 template <typename WB>
 void launch_typed(const PromptGemmArgs& a, cudaStream_t s) {
   const dim3 grid((a.n + kGemmTokens - 1) / kGemmTokens, (a.W.rows + kGemmRows - 1) / kGemmRows);
-  const int sms = device_attribute(cudaDevAttrMultiProcessorCount);
-  if (static_cast<int>(grid.x * grid.y) <= sms) launch_kg<WB, 2>(a, s, grid);
-  else launch_kg<WB, 1>(a, s, grid);
+  const int sms = device_attribute(cudaDevAttrMultiProcessorCount), tiles = static_cast<int>(grid.x * grid.y);
+  const int n_chunks = (a.W.nb + kGemmChunkBlocks - 1) / kGemmChunkBlocks;
+  if (tiles <= sms) launch_kg<WB, 2>(a, s, grid, cluster_split(tiles, sms, n_chunks));
+  else launch_kg<WB, 1>(a, s, grid, 1);
 }
 
 }  // namespace
