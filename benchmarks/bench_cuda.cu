@@ -16,7 +16,8 @@
 // SmolLM2-1.7B's (24 layers, d 2048, ffn 8192, 32/32 heads, vocab 49,152) with the 135M's types; =360m SmolLM2-360M's
 // (32 layers, d 960, ffn 2560, 15/5 heads); =gemma Gemma 3 270M's (18 layers, d 640, ffn 2048, 4/1 heads of 256,
 // vocab 262,144, QK-norm, post-norms, GELU, five 512-position sliding-window layers to one global) with its Q4_K_M
-// file's types: the general path's decode (cuda_general.cu), whose attention and norm+matvec kernels the trace names.
+// file's types: the general path (cuda_general.cu), whose attention and norm+matvec kernels the trace names; its
+// whole table (decode, first token, prompt lengths) runs too.
 #include <algorithm>
 #include <chrono>
 #include <cmath>
@@ -381,8 +382,11 @@ int main(int argc, char** argv) {
     const float sd = 1.f / std::sqrt(static_cast<float>(s.d_model)), sf = 1.f / std::sqrt(static_cast<float>(s.d_ff));
     const std::string mode = argc > 2 ? argv[2] : "";
     if (mode == "types") return bench_types();
-    if (gemma && mode != "decode" && mode != "trace" && mode != "depth") {  // the others time the fused path's kernels
-      std::fprintf(stderr, "bench_cuda: METALATTN_BENCH_SHAPE=gemma runs the decode, depth and trace modes only\n");
+    // The other modes time the fused path's kernels. (The whole table's per-kernel part stops itself for every shape
+    // but the 135M's.)
+    if (gemma && !mode.empty() && mode != "decode" && mode != "trace" && mode != "depth") {
+      std::fprintf(stderr, "bench_cuda: METALATTN_BENCH_SHAPE=gemma runs the whole table, decode, depth and trace "
+                           "modes only\n");
       return 2;
     }
     // The Q4_K_M mix of the real SmolLM2-135M file (its 576-wide rows take Q5_0 / Q8_0 where Q4_K_M asks for
