@@ -248,6 +248,7 @@ __global__ void __launch_bounds__(GemmShape<KG>::kThreads, KG == 1 ? 3 : 1) prom
     if (kg == 0)
 #pragma unroll
       for (int q = 1; q < KG; ++q) add_tile(red + (((q - 1) * 4 + wr) * 32 + lane) * (4 * kGemmNT));
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900  // clusters: Hopper on (cluster_split gives older GPUs none)
     if (S > 1) {
       // The cluster's tiles summed in block order by block 0, which reads the others' from their shared memory
       // (past the groups' tiles); every thread of every block takes part in both cluster barriers.
@@ -266,6 +267,7 @@ __global__ void __launch_bounds__(GemmShape<KG>::kThreads, KG == 1 ? 3 : 1) prom
       cluster.sync();  // block 0 has read every tile: the others' shared memory may go
       if (rank > 0) return;
     }
+#endif
     if (kg > 0) return;
   }
   // acc[nt]: rows g, g + 8 x tokens nt * 8 + 2c, + 1.
@@ -297,8 +299,10 @@ void launch_kg(const PromptGemmArgs& a, cudaStream_t s, dim3 grid, int split) {
 // the SMs and every one of the cluster's groups at two chunks or more; else 1 (no cluster). At such sizes a tile's
 // whole K on one SM was the projection's latency: Qwen2.5-0.5B's down at 128 tokens is 28 tiles of 152 weight blocks
 // each, on 28 of 132 SMs. H200, session 32 (benchmarks/NOTES.md): pp128 -32% (Qwen2.5), -15% (SmolLM2-1.7B), -13%
-// (SmolLM2-135M); the 135M's pp256 +7%, where the rule splits its shallow QKV and O (9 chunks) too.
+// (SmolLM2-135M); the 135M's pp256 +7%, where the rule splits its shallow QKV and O (9 chunks) too. GPUs without
+// thread-block clusters (before Hopper) get none.
 int cluster_split(int tiles, int sms, int n_chunks) {
+  if (device_attribute(cudaDevAttrClusterLaunch) == 0) return 1;
   for (int split = 4; split > 1; split /= 2)
     if (tiles * split <= sms && n_chunks >= 2 * 2 * split) return split;
   return 1;
