@@ -537,13 +537,7 @@ __global__ void __launch_bounds__(256) glu_kernel(const float* gate_up, int n, i
     const int64_t t = i / d_ff;
     const int j = static_cast<int>(i % d_ff);
     const float g = __ldcg(gate_up + t * 2 * d_ff + j), up = __ldcg(gate_up + t * 2 * d_ff + d_ff + j);
-    float v;
-    if (gelu) {
-      const float u = 0.7978845608028654f * g * (1.f + 0.044715f * g * g);
-      v = 0.5f * g * (1.f + tanhf(u)) * up;
-    } else {
-      v = g / (1.f + expf(-g)) * up;
-    }
+    const float v = detail::glu_unit(g, up, gelu);
     if (out != nullptr)
       out[i] = v;
     else

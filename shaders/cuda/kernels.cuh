@@ -278,6 +278,16 @@ __device__ __forceinline__ void launch_dependents() {
 #endif
 }
 
+// One GLU unit's output from its gate and up values: GELU-tanh(gate) * up (Gemma 3) or SiLU(gate) * up, the formulas
+// of the CPU reference. Every decode GLU (glu_kernel, the fused gate/up kernels) computes it here.
+__device__ __forceinline__ float glu_unit(float g, float up, bool gelu) {
+  if (gelu) {
+    const float t = 0.7978845608028654f * g * (1.f + 0.044715f * g * g);
+    return 0.5f * g * (1.f + tanhf(t)) * up;
+  }
+  return g / (1.f + expf(-g)) * up;
+}
+
 __device__ __forceinline__ float warp_sum(float v) {
 #pragma unroll
   for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);

@@ -278,12 +278,8 @@ __device__ __forceinline__ void norm_matvec_body(const DevMatrix& W, const float
     const float2 gu = rp.finish(W, row, row + units, sub, x_s);
     const float g = gu.x * scale, up = gu.y * scale;
     if (sub == 0 && row < W.rows) {
-      if (a.gelu) {  // the formula of glu_kernel (arch.cu) and the CPU reference
-        const float t = 0.7978845608028654f * g * (1.f + 0.044715f * g * g);
-        a.y[pair_unit] = 0.5f * g * (1.f + tanhf(t)) * up;
-      } else {
-        a.y[pair_unit] = g / (1.f + expf(-g)) * up;
-      }
+      if (a.gelu) a.y[pair_unit] = detail::glu_unit(g, up, true);  // a store in each branch: see the SiluGlu epilogue
+      else a.y[pair_unit] = detail::glu_unit(g, up, false);
     }
     return;
   }
@@ -297,12 +293,10 @@ __device__ __forceinline__ void norm_matvec_body(const DevMatrix& W, const float
     const int u = unit0 + threadIdx.x;
     if (threadIdx.x < units_per_block && u < units) {
       const float g = y_s[threadIdx.x], up = y_s[threadIdx.x + units_per_block];
-      if (a.gelu) {  // the formula of glu_kernel (arch.cu) and the CPU reference
-        const float t = 0.7978845608028654f * g * (1.f + 0.044715f * g * g);
-        a.y[u] = 0.5f * g * (1.f + tanhf(t)) * up;
-      } else {
-        a.y[u] = g / (1.f + expf(-g)) * up;
-      }
+      // A store in each branch, not one store of a selected value: that form changed the code of every norm + matvec
+      // kernel (this body's), which were measured as they are.
+      if (a.gelu) a.y[u] = detail::glu_unit(g, up, true);
+      else a.y[u] = detail::glu_unit(g, up, false);
     }
   } else {
     if (sub == 0) y_s[local] = acc + bias;
