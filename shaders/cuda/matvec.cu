@@ -362,7 +362,7 @@ struct ArgmaxArgs {
 
 // Few blocks, each looping over several row groups: the norm is staged and the argmax reduced once per block, not
 // once per 32 rows, and the next group's weights are loaded while the current one is summed.
-template <typename B, int TPR>
+template <typename B, int TPR, int U = B::kUnroll>
 __global__ void __launch_bounds__(256) norm_matvec_argmax_kernel(DevMatrix W, const float* __restrict__ x,
                                                                  const float* __restrict__ norm_w, float eps,
                                                                  ArgmaxArgs a) {
@@ -377,7 +377,7 @@ __global__ void __launch_bounds__(256) norm_matvec_argmax_kernel(DevMatrix W, co
 
   KernelTrace trace(kTraceLmHead);
   detail::launch_dependents();
-  RowDotB<B, TPR> rd;
+  RowDotB<B, TPR, U> rd;
   rd.prefetch(W, base + local, sub);
   NormPrefetch nw;
   nw.load(norm_w, W.cols);
@@ -409,7 +409,7 @@ __global__ void __launch_bounds__(256) norm_matvec_argmax_kernel(DevMatrix W, co
 
   ArgmaxPartial best{0.f, kNoIndex};
   for (; base < W.rows; base += stride) {  // block-uniform: every lane takes part in the group shuffles
-    RowDotB<B, TPR> next;
+    RowDotB<B, TPR, U> next;
     next.prefetch(W, base + stride + local, sub);
     const int row = base + local;
     const float acc = rd.finish(W, row, sub, x_s) * scale;
@@ -519,10 +519,15 @@ Geometry matvec_geometry(const DevMatrix& W, int tpr = kMatvecTpr, int threads =
 }
 
 // The lm_head streams 49k+ rows through a few resident blocks (norm_matvec_argmax_kernel): fewer lanes per row
-// keep more rows in flight per pass.
+// keep more rows in flight per pass. Q8_0 rows (the lm_head of every model we run) take the fewest lanes whose
+// blocks a lane before the wait (kUnroll 3, or 2 past 8 lanes: lm_head_two_blocks) cover the whole row: at 8 lanes x
+// 3 blocks, Qwen2.5-0.5B's 28-block rows left 4 blocks to load after each pass's dots began. H200 (NOTES, "CUDA,
+// session 33"): Qwen2.5-0.5B shape 411.5 / 411.9 -> 406.9 / 407.2 us per token at 16 lanes x 2 blocks, SmolLM2-1.7B
+// 667.6 / 670.3 -> 663.0 / 663.0 at 32 x 2; 32 lanes x 1 block for Qwen's rows lost (412.5 / 412.2).
+bool lm_head_two_blocks(const DevMatrix& W, int tpr) { return W.type == GgmlType::Q8_0 && tpr > 8 && W.nb <= 2 * tpr; }
 Geometry lm_head_geometry(const DevMatrix& W) {
   Geometry g;
-  g.tpr = W.nb <= 32 ? 8 : W.nb <= 64 ? 16 : 32;
+  g.tpr = W.type == GgmlType::Q8_0 ? (W.nb <= 24 ? 8 : W.nb <= 48 ? 16 : 32) : W.nb <= 32 ? 8 : W.nb <= 64 ? 16 : 32;
   g.threads = 256;
   g.grid = 0;  // chosen from occupancy at launch
   g.smem = static_cast<size_t>(W.nb) * kSmemBlockStride * sizeof(float);
@@ -745,8 +750,11 @@ void launch_norm_matvec_argmax(const DevMatrix& W, const float* x, const float* 
   if (result_ring < 1 || (result_ring & (result_ring - 1)) != 0)
     throw EngineError("argmax: the result ring must hold a power of two of slots");
   const Geometry g = lm_head_geometry(W);
-  const auto k = pick(g.tpr, kernel_for<ArgmaxKernels<8>>(W.type), kernel_for<ArgmaxKernels<16>>(W.type),
-                      kernel_for<ArgmaxKernels<32>>(W.type));
+  using Q8 = Blk<GgmlType::Q8_0>;
+  const auto k = lm_head_two_blocks(W, g.tpr)
+                     ? (g.tpr == 16 ? norm_matvec_argmax_kernel<Q8, 16, 2> : norm_matvec_argmax_kernel<Q8, 32, 2>)
+                     : pick(g.tpr, kernel_for<ArgmaxKernels<8>>(W.type), kernel_for<ArgmaxKernels<16>>(W.type),
+                            kernel_for<ArgmaxKernels<32>>(W.type));
   allow_smem(k, g.smem);
   // As many blocks as fit on the GPU at once, spread so that every block takes the same number of row groups.
   int per_sm = 0;

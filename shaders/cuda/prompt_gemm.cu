@@ -299,12 +299,16 @@ void launch_kg(const PromptGemmArgs& a, cudaStream_t s, dim3 grid, int split) {
 // the SMs and every one of the cluster's groups at two chunks or more; else 1 (no cluster). At such sizes a tile's
 // whole K on one SM was the projection's latency: Qwen2.5-0.5B's down at 128 tokens is 28 tiles of 152 weight blocks
 // each, on 28 of 132 SMs. H200, session 32 (benchmarks/NOTES.md): pp128 -32% (Qwen2.5), -15% (SmolLM2-1.7B), -13%
-// (SmolLM2-135M); the 135M's pp256 +7%, where the rule splits its shallow QKV and O (9 chunks) too. GPUs without
+// (SmolLM2-135M). A shallow projection (fewer than 12 chunks: a few us of work a tile) splits only while the
+// cluster grid leaves a quarter of the SMs free: SmolLM2-135M's QKV at 256 tokens (60 tiles of 9 chunks) as 120
+// blocks in pairs cost more than its split saved (session 33: pp256 3.48 -> 3.02 ms without it). GPUs without
 // thread-block clusters (before Hopper) get none.
 int cluster_split(int tiles, int sms, int n_chunks) {
   if (device_attribute(cudaDevAttrClusterLaunch) == 0) return 1;
-  for (int split = 4; split > 1; split /= 2)
+  for (int split = 4; split > 1; split /= 2) {
+    if (n_chunks < 12 && tiles * split > sms * 3 / 4) continue;
     if (tiles * split <= sms && n_chunks >= 2 * 2 * split) return split;
+  }
   return 1;
 }
 

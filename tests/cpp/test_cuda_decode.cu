@@ -498,11 +498,21 @@ TEST(CudaKernels, ArgmaxMatchesReferenceOnEdgeCases) {
   EXPECT_TRUE(std::isnan(none.value));
 }
 
+// Every lane geometry of the lm_head kernel (lm_head_geometry): Q8_0 rows of 16 blocks (8 lanes x 3), 18 (the
+// SmolLM2-135M's), 28 (Qwen2.5-0.5B's: 16 lanes x 2), 48 (16 x 3), 64 (SmolLM2-1.7B's: 32 x 2) and 128 (32 x 3 and
+// a block more after the dots begin), and Q4_0 / F16.
 TEST(CudaFused, FinalNormLmHeadArgmax) {
   REQUIRE_GPU();
-  for (GgmlType t : {GgmlType::Q8_0, GgmlType::Q4_0, GgmlType::F16}) {
-    SCOPED_TRACE(type_name(t));
-    auto w = random_matrix(t, 49152, 576, 0.04f);
+  struct Case {
+    GgmlType t;
+    int vocab, d;
+  };
+  for (const Case c : {Case{GgmlType::Q8_0, 49152, 576}, Case{GgmlType::Q4_0, 49152, 576},
+                       Case{GgmlType::F16, 49152, 576}, Case{GgmlType::Q8_0, 151936, 896},
+                       Case{GgmlType::Q8_0, 49152, 2048}, Case{GgmlType::Q8_0, 8192, 512},
+                       Case{GgmlType::Q8_0, 8192, 1536}, Case{GgmlType::Q8_0, 4096, 4096}}) {
+    SCOPED_TRACE(std::string(type_name(c.t)) + " " + std::to_string(c.vocab) + "x" + std::to_string(c.d));
+    auto w = random_matrix(c.t, c.vocab, c.d, 1.f / std::sqrt(static_cast<float>(c.d)));
     GpuMatrix g = to_gpu({&w->view});
     DevBuf<ArgmaxPartial> parts(argmax_partials_needed(g.m));
     DevBuf<unsigned> counter(std::vector<unsigned>{0u});
@@ -510,14 +520,14 @@ TEST(CudaFused, FinalNormLmHeadArgmax) {
     DevBuf<DecodeIO> io(std::vector<DecodeIO>{{3, 9}});
     ArgmaxScratch sc{parts.p, counter.p, static_cast<int>(parts.n)};
     for (int rep = 0; rep < 2; ++rep) {  // twice: the done-counter must re-arm itself
-      const std::vector<float> x = random_vec(576, -3.f, 3.f), nw = random_vec(576, 0.5f, 1.5f);
-      DevBuf<float> dx(x), dnw(nw), logits(49152);
+      const std::vector<float> x = random_vec(c.d, -3.f, 3.f), nw = random_vec(c.d, 0.5f, 1.5f);
+      DevBuf<float> dx(x), dnw(nw), logits(c.vocab);
       logits.poison();
       res.poison();
       launch_norm_matvec_argmax(g.m, dx.p, dnw.p, kEps, logits.p, sc, res.p, io.p, nullptr);
       const std::vector<float> got = logits.download();
       EXPECT_LE(max_abs_diff(got, ref_matvec(w->view, ref_rmsnorm(x, nw, kEps))), kTol);
-      const ArgmaxResult want = ref::argmax(got.data(), 49152);
+      const ArgmaxResult want = ref::argmax(got.data(), c.vocab);
       const ArgmaxResult r = res.download()[0];
       EXPECT_EQ(r.token, want.token);
       EXPECT_EQ(r.value, want.value);
