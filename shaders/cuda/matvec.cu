@@ -349,6 +349,17 @@ __global__ void __launch_bounds__(256, 3) norm_matvec_glu_pairs_kernel(DevMatrix
   norm_matvec_body<B, 16, false, 4, true>(W, x, norm_w, eps, a);
 }
 
+// The same at 8 lanes, 32 units a block: the gate/up of matrices too large for one wave at 16 lanes (SmolLM2-1.7B's
+// and Llama 3.2 1B's 16,384 rows as 256 blocks, not 512 of half units). H200 (NOTES, "CUDA, session 33"): the 1.7B
+// shape 666.5 / 664.8 -> 656.7 / 656.8 us per token; alone, 16,384 x 2,048 gate/up 9.70 -> 9.28 us (Q4_0), 11.80 ->
+// 11.08 (Q4_K), 13.40 -> 12.55 (Q6_K), but 12.81 -> 14.40 for a kWide8 stack, which keeps the unpaired kernel.
+template <typename B>
+__global__ void __launch_bounds__(256) norm_matvec_glu_pairs8_kernel(DevMatrix W, const float* __restrict__ x,
+                                                                      const float* __restrict__ norm_w, float eps,
+                                                                      NormMatvecArgs a) {
+  norm_matvec_body<B, 8, false, 1, true>(W, x, norm_w, eps, a);
+}
+
 // ------------------------------------------------------------------ final norm + lm_head + argmax
 
 struct ArgmaxArgs {
@@ -571,6 +582,11 @@ struct NormKernels5 {
   template <GgmlType T>
   static Fn get() { return norm_matvec_kernel_5<typename BlkSel<T>::type>; }
 };
+struct NormKernelsGluPairs8 {
+  using Fn = void (*)(DevMatrix, const float*, const float*, float, NormMatvecArgs);
+  template <GgmlType T>
+  static Fn get() { return norm_matvec_glu_pairs8_kernel<typename BlkSel<T>::type>; }
+};
 struct NormKernelsGluPairs {
   using Fn = void (*)(DevMatrix, const float*, const float*, float, NormMatvecArgs);
   template <GgmlType T>
@@ -673,6 +689,11 @@ void run_norm_matvec(const DevMatrix& W, const float* x, const float* norm_w, fl
     } else if (W.rows > kWaveSlack * static_cast<double>(wave16)) {
       g = matvec_geometry(W, 8, 256);
       k = norm_kernel<8>(W, pre);
+      // The gate/up: the paired form (norm_matvec_glu_pairs8_kernel), but not for a kWide8 stack.
+      if (a.mode == NormOut::SiluGlu && !pre && quantized(W.type) && W.type != kWide8) {
+        k = kernel_for<NormKernelsGluPairs8>(W.type);
+        g.grid = (W.rows / 2 + g.threads / g.tpr - 1) / (g.threads / g.tpr);
+      }
     }
   }
   allow_smem(k, g.smem);
