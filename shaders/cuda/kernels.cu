@@ -1,5 +1,5 @@
 // Decode plumbing: the programmatic-launch switch, the chain trace's host side (trace.cuh), and the embedding and
-// argmax kernels. The matvecs are in matvec.cu, the decode attention in decode_attention.cu.
+// argmax kernels. The matvecs are in matvec.cu, the lm_head in lm_head.cu, the decode attention in decode_attention.cu.
 #include <algorithm>
 #include <cmath>
 #include <string>
@@ -35,6 +35,7 @@ bool trace_reset() {
   if (g_trace == nullptr) {
     CUDA_CHECK(cudaMalloc(&g_trace, sizeof(TraceState)));
     trace_attach_matvec(g_trace);
+    trace_attach_lm_head(g_trace);
     trace_attach_decode_attention(g_trace);
     trace_attach_arch(g_trace);
   }

@@ -1,6 +1,6 @@
 // Decode matvecs: one token per step, float activations, float accumulation, weights decoded on the fly
-// (matvec_weights.cuh): fused RMSNorm + matvec (QKV with RoPE and the K/V append, gate/up with SiLU), matvec +
-// residual, and the final norm + lm_head + argmax.
+// (matvec_weights.cuh): fused RMSNorm + matvec (QKV with RoPE and the K/V append, gate/up with SiLU) and matvec +
+// residual. The final norm + lm_head + argmax is lm_head.cu; the activation staging both use is norm_staging.cuh.
 //
 // Matvec geometry: a row group of TPR lanes (8, 16 or 32 consecutive lanes of a warp) owns one output row; lane
 // `sub` of the group takes weight blocks sub, sub + TPR, ... of that row, reads each block's payload with 16-byte
@@ -14,7 +14,9 @@
 
 #include "cuda/cuda_check.h"
 #include "kernels.cuh"
+#include "matvec_launch.cuh"
 #include "matvec_weights.cuh"
+#include "norm_staging.cuh"
 #include "trace.cuh"
 
 namespace metalattn::cuda {
@@ -24,119 +26,6 @@ using detail::grid_dependency_wait;
 METALATTN_TRACE_UNIT(matvec)
 
 // ------------------------------------------------------------------ fused RMSNorm + matvec
-
-// Elements i..i+3 of p (i a multiple of 4), `fill` past cols: one 16-byte load where `vec` (p 16-byte aligned, cols a
-// multiple of 4), else four. Activations come through L2 (`cg`: written by the kernel before), weights through the
-// read-only path. A group wholly past cols returns at once: the staging loops take a fixed number of groups a thread
-// (kNormGroups, kStageVec), most of them past the row at these widths, and each such group had gone down the four
-// predicated scalar loads (H100: -1.5% a token at Qwen2.5-0.5B's shape, -1.2% Gemma 3's; NOTES, "CUDA, session 27").
-template <bool kCg>
-__device__ __forceinline__ float4 load4(const float* p, int i, int cols, bool vec, float fill = 0.f) {
-  auto one = [&](int k) { return k < cols ? (kCg ? __ldcg(p + k) : __ldg(p + k)) : fill; };
-  if (i >= cols) return make_float4(fill, fill, fill, fill);
-  if (vec) {
-    const float4* q = reinterpret_cast<const float4*>(p + i);
-    return kCg ? __ldcg(q) : __ldg(q);
-  }
-  return make_float4(one(i), one(i + 1), one(i + 2), one(i + 3));
-}
-// Stores elements i..i+3 of v to p (those below cols), as load4 reads them.
-__device__ __forceinline__ void store4(float* p, int i, int cols, bool vec, float4 v) {
-  if (vec && i < cols) {
-    *reinterpret_cast<float4*>(p + i) = v;
-    return;
-  }
-  const float e[4] = {v.x, v.y, v.z, v.w};
-  for (int k = 0; k < 4 && i + k < cols; ++k) p[i + k] = e[k];
-}
-__device__ __forceinline__ bool aligned16(const void* p) { return (reinterpret_cast<uintptr_t>(p) & 15) == 0; }
-__device__ __forceinline__ float4 mul4(float4 a, float4 b) {
-  return make_float4(a.x * b.x, a.y * b.y, a.z * b.z, a.w * b.w);
-}
-__device__ __forceinline__ float dot4(float4 a, float4 b) { return (a.x * b.x + a.y * b.y) + (a.z * b.z + a.w * b.w); }
-
-// 16-byte groups of x a thread loads per round trip to L2 in stage_normed (8 x blockDim columns: one round trip for
-// every model's width at 256 threads up to 2,048 columns), and of norm weights NormPrefetch holds over the wait.
-// Four, as the residual kernel stages, would hold 16 more registers through the staging of the 48-register kernel.
-constexpr int kNormGroups = 2;
-
-// Norm weights of the first staging batch, loaded before the programmatic wait (they are weights, so this takes one
-// L2 round trip out of the critical path).
-struct NormPrefetch {
-  float4 w[kNormGroups];
-  __device__ __forceinline__ void load(const float* __restrict__ norm_w, int cols) {
-    const bool vec = norm_w != nullptr && aligned16(norm_w) && cols % 4 == 0;
-#pragma unroll
-    for (int u = 0; u < kNormGroups; ++u) {
-      const int i = 4 * (threadIdx.x + u * blockDim.x);
-      w[u] = norm_w != nullptr ? load4<false>(norm_w, i, cols, vec, 1.f) : make_float4(1.f, 1.f, 1.f, 1.f);
-    }
-  }
-};
-
-// Stages x[0..n) (zero past `cols`) times the norm weights into the padded shared layout and returns rmsnorm's
-// 1/rms (1 without norm_w), which the caller applies to its dot products: W.(x*w) / rms = W.rmsnorm(x), with no
-// second pass over x_s. x is read through L2 (it was written by the kernel before) in 16-byte groups, kNormGroups a
-// thread per round trip. With add.y set (PreAdd, kernels.cuh), x + rmsnorm(add.y) * add.w is staged instead of x, as
-// add_normed_kernel computes it, and block 0 writes it to add.x_next. Ends with a barrier. (Scalar loads, eight a
-// thread, took ~170 instructions a warp for Qwen2.5-0.5B's 896 columns, most of them predicates and branches around
-// each element: NOTES, "CUDA, session 26".)
-__device__ __forceinline__ float stage_normed(const float* x, const float* __restrict__ norm_w, const NormPrefetch& pre,
-                                              float eps, int cols, int n, float* x_s, float* red,
-                                              const PreAdd& add = PreAdd{}) {
-  const bool vec = aligned16(x) && (norm_w == nullptr || aligned16(norm_w)) && cols % 4 == 0 &&
-                   (add.y == nullptr || (aligned16(add.y) && aligned16(add.w) && aligned16(add.x_next)));
-  // PreAdd (rows wider than stage_pre_added takes): y's reduction first, then the add as x is staged: two round
-  // trips to L2 and one block reduction more than plain staging. (Loading x, y and the post-norm weights of the
-  // first batch together ahead of the reduction, one round trip fewer but both reductions kept, measured slower on
-  // the H100: Gemma 3 270M-shaped decode 1,853 -> 1,737 tok/s, NOTES.)
-  float add_scale = 0.f;
-  if (add.y != nullptr) {
-    float sy = 0.f;
-    for (int i = 4 * threadIdx.x; i < cols; i += 4 * blockDim.x) {
-      const float4 v = load4<true>(add.y, i, cols, vec);
-      sy += dot4(v, v);
-    }
-    add_scale = 1.f / sqrtf(detail::block_sum(sy, red) / static_cast<float>(cols) + add.eps);
-  }
-  float ss = 0.f;
-  for (int j0 = threadIdx.x, batch = 0; j0 < n / 4; j0 += kNormGroups * blockDim.x, ++batch) {
-    float4 v[kNormGroups], w[kNormGroups];
-#pragma unroll
-    for (int u = 0; u < kNormGroups; ++u) {
-      const int i = 4 * (j0 + u * blockDim.x);
-      v[u] = load4<true>(x, i, cols, vec);
-      w[u] = batch == 0 ? pre.w[u] : norm_w != nullptr ? load4<false>(norm_w, i, cols, vec, 1.f)
-                                                       : make_float4(1.f, 1.f, 1.f, 1.f);
-    }
-    if (add.y != nullptr) {
-#pragma unroll
-      for (int u = 0; u < kNormGroups; ++u) {
-        const int i = 4 * (j0 + u * blockDim.x);
-        if (i < cols) {
-          const float4 y = load4<true>(add.y, i, cols, vec), aw = load4<false>(add.w, i, cols, vec);
-          v[u] = make_float4(v[u].x + y.x * add_scale * aw.x, v[u].y + y.y * add_scale * aw.y,
-                             v[u].z + y.z * add_scale * aw.z, v[u].w + y.w * add_scale * aw.w);
-          if (blockIdx.x == 0) store4(add.x_next, i, cols, vec, v[u]);
-        }
-      }
-    }
-#pragma unroll
-    for (int u = 0; u < kNormGroups; ++u) {
-      const int i = 4 * (j0 + u * blockDim.x);
-      if (i < n) {
-        *reinterpret_cast<float4*>(x_s + smem_index(i)) = mul4(v[u], w[u]);
-        ss += dot4(v[u], v[u]);
-      }
-    }
-  }
-  if (norm_w == nullptr) {
-    __syncthreads();
-    return 1.f;
-  }
-  const float total = detail::block_sum(ss, red);  // its barriers also publish x_s
-  return 1.f / sqrtf(total / static_cast<float>(cols) + eps);
-}
 
 // The PreAdd staging in one round trip to L2, for rows of at most 4 x blockDim.x columns (one 16-byte group a
 // thread: Gemma 3's 640 at 256 or 512 threads): each thread loads its x and y values and the post-norm weights
@@ -360,81 +249,6 @@ __global__ void __launch_bounds__(256) norm_matvec_glu_pairs8_kernel(DevMatrix W
   norm_matvec_body<B, 8, false, 1, true>(W, x, norm_w, eps, a);
 }
 
-// ------------------------------------------------------------------ final norm + lm_head + argmax
-
-struct ArgmaxArgs {
-  bool prefetch_l2 = false;      // the rows of later passes go to L2 before the wait (when they fit there)
-  float* logits = nullptr;
-  ArgmaxScratch am;
-  ArgmaxResult* result = nullptr;
-  DecodeIO* io_next = nullptr;
-  int result_ring = 1;  // argmax_finish
-};
-
-// Few blocks, each looping over several row groups: the norm is staged and the argmax reduced once per block, not
-// once per 32 rows, and the next group's weights are loaded while the current one is summed.
-template <typename B, int TPR, int U = B::kUnroll>
-__global__ void __launch_bounds__(256) norm_matvec_argmax_kernel(DevMatrix W, const float* __restrict__ x,
-                                                                 const float* __restrict__ norm_w, float eps,
-                                                                 ArgmaxArgs a) {
-  extern __shared__ float4 smem_dyn[];
-  float* x_s = reinterpret_cast<float*>(smem_dyn);
-  __shared__ float red[32];
-  __shared__ ArgmaxPartial am_red[32];
-  const int rows_per_pass = blockDim.x / TPR;
-  const int local = threadIdx.x / TPR, sub = threadIdx.x % TPR;
-  const int stride = gridDim.x * rows_per_pass;
-  int base = blockIdx.x * rows_per_pass;
-
-  KernelTrace trace(kTraceLmHead);
-  detail::launch_dependents();
-  RowDotB<B, TPR, U> rd;
-  rd.prefetch(W, base + local, sub);
-  NormPrefetch nw;
-  nw.load(norm_w, W.cols);
-  // The rows of the later passes go to L2 now, while the kernels before still run: the lm_head is the one matrix
-  // too large for its first pass to hide the rest of its reads.
-  if (a.prefetch_l2) {
-    const int pb = payload_bytes(W.type), sc = scale_count(W.type);
-    for (int g = base + stride; g < W.rows; g += stride) {
-      const int rows = min(rows_per_pass, W.rows - g);
-      const char* pay = reinterpret_cast<const char*>(W.payload) + static_cast<int64_t>(g) * W.nb * pb;
-      const int pay_bytes = rows * W.nb * pb;
-      for (int off = threadIdx.x * 128; off < pay_bytes; off += blockDim.x * 128) prefetch_l2(pay + off);
-      if (sc > 0) {
-        const char* scl = reinterpret_cast<const char*>(W.scales) + static_cast<int64_t>(g) * W.nb * sc * 2;
-        const int scl_bytes = rows * W.nb * sc * 2;
-        for (int off = threadIdx.x * 128; off < scl_bytes; off += blockDim.x * 128) prefetch_l2(scl + off);
-      }
-      const int aw = aux_words(W.type);
-      if (aw > 0) {
-        const char* aux = reinterpret_cast<const char*>(W.aux) + static_cast<int64_t>(g) * W.nb * aw * 4;
-        const int aux_bytes = rows * W.nb * aw * 4;
-        for (int off = threadIdx.x * 128; off < aux_bytes; off += blockDim.x * 128) prefetch_l2(aux + off);
-      }
-    }
-  }
-  grid_dependency_wait();
-  trace.released();
-  const float scale = stage_normed(x, norm_w, nw, eps, W.cols, W.nb * 32, x_s, red);
-
-  ArgmaxPartial best{0.f, kNoIndex};
-  for (; base < W.rows; base += stride) {  // block-uniform: every lane takes part in the group shuffles
-    RowDotB<B, TPR, U> next;
-    next.prefetch(W, base + stride + local, sub);
-    const int row = base + local;
-    const float acc = rd.finish(W, row, sub, x_s) * scale;
-    if (sub == 0 && row < W.rows) {
-      a.logits[row] = acc;
-      if (!isnan(acc) && detail::argmax_better(ArgmaxPartial{acc, static_cast<uint32_t>(row)}, best))
-        best = ArgmaxPartial{acc, static_cast<uint32_t>(row)};
-    }
-    rd = next;
-  }
-  best = detail::block_argmax(best, am_red);
-  detail::argmax_finish(best, a.am, a.result, a.io_next, a.result_ring);
-}
-
 // ------------------------------------------------------------------ matvec + residual
 
 // TPR 64 (two warps per row, 512 threads) serves wide matrices such as the down projection (48 blocks per row):
@@ -509,11 +323,6 @@ __global__ void __launch_bounds__(512, 2) matvec_residual_kernel_w4(DevMatrix W,
 
 namespace {
 
-struct Geometry {
-  int tpr, threads, grid;
-  size_t smem;
-};
-
 // Decode matvecs are latency-bound: after the programmatic wait a block stages x and each lane sums its weight
 // blocks, so a whole warp per row (each lane one or two 32-weight blocks at SmolLM2's widths) and 256 threads per
 // block (x staged in one batch of loads, eight warps to hide the shared-memory latency of the dot products) make
@@ -527,43 +336,6 @@ Geometry matvec_geometry(const DevMatrix& W, int tpr = kMatvecTpr, int threads =
   g.grid = (W.rows + rows_per_block - 1) / rows_per_block;
   g.smem = static_cast<size_t>(W.nb) * kSmemBlockStride * sizeof(float);
   return g;
-}
-
-// The lm_head streams 49k+ rows through a few resident blocks (norm_matvec_argmax_kernel): fewer lanes per row
-// keep more rows in flight per pass. Q8_0 rows (the lm_head of every model we run) take the fewest lanes whose
-// blocks a lane before the wait (kUnroll 3, or 2 past 8 lanes: lm_head_two_blocks) cover the whole row: at 8 lanes x
-// 3 blocks, Qwen2.5-0.5B's 28-block rows left 4 blocks to load after each pass's dots began. H200 (NOTES, "CUDA,
-// session 33"): Qwen2.5-0.5B shape 411.5 / 411.9 -> 406.9 / 407.2 us per token at 16 lanes x 2 blocks, SmolLM2-1.7B
-// 667.6 / 670.3 -> 663.0 / 663.0 at 32 x 2; 32 lanes x 1 block for Qwen's rows lost (412.5 / 412.2).
-bool lm_head_two_blocks(const DevMatrix& W, int tpr) { return W.type == GgmlType::Q8_0 && tpr > 8 && W.nb <= 2 * tpr; }
-Geometry lm_head_geometry(const DevMatrix& W) {
-  Geometry g;
-  g.tpr = W.type == GgmlType::Q8_0 ? (W.nb <= 24 ? 8 : W.nb <= 48 ? 16 : 32) : W.nb <= 32 ? 8 : W.nb <= 64 ? 16 : 32;
-  g.threads = 256;
-  g.grid = 0;  // chosen from occupancy at launch
-  g.smem = static_cast<size_t>(W.nb) * kSmemBlockStride * sizeof(float);
-  return g;
-}
-
-// The one switch from a weight type to a kernel instantiation: Family::get<T>() names the kernel for type T.
-template <typename Family>
-typename Family::Fn kernel_for(GgmlType t) {
-  if (t == kWide8) return Family::template get<kWide8>();
-  switch (t) {
-    case GgmlType::Q4_0: return Family::template get<GgmlType::Q4_0>();
-    case GgmlType::Q4_1: return Family::template get<GgmlType::Q4_1>();
-    case GgmlType::Q8_0: return Family::template get<GgmlType::Q8_0>();
-    case GgmlType::Q5_0: return Family::template get<GgmlType::Q5_0>();
-    case GgmlType::Q5_1: return Family::template get<GgmlType::Q5_1>();
-    case GgmlType::Q4_K: return Family::template get<GgmlType::Q4_K>();
-    case GgmlType::Q5_K: return Family::template get<GgmlType::Q5_K>();
-    case GgmlType::Q6_K: return Family::template get<GgmlType::Q6_K>();
-    case GgmlType::F16: return Family::template get<GgmlType::F16>();
-    case GgmlType::BF16: return Family::template get<GgmlType::BF16>();
-    case GgmlType::F32: return Family::template get<GgmlType::F32>();
-    default: break;
-  }
-  throw EngineError(std::string("matvec: unsupported weight type ") + gpu_type_name(t));
 }
 
 template <bool PRE, int TPR>
@@ -611,23 +383,6 @@ struct ResidualKernelsW4 {
     return matvec_residual_kernel_w4<B, (U > B::kUnroll ? U : B::kUnroll)>;
   }
 };
-template <int TPR>
-struct ArgmaxKernels {
-  using Fn = void (*)(DevMatrix, const float*, const float*, float, ArgmaxArgs);
-  template <GgmlType T>
-  static Fn get() { return norm_matvec_argmax_kernel<typename BlkSel<T>::type, TPR>; }
-};
-
-template <typename K>
-K pick(int tpr, K k8, K k16, K k32) {
-  return tpr == 8 ? k8 : tpr == 16 ? k16 : k32;
-}
-
-template <typename K>
-void allow_smem(K kernel, size_t smem) {
-  detail::allow_dynamic_smem(kernel, smem);
-}
-
 template <int TPR>
 typename NormKernels<false, TPR>::Fn norm_kernel(const DevMatrix& W, bool pre) {
   return pre ? kernel_for<NormKernels<true, TPR>>(W.type) : kernel_for<NormKernels<false, TPR>>(W.type);
@@ -701,19 +456,7 @@ void run_norm_matvec(const DevMatrix& W, const float* x, const float* norm_w, fl
 }
 
 
-// The lm_head kernel's row groups (rows_per_pass rows each); its grid is at most this many blocks.
-constexpr int kArgmaxThreads = 256;
-int argmax_row_groups(const DevMatrix& W) {
-  const int rows_per_pass = kArgmaxThreads / lm_head_geometry(W).tpr;
-  return (W.rows + rows_per_pass - 1) / rows_per_pass;
-}
-
 }  // namespace
-
-int argmax_partials_needed(const DevMatrix& lm_head) {
-  const int g = argmax_row_groups(lm_head);
-  return g > kArgmaxMaxBlocks ? g : kArgmaxMaxBlocks;
-}
 
 static void check_pre_add(const PreAdd& pre, const float* x) {
   if (pre.y != nullptr && (pre.w == nullptr || pre.x_next == nullptr || pre.x_next == x))
@@ -763,41 +506,6 @@ void launch_embed_norm_matvec_qkv(const DevMatrix& emb, float* x, const DevMatri
   a.embed = emb;
   a.x_out = x;
   run_norm_matvec(W, x, norm_w, eps, a, s);
-}
-
-void launch_norm_matvec_argmax(const DevMatrix& W, const float* x, const float* norm_w, float eps, float* logits,
-                               const ArgmaxScratch& scratch, ArgmaxResult* result, DecodeIO* io_next,
-                               cudaStream_t s, int result_ring) {
-  if (result_ring < 1 || (result_ring & (result_ring - 1)) != 0)
-    throw EngineError("argmax: the result ring must hold a power of two of slots");
-  const Geometry g = lm_head_geometry(W);
-  using Q8 = Blk<GgmlType::Q8_0>;
-  const auto k = lm_head_two_blocks(W, g.tpr)
-                     ? (g.tpr == 16 ? norm_matvec_argmax_kernel<Q8, 16, 2> : norm_matvec_argmax_kernel<Q8, 32, 2>)
-                     : pick(g.tpr, kernel_for<ArgmaxKernels<8>>(W.type), kernel_for<ArgmaxKernels<16>>(W.type),
-                            kernel_for<ArgmaxKernels<32>>(W.type));
-  allow_smem(k, g.smem);
-  // As many blocks as fit on the GPU at once, spread so that every block takes the same number of row groups.
-  int per_sm = 0;
-  CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, k, kArgmaxThreads, g.smem));
-  const int groups = argmax_row_groups(W);
-  const int resident = std::max(1, per_sm * device_attribute(cudaDevAttrMultiProcessorCount));
-  const int passes = (groups + resident - 1) / resident;
-  const int grid = (groups + passes - 1) / passes;
-  if (grid > scratch.capacity) throw EngineError("argmax scratch too small");
-  ArgmaxArgs a;
-  // Prefetching the whole matrix to L2 pays only where it fits there with room to spare (SmolLM2's Q8_0 lm_head is
-  // 28 MB of the H100's 50 MB); a larger one would evict its own lines and the KV cache.
-  const int l2_bytes = device_attribute(cudaDevAttrL2CacheSize);
-  const size_t matrix_bytes =
-      static_cast<size_t>(W.rows) * W.nb * gpu_block_bytes(W.type);
-  a.prefetch_l2 = matrix_bytes <= static_cast<size_t>(l2_bytes) * 3 / 5;
-  a.logits = logits;
-  a.am = scratch;
-  a.result = result;
-  a.io_next = io_next;
-  a.result_ring = result_ring;
-  detail::launch_programmatic(k, dim3(grid), dim3(kArgmaxThreads), g.smem, s, W, x, norm_w, eps, a);
 }
 
 namespace {

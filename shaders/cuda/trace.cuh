@@ -33,6 +33,7 @@ std::vector<TraceBlock> trace_read_blocks();
 
 // The files with traced kernels; trace_reset points each file's copy of the state pointer at the one TraceState.
 void trace_attach_matvec(TraceState* state);
+void trace_attach_lm_head(TraceState* state);
 void trace_attach_decode_attention(TraceState* state);
 void trace_attach_arch(TraceState* state);
 

@@ -1,7 +1,7 @@
-// Decode kernels (matvec.cu, decode_attention.cu, kernels.cu) against metalattn::ref, on fresh random data with
-// poisoned outputs. Tolerances: single kernels and fused kernels vs the composition of the unfused reference ops: max
-// abs error <= 1e-4 on outputs of magnitude ~1 (float accumulation in another order; seen ~1e-6). Every test skips
-// when no CUDA device is present.
+// Decode kernels (matvec.cu, lm_head.cu, decode_attention.cu, kernels.cu) against metalattn::ref, on fresh random data
+// with poisoned outputs. Tolerances: single kernels and fused kernels vs the composition of the unfused reference ops:
+// max abs error <= 1e-4 on outputs of magnitude ~1 (float accumulation in another order; seen ~1e-6). Every test
+// skips when no CUDA device is present.
 #include "cuda_test_util.h"
 
 // ------------------------------------------------------------------ matvec family
