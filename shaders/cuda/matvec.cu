@@ -81,7 +81,8 @@ constexpr int unroll_for(int tpr, int minb = 1) {
 // The body of the fused norm + matvec kernels below. PRE: the PreAdd variant (a.pre set), a separate instantiation so
 // that the kernels of every other layer compile as if it did not exist (a runtime test cost Qwen2.5-0.5B-shaped
 // decode 2.5% on the H100). MINB: see norm_matvec_kernel_5. PAIRS (SiluGlu only): each lane group computes one unit's
-// gate and up rows together (norm_matvec_glu_pairs_kernel), so a block covers rows_per_block units, not half as many.
+// gate and up rows together (norm_matvec_glu_pairs_kernel, norm_matvec_glu_pairs8_kernel), so a block covers
+// rows_per_block units, not half as many.
 template <typename B, int TPR, bool PRE, int MINB, bool PAIRS = false>
 __device__ __forceinline__ void norm_matvec_body(const DevMatrix& W, const float* __restrict__ x,
                                                  const float* __restrict__ norm_w, float eps, const NormMatvecArgs& a) {
@@ -337,6 +338,12 @@ Geometry matvec_geometry(const DevMatrix& W, int tpr = kMatvecTpr, int threads =
   g.smem = static_cast<size_t>(W.nb) * kSmemBlockStride * sizeof(float);
   return g;
 }
+// The paired gate/up kernels' grid: a lane group per GLU unit (a gate row and its up row), not per row.
+Geometry glu_pairs_geometry(const DevMatrix& W, Geometry g) {
+  const int units_per_block = g.threads / g.tpr;
+  g.grid = (W.rows / 2 + units_per_block - 1) / units_per_block;
+  return g;
+}
 
 template <bool PRE, int TPR>
 struct NormKernels {
@@ -434,8 +441,7 @@ void run_norm_matvec(const DevMatrix& W, const float* x, const float* norm_w, fl
       // The gate/up: the paired form where its units fit one wave (16 units a block, 4 blocks a SM).
       if (a.mode == NormOut::SiluGlu) {
         const auto kp = kernel_for<NormKernelsGluPairs>(W.type);
-        Geometry gp = g;
-        gp.grid = (W.rows / 2 + gp.threads / gp.tpr - 1) / (gp.threads / gp.tpr);
+        const Geometry gp = glu_pairs_geometry(W, g);
         if (W.rows / 2 <= rows_per_wave(kp, gp)) {
           k = kp;
           g = gp;
@@ -447,7 +453,7 @@ void run_norm_matvec(const DevMatrix& W, const float* x, const float* norm_w, fl
       // The gate/up: the paired form (norm_matvec_glu_pairs8_kernel), but not for a kWide8 stack.
       if (a.mode == NormOut::SiluGlu && !pre && quantized(W.type) && W.type != kWide8) {
         k = kernel_for<NormKernelsGluPairs8>(W.type);
-        g.grid = (W.rows / 2 + g.threads / g.tpr - 1) / (g.threads / g.tpr);
+        g = glu_pairs_geometry(W, g);
       }
     }
   }

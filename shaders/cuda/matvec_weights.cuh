@@ -1,7 +1,8 @@
 // The decode matvecs' weight blocks: Blk<T> holds one 32-weight block of type T as one lane loads it (16-byte
 // loads) and dots it with 32 staged activations; BlkSel maps a GGUF type to its block. The bit layouts are GGUF's
 // (metalattn/quant.h); the GPU layouts they are packed into are DevMatrix's (kernels.cuh). Included by matvec.cu and
-// lm_head.cu; each type's reference is the scalar CPU dequantizer (cpu/reference.h), and CudaMatvec / CudaQuant test them.
+// lm_head.cu; each type's reference is the scalar CPU dequantizer (cpu/reference.h), and CudaMatvec / CudaQuant test
+// them.
 #pragma once
 #include <cuda_fp16.h>
 
