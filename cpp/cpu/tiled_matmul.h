@@ -35,13 +35,22 @@ struct TiledMatmul {
   // Software prefetch this far ahead of the rows being read: with the hardware prefetcher alone a streaming
   // matvec reached ~10 GB/s on one core of the dev machine, with 8 KiB ahead ~22 GB/s (its plain read stream: ~30).
   static constexpr size_t kPrefetchBytes = 8192;
+  // Into L2 in the AVX-512 build, into L1 in the AVX2 one. On a 2-core EPYC (NOTES, "CPU, session 34") L2 took the
+  // AVX-512 decode of Qwen2.5-Coder-0.5B from 42 to 64 tok/s and Gemma 3 270M's from 105 to 116 (Q5_0 rows 9-12 ->
+  // 20-25 GB/s): prefetches into L1 hold the fill buffers the tiles' own loads wait on. The AVX2 build lost 10% on
+  // Gemma 3 with it (its Q5_0 rows slower), so it keeps L1.
+#if defined(__AVX512F__)
+  static constexpr auto kPrefetchHint = _MM_HINT_T1;
+#else
+  static constexpr auto kPrefetchHint = _MM_HINT_T0;
+#endif
   static constexpr int kFloatTokenTile = 4;
 
   template <int R>
   static void prefetch_rows(const uint8_t* rows, size_t stride) {
     const uint8_t* ahead = rows + kPrefetchBytes;
     for (size_t off = 0; off < R * stride; off += 64)
-      _mm_prefetch(reinterpret_cast<const char*>(ahead + off), _MM_HINT_T0);
+      _mm_prefetch(reinterpret_cast<const char*>(ahead + off), kPrefetchHint);
   }
 
   static int64_t row_chunk(const WeightView& w) {
