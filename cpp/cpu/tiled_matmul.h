@@ -36,9 +36,9 @@ struct TiledMatmul {
   // matvec reached ~10 GB/s on one core of the dev machine, with 8 KiB ahead ~22 GB/s (its plain read stream: ~30).
   static constexpr size_t kPrefetchBytes = 8192;
   // Into L2 in the AVX-512 build, into L1 in the AVX2 one. On a 2-core EPYC (NOTES, "CPU, session 34") L2 took the
-  // AVX-512 decode of Qwen2.5-Coder-0.5B from 42 to 64 tok/s and Gemma 3 270M's from 105 to 116 (Q5_0 rows 9-12 ->
-  // 20-25 GB/s): prefetches into L1 hold the fill buffers the tiles' own loads wait on. The AVX2 build lost 10% on
-  // Gemma 3 with it (its Q5_0 rows slower), so it keeps L1.
+  // AVX-512 decode of Qwen2.5-Coder-0.5B from ~41 to ~65 tok/s and Gemma 3 270M's from ~96-107 to ~109-117 (Q5_0 rows
+  // 9-12 -> 20-26 GB/s): prefetches into L1 hold the fill buffers the tiles' own loads wait on. The AVX2 build lost
+  // 10% on Gemma 3 with it (its Q5_0 rows slower), so it keeps L1.
 #if defined(__AVX512F__)
   static constexpr auto kPrefetchHint = _MM_HINT_T1;
 #else

@@ -243,9 +243,11 @@ __global__ void __launch_bounds__(256, 3) norm_matvec_glu_pairs_kernel(DevMatrix
 // and Llama 3.2 1B's 16,384 rows as 256 blocks, not 512 of half units). H200 (NOTES, "CUDA, session 33"): the 1.7B
 // shape 666.5 / 664.8 -> 656.7 / 656.8 us per token; alone, 16,384 x 2,048 gate/up 9.70 -> 9.28 us (Q4_0), 11.80 ->
 // 11.08 (Q4_K), 13.40 -> 12.55 (Q6_K), but 12.81 -> 14.40 for a kWide8 stack, which keeps the unpaired kernel.
-// Bounded for two resident a SM (at most 128 registers): the grid of those 16,384 rows is 256 blocks, just under two
-// a SM, and one a SM would run it in two waves. H200 (NOTES, "CUDA, session 34"): the 1.7B shape 654.5 -> 647.9 us
-// per token; the blocks a lane loads before the wait stay unroll_for's (four for Q4_0 and Q5_0 beat three and five).
+// Bounded for two resident a SM: the grid of those 16,384 rows is 256 blocks, just under two a SM, and at one a SM it
+// runs in two waves (`__launch_bounds__(256, 1)` let ptxas take 133-160 registers: 742 us per token). Unbounded it
+// stayed at two (Q4_0 121 registers); bounded (119) the 1.7B shape went 654.5 -> 647.9 us per token on the H200
+// (NOTES, "CUDA, session 34"). The blocks a lane loads before the wait stay unroll_for's: four for Q4_0 and Q5_0
+// beat two, three and five there.
 template <typename B>
 __global__ void __launch_bounds__(256, 2) norm_matvec_glu_pairs8_kernel(DevMatrix W, const float* __restrict__ x,
                                                                          const float* __restrict__ norm_w, float eps,
