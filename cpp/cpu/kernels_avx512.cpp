@@ -273,6 +273,7 @@ void f_tile(const uint8_t* row0, size_t stride, int64_t cols, const float* X, fl
 // What TiledMatmul (tiled_matmul.h) needs from this ISA.
 struct Isa {
   static constexpr bool handles(GgmlType t) { return quad_type(t); }
+  static constexpr bool kPrefetchInTile = false;
   using Act = ActQuad;
   static constexpr int kActGroup = 4;
   static constexpr int kTokenTile = 8;

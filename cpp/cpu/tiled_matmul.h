@@ -16,6 +16,7 @@
 //   q_rows_per_tile<T>(), f_rows_per_tile<T>()   R for a tile of T tokens (quantized / float weights)
 //   pack_acts(xq, nb, n_tok, out)        n_tok tokens' blocks into Acts
 //   q_tile<WT, R, T>(row0, stride, nb, acts, n_groups, y, ldy)
+//   kPrefetchInTile                      true: q_tile prefetches the rows ahead itself, so q_rows issues no burst
 //   f_tile<WT, R, T>(row0, stride, cols, X, y, ldy)
 #pragma once
 #include <xmmintrin.h>
@@ -65,7 +66,7 @@ struct TiledMatmul {
     const size_t stride = w.row_stride();
     int64_t r = r0;
     for (; r + R <= r1; r += R) {
-      prefetch_rows<R>(w.row(r), stride);
+      if constexpr (!Isa::kPrefetchInTile) prefetch_rows<R>(w.row(r), stride);
       Isa::template q_tile<WT, R, T>(w.row(r), stride, nb, acts, n_groups, Y + r, ldy);
     }
     for (; r < r1; ++r) Isa::template q_tile<WT, 1, T>(w.row(r), stride, nb, acts, n_groups, Y + r, ldy);
