@@ -476,7 +476,7 @@ void group_q_tile(const uint8_t* row0, size_t stride, int nb, const ActGroup* ac
   for (int i = 0; i < R; ++i)
     for (int t = 0; t < T; ++t) acc[i][t] = _mm256_setzero_ps();
   const int full = nb / kGroupBlocks;  // K-quant rows are whole super-blocks: every group is full
-  const size_t group_bytes = stride * kGroupBlocks / nb;  // a K-quant group: one super-block
+  constexpr size_t group_bytes = is_legacy(WT) ? kGroupBlocks * block_bytes(WT) : block_bytes(WT);  // K: a super-block
   for (int g = 0; g < full; ++g) {
     if constexpr (kGroupPrefetchInTile)
       for (int i = 0; i < R; ++i) {
