@@ -453,9 +453,24 @@ int main(int argc, char** argv) {
     // bench_cuda <n_ctx> depth: decode at depth (issue 13's depth target), us a token at depths 32, 1,024, 4,096 and
     // 8,000 where the context holds them and 64 steps after: the prompt is prefilled to the depth, then 64 greedy
     // steps are timed one by one: the median of the 192 step times of 3 runs after one warm-up run.
+    // METALATTN_BENCH_DEPTHS=<d,d,...> measures those depths instead (the first is the ratios' base).
     if (mode == "depth") {
       std::vector<double> us;
-      for (int depth : {32, 1024, 4096, 8000}) {
+      std::vector<int> depths{32, 1024, 4096, 8000};
+      if (const char* e = std::getenv("METALATTN_BENCH_DEPTHS"); e != nullptr && *e != '\0') {
+        depths.clear();
+        for (const char* p = e; *p != '\0';) {
+          char* end = nullptr;
+          const long v = std::strtol(p, &end, 10);
+          if (end == p || v < 1) {
+            std::fprintf(stderr, "bench_cuda: METALATTN_BENCH_DEPTHS takes positive integers separated by commas\n");
+            return 2;
+          }
+          depths.push_back(static_cast<int>(v));
+          p = *end == ',' ? end + 1 : end;
+        }
+      }
+      for (int depth : depths) {
         if (depth + 64 > s.n_ctx) continue;
         std::vector<double> tt;
         for (int run = 0; run < 4; ++run) {

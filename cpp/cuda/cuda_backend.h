@@ -26,9 +26,9 @@ bool env_flag(const char* name, bool fallback);
 // throws half-way (e.g. cudaMalloc out of memory).
 struct Resources {
   cudaStream_t stream = nullptr;
-  // Decode graphs, one per DecodeVariant (short, long), each captured at first use.
-  cudaGraph_t graph[2] = {nullptr, nullptr};
-  cudaGraphExec_t graph_exec[2] = {nullptr, nullptr};
+  // Decode graphs, one per DecodeVariant (short, long, short beside), each captured at first use.
+  cudaGraph_t graph[3] = {nullptr, nullptr, nullptr};
+  cudaGraphExec_t graph_exec[3] = {nullptr, nullptr, nullptr};
   std::vector<void*> device;
   std::vector<void*> pinned;
   std::vector<cudaStream_t> side_streams;  // forward_batch's row groups beyond the first
@@ -168,10 +168,13 @@ class CudaBackend final : public Backend {
   // Decode graphs by context length: while attention runs in one pass, one block per query head with all K/V rows
   // in shared memory (more SMs share the latency-bound work); once the context is split, one block per KV head per
   // chunk (each KV head's rows read once, one combine per KV head).
-  enum DecodeVariant { kDecodeShort = 0, kDecodeLong = 1 };
+  enum DecodeVariant { kDecodeShort = 0, kDecodeLong = 1, kDecodeShortBeside = 2 };
   DecodeVariant decode_variant_at(int pos) const {
-    // The general path: the short attention kernel up to g_short_cap_ positions (kDecodeShort), then the split one,
-    // which picks its context split at run time (kDecodeLong); one graph where the short kernel serves nothing.
+    // The general path: the short attention kernel at its smaller cap up to g_short_beside_cap_ positions
+    // (kDecodeShortBeside: blocks that fit beside the QKV kernel's), at its full cap up to g_short_cap_
+    // (kDecodeShort), then the split one, which picks its context split at run time (kDecodeLong); one graph where
+    // the short kernel serves nothing.
+    if (!fused_decode_ && pos + 1 <= g_short_beside_cap_) return kDecodeShortBeside;
     if (!fused_decode_) return g_short_cap_ == 0 || pos + 1 <= g_short_cap_ ? kDecodeShort : kDecodeLong;
     return pos + 1 <= short_decode_max() ? kDecodeShort : kDecodeLong;
   }
@@ -251,6 +254,7 @@ class CudaBackend final : public Backend {
   float* g_xalt_ = nullptr;    // decode with post-norms: the residual stream's second buffer [d_model] (PreAdd)
   float* g_ptmp_ = nullptr;    // prefill: O / down projection before its post-norm [chunk][d_model]
   int g_max_splits_ = 1;
+  int g_short_beside_cap_ = 0;  // arch_short_attention_cap_beside (0: no such variant)
   int g_short_cap_ = 0;  // arch_short_attention_cap: decode positions the short attention kernel serves (0: none)
   float *g_part_o_ = nullptr, *g_part_ml_ = nullptr;
   unsigned int* g_counters_ = nullptr;

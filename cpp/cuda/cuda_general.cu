@@ -57,7 +57,10 @@ void CudaBackend::setup_general(const ModelWeights& w) {
   if (s.post_norms) g_xalt_ = activation_alloc<float>(d);
   if (s.post_norms) g_ptmp_ = device_alloc<float>(static_cast<size_t>(chunk_) * d, mem_.scratch);
   g_max_splits_ = arch_attn_max_splits(s.n_ctx);
-  if (!fused_decode_) g_short_cap_ = arch_short_attention_cap(s.head_dim, s.n_ctx);
+  if (!fused_decode_) {
+    g_short_cap_ = arch_short_attention_cap(s.head_dim, s.n_ctx);
+    g_short_beside_cap_ = arch_short_attention_cap_beside(s.head_dim, s.n_ctx);
+  }
   g_part_o_ = device_alloc<float>(static_cast<size_t>(s.n_heads) * g_max_splits_ * s.head_dim, mem_.scratch);
   g_part_ml_ = device_alloc<float>(static_cast<size_t>(s.n_heads) * g_max_splits_ * 2, mem_.scratch);
   g_counters_ = device_alloc<unsigned int>(s.n_heads, mem_.scratch);
@@ -150,7 +153,8 @@ void CudaBackend::enqueue_decode_general(bool capture_hidden, DecodeVariant vari
     att.fused_finish = true;
     att.finish = finish_args(L, g_qkv_, 1, pos, nullptr, kc, vc);
     att.out = attn_out_;
-    if (variant == kDecodeShort && g_short_cap_ > 0) launch_arch_attention_short(att, g_short_cap_, st);
+    if (variant == kDecodeShortBeside) launch_arch_attention_short(att, g_short_beside_cap_, st);
+    else if (variant == kDecodeShort && g_short_cap_ > 0) launch_arch_attention_short(att, g_short_cap_, st);
     else launch_arch_attention(att, st);
     after_launch();
     if (s.post_norms) {

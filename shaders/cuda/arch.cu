@@ -592,12 +592,25 @@ void launch_qkv_finish(const QkvFinishArgs& a, cudaStream_t s) {
   launch(qkv_finish_kernel, dim3((heads + kFinishWarps - 1) / kFinishWarps, a.n), dim3(kFinishWarps * 32), 0, s, a);
 }
 
-int arch_short_attention_cap(int head_dim, int n_ctx) {
+namespace {
+// The most visible positions (a multiple of 32, at least 64) whose short-kernel block takes at most `limit` bytes of
+// shared memory; 0 where none.
+int short_cap_within(int head_dim, int n_ctx, size_t limit) {
   if (head_dim != 64 && head_dim != 128 && head_dim != 256) return 0;
-  const int optin = device_attribute(cudaDevAttrMaxSharedMemoryPerBlockOptin);
   int cap = std::min(n_ctx, kShortAttnMaxPos) / 32 * 32;
-  while (cap >= 64 && arch_short_smem(head_dim, cap) > static_cast<size_t>(optin)) cap -= 32;
+  while (cap >= 64 && arch_short_smem(head_dim, cap) > limit) cap -= 32;
   return cap >= 64 ? cap : 0;
+}
+}  // namespace
+
+int arch_short_attention_cap(int head_dim, int n_ctx) {
+  return short_cap_within(head_dim, n_ctx, device_attribute(cudaDevAttrMaxSharedMemoryPerBlockOptin));
+}
+
+int arch_short_attention_cap_beside(int head_dim, int n_ctx) {
+  const size_t sm = device_attribute(cudaDevAttrMaxSharedMemoryPerMultiprocessor);
+  const int cap = sm > kShortAttnRoomBeside ? short_cap_within(head_dim, n_ctx, sm - kShortAttnRoomBeside) : 0;
+  return cap < arch_short_attention_cap(head_dim, n_ctx) ? cap : 0;
 }
 
 void launch_arch_attention_short(const ArchAttnArgs& a, int pos_cap, cudaStream_t s) {

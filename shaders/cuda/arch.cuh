@@ -117,6 +117,13 @@ void launch_arch_attention(const ArchAttnArgs& a, cudaStream_t s);
 // positions it serves for head_dim on this device (a multiple of 32 up to min(n_ctx, kShortAttnMaxPos)), 0 where it
 // does not serve the head_dim (64, 128, 256) or fewer than 64 positions fit.
 int arch_short_attention_cap(int head_dim, int n_ctx);
+// The most positions whose blocks leave kShortAttnRoomBeside of an SM's shared memory to other kernels' blocks, so
+// that they enter an SM while the QKV kernel before them still runs there and stage their K/V rows before its end;
+// 0 where that is no fewer than arch_short_attention_cap. Gemma 3 (head_dim 256) on an H200: 160 positions (185 KB a
+// block) against 192 (218 KB), whose blocks enter only after the QKV kernel's leave: 333 -> 321 us a token at
+// depth 32 (NOTES, "CUDA, session 35"). The backend runs the short kernel at this cap up to it, at the full cap past.
+constexpr size_t kShortAttnRoomBeside = 32 * 1024;
+int arch_short_attention_cap_beside(int head_dim, int n_ctx);
 void launch_arch_attention_short(const ArchAttnArgs& a, int pos_cap, cudaStream_t s);
 
 // out[t] = argmax of logits row t (n rows of vocab floats): NaN never wins, ties go to the lower index, a row of

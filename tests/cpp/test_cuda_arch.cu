@@ -748,19 +748,22 @@ TEST(CudaArch, WholeModelsMatchCpuBackend) {
   }
 }
 
-// The general path's decode across the switch-over from the short attention kernel (every visible row in shared
-// memory, up to arch_short_attention_cap positions) to the split one: logits against the CPU backend at positions on
-// both sides, and eager launches equal to the graph there. Gemma 3 (head_dim 256, windows) and Qwen 3 (head_dim
-// 128), their n_ctx raised past the short kernel's capacity.
+// The general path's decode across the switch-overs of its attention: the short kernel (every visible row in shared
+// memory) at its smaller cap (arch_short_attention_cap_beside), at its full cap (arch_short_attention_cap), then the
+// split one: logits against the CPU backend at positions on both sides of each, and eager launches equal to the graph
+// there. Gemma 3 (head_dim 256, windows) and Qwen 3 (head_dim 128), their n_ctx raised past the short kernel's
+// capacity.
 TEST(CudaArch, GeneralDecodeAcrossTheShortToSplitAttentionSwitchOver) {
   REQUIRE_GPU();
   for (ArchModelCase c : arch_model_cases()) {
     if (std::string(c.name) != "gemma3" && std::string(c.name) != "qwen3") continue;
     SCOPED_TRACE(c.name);
     c.n_ctx = 420;
-    const int cap = arch_short_attention_cap(c.hd, c.n_ctx);
+    const int cap = arch_short_attention_cap(c.hd, c.n_ctx), beside = arch_short_attention_cap_beside(c.hd, c.n_ctx);
     ASSERT_GE(cap, 64);
     ASSERT_LT(cap + 8, c.n_ctx) << "the run must pass the switch-over";
+    ASSERT_GE(beside, 64) << "both short caps at these head_dims on an H100 / H200 (228 KB of shared memory a SM)";
+    ASSERT_LT(beside, cap);
     auto m = make_arch_model(c);
     auto gpu = make_cuda_backend(m->spec, m->w, false);
     auto dbg = make_cuda_backend(m->spec, m->w, true);
@@ -772,7 +775,7 @@ TEST(CudaArch, GeneralDecodeAcrossTheShortToSplitAttentionSwitchOver) {
       gpu->forward_token(toks[p], p, lg.data());
       dbg->forward_token(toks[p], p, ld.data());
       cpu->forward_token(toks[p], p, lc.data());
-      if (p < 2 || (p >= cap - 3 && p <= cap + 2) || p == n - 1) {
+      if (p < 2 || (p >= beside - 3 && p <= beside + 2) || (p >= cap - 3 && p <= cap + 2) || p == n - 1) {
         SCOPED_TRACE("pos " + std::to_string(p));
         expect_logits_close_or_tie(lg, lc, 1e-3, "decode logits vs CPU");
         EXPECT_EQ(lg, ld) << "eager launches and the graph are the same kernels";
@@ -798,6 +801,7 @@ TEST(CudaArch, RunAheadGreedyStepsMatchOneByOne) {
   for (ArchModelCase c : arch_model_cases()) {
     if (std::string(c.name) != "gemma3") continue;
     c.n_ctx = 420;
+    // From 40 positions before the full cap (192), the runs also cross the smaller cap (160).
     runs.push_back({"gemma3 (general path)", make_arch_model(c), arch_short_attention_cap(c.hd, c.n_ctx) - 1});
   }
   ASSERT_EQ(runs.size(), 2u);
