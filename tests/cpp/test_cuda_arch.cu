@@ -762,8 +762,10 @@ TEST(CudaArch, GeneralDecodeAcrossTheShortToSplitAttentionSwitchOver) {
     const int cap = arch_short_attention_cap(c.hd, c.n_ctx), beside = arch_short_attention_cap_beside(c.hd, c.n_ctx);
     ASSERT_GE(cap, 64);
     ASSERT_LT(cap + 8, c.n_ctx) << "the run must pass the switch-over";
-    ASSERT_GE(beside, 64) << "both short caps at these head_dims on an H100 / H200 (228 KB of shared memory a SM)";
-    ASSERT_LT(beside, cap);
+    // Both short caps at these head_dims where an SM has 228 KB of shared memory (H100, H200); smaller SMs may have
+    // no room for the smaller one (0: that variant is not used).
+    if (device_attribute(cudaDevAttrMaxSharedMemoryPerMultiprocessor) >= 228 * 1024) ASSERT_GE(beside, 64);
+    if (beside > 0) ASSERT_LT(beside, cap);
     auto m = make_arch_model(c);
     auto gpu = make_cuda_backend(m->spec, m->w, false);
     auto dbg = make_cuda_backend(m->spec, m->w, true);
@@ -775,7 +777,8 @@ TEST(CudaArch, GeneralDecodeAcrossTheShortToSplitAttentionSwitchOver) {
       gpu->forward_token(toks[p], p, lg.data());
       dbg->forward_token(toks[p], p, ld.data());
       cpu->forward_token(toks[p], p, lc.data());
-      if (p < 2 || (p >= beside - 3 && p <= beside + 2) || (p >= cap - 3 && p <= cap + 2) || p == n - 1) {
+      const bool near_beside = beside > 0 && p >= beside - 3 && p <= beside + 2;
+      if (p < 2 || near_beside || (p >= cap - 3 && p <= cap + 2) || p == n - 1) {
         SCOPED_TRACE("pos " + std::to_string(p));
         expect_logits_close_or_tie(lg, lc, 1e-3, "decode logits vs CPU");
         EXPECT_EQ(lg, ld) << "eager launches and the graph are the same kernels";
