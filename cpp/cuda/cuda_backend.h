@@ -171,9 +171,9 @@ class CudaBackend final : public Backend {
   enum DecodeVariant { kDecodeShort = 0, kDecodeLong = 1, kDecodeShortBeside = 2 };
   DecodeVariant decode_variant_at(int pos) const {
     // The general path: the short attention kernel at its smaller cap up to g_short_beside_cap_ positions
-    // (kDecodeShortBeside: blocks that fit beside the QKV kernel's), at its full cap up to g_short_cap_
-    // (kDecodeShort), then the split one, which picks its context split at run time (kDecodeLong); one graph where
-    // the short kernel serves nothing.
+    // (kDecodeShortBeside: blocks that leave kShortAttnRoomBeside of an SM's shared memory), at its full cap up to
+    // g_short_cap_ (kDecodeShort), then the split one, which picks its context split at run time (kDecodeLong); one
+    // graph where the short kernel serves nothing.
     if (!fused_decode_ && pos + 1 <= g_short_beside_cap_) return kDecodeShortBeside;
     if (!fused_decode_) return g_short_cap_ == 0 || pos + 1 <= g_short_cap_ ? kDecodeShort : kDecodeLong;
     return pos + 1 <= short_decode_max() ? kDecodeShort : kDecodeLong;

@@ -117,11 +117,13 @@ void launch_arch_attention(const ArchAttnArgs& a, cudaStream_t s);
 // positions it serves for head_dim on this device (a multiple of 32 up to min(n_ctx, kShortAttnMaxPos)), 0 where it
 // does not serve the head_dim (64, 128, 256) or fewer than 64 positions fit.
 int arch_short_attention_cap(int head_dim, int n_ctx);
-// The most positions whose blocks leave kShortAttnRoomBeside of an SM's shared memory to other kernels' blocks, so
-// that they enter an SM while the QKV kernel before them still runs there and stage their K/V rows before its end;
-// 0 where that is no fewer than arch_short_attention_cap. Gemma 3 (head_dim 256) on an H200: 160 positions (185 KB a
-// block) against 192 (218 KB), whose blocks enter only after the QKV kernel's leave: 333 -> 321 us a token at
-// depth 32 (NOTES, "CUDA, session 35"). The backend runs the short kernel at this cap up to it, at the full cap past.
+// The most positions whose blocks leave kShortAttnRoomBeside of an SM's shared memory to other kernels' blocks; 0
+// where that is no fewer than arch_short_attention_cap. The backend runs the short kernel at this cap up to it, at
+// the full cap past it. Gemma 3 (head_dim 256) on an H200: 160 positions (185 KB a block) against 192 (218 KB),
+// 333 -> 321 us a token at depth 32. The block log puts the gain after the last layer, in the final norm + lm_head
+// (65.0 -> 49.7 us a step), not in the attention (its share of the chain unchanged); the likeliest reason, not yet
+// measured, is the split of each SM's 256 KB between shared memory and L1, which 218 KB blocks push to 228 KB of
+// shared memory and 28 KB of L1 for the kernels after them (NOTES, "CUDA, session 35").
 constexpr size_t kShortAttnRoomBeside = 32 * 1024;
 int arch_short_attention_cap_beside(int head_dim, int n_ctx);
 void launch_arch_attention_short(const ArchAttnArgs& a, int pos_cap, cudaStream_t s);
