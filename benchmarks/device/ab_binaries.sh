@@ -10,7 +10,8 @@
 # MODE=prefill runs bench_cuda's whole table and keeps its prompt times (ms): the first token of 32 after a decode
 # run, and pp1 .. pp2048.
 # MODE=depth runs `bench_cuda $NCTX depth` (decode at depths 32 .. 8,000; NCTX defaults to 8192 there; other depths
-# with METALATTN_BENCH_DEPTHS=32,96,160) in place of the tg128 decode; NCTX (default 2048 otherwise) is the context of every mode (a trace reaches 8,000 at 8192).
+# with METALATTN_BENCH_DEPTHS=32,96,160) in place of the tg128 decode; NCTX (default 2048 otherwise) is the context
+# of every mode (a trace reaches 8,000 at 8192).
 # A variant may name environment settings after its tag, `TAG@VAR=VALUE[,VAR=VALUE...]`: the same binary run under
 # them (an experiment's switches), e.g. `ab_binaries.sh new new@METALATTN_X_FOO=1`.
 OUT=${OUT:-$PWD/device-out}

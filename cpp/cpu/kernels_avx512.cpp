@@ -69,12 +69,12 @@ void f_tile(const uint8_t* row0, size_t stride, int64_t cols, const float* X, fl
     for (int t = 0; t < T; ++t) y[t * ldy + i] = reduce(acc[i][t]);
 }
 
-// What TiledMatmul (tiled_matmul.h) needs from this ISA, for float weights only (the quantized types take the group
-// and token tiles below).
+// What TiledMatmul (tiled_matmul.h) needs from a float-only ISA (the quantized types take the group and token tiles
+// below): handles() false for every quantized type, so none of the quantized members is instantiated; Act only names
+// the type in their signatures.
 struct Isa {
   static constexpr bool handles(GgmlType) { return false; }
-  static constexpr bool kPrefetchInTile = false;
-  using Act = void;  // no quantized tiles
+  using Act = void;
   template <int T>
   static constexpr int f_rows_per_tile() {
     return 4;

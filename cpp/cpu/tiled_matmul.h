@@ -18,6 +18,8 @@
 //   q_tile<WT, R, T>(row0, stride, nb, acts, n_groups, y, ldy)
 //   kPrefetchInTile                      true: q_tile prefetches the rows ahead itself, so q_rows issues no burst
 //   f_tile<WT, R, T>(row0, stride, cols, X, y, ldy)
+// An ISA whose handles() is false for every quantized type (AVX-512's float tiles) needs only handles, Act (any type:
+// it only appears in the signatures of the quantized members, never instantiated), f_rows_per_tile and f_tile.
 #pragma once
 #include <xmmintrin.h>
 
