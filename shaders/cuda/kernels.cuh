@@ -561,11 +561,12 @@ __device__ __forceinline__ void store_operand(float v, int64_t t, int j, int wid
 
 // Launches `kernel`, with Programmatic Dependent Launch while programmatic_launch() is on: the kernel is scheduled
 // while its predecessor drains and must call grid_dependency_wait() before it touches what that predecessor writes.
-// The blocks form thread-block clusters of `cluster` blocks where that is more than one.
+// The blocks form thread-block clusters of `cluster` blocks where that is more than one; `carveout` (percent of the
+// SM's shared memory, -1 for the driver's choice) is the launch's preferred shared-memory / L1 split.
 template <typename... KernelArgs, typename... Args>
-void launch_programmatic_clusters(void (*kernel)(KernelArgs...), dim3 grid, dim3 block, size_t smem, cudaStream_t s,
-                                  dim3 cluster, Args&&... args) {
-  cudaLaunchAttribute attr[2];
+void launch_programmatic_ex(void (*kernel)(KernelArgs...), dim3 grid, dim3 block, size_t smem, cudaStream_t s,
+                            dim3 cluster, int carveout, Args&&... args) {
+  cudaLaunchAttribute attr[3];
   int n = 0;
   if (programmatic_launch()) {
     attr[n].id = cudaLaunchAttributeProgrammaticStreamSerialization;
@@ -577,6 +578,10 @@ void launch_programmatic_clusters(void (*kernel)(KernelArgs...), dim3 grid, dim3
     attr[n].val.clusterDim.y = cluster.y;
     attr[n++].val.clusterDim.z = cluster.z;
   }
+  if (carveout >= 0) {
+    attr[n].id = cudaLaunchAttributePreferredSharedMemoryCarveout;
+    attr[n++].val.sharedMemCarveout = static_cast<unsigned>(carveout);
+  }
   cudaLaunchConfig_t cfg{};
   cfg.gridDim = grid;
   cfg.blockDim = block;
@@ -587,9 +592,14 @@ void launch_programmatic_clusters(void (*kernel)(KernelArgs...), dim3 grid, dim3
   CUDA_CHECK(cudaLaunchKernelEx(&cfg, kernel, std::forward<Args>(args)...));
 }
 template <typename... KernelArgs, typename... Args>
+void launch_programmatic_clusters(void (*kernel)(KernelArgs...), dim3 grid, dim3 block, size_t smem, cudaStream_t s,
+                                  dim3 cluster, Args&&... args) {
+  launch_programmatic_ex(kernel, grid, block, smem, s, cluster, -1, std::forward<Args>(args)...);
+}
+template <typename... KernelArgs, typename... Args>
 void launch_programmatic(void (*kernel)(KernelArgs...), dim3 grid, dim3 block, size_t smem, cudaStream_t s,
                          Args&&... args) {
-  launch_programmatic_clusters(kernel, grid, block, smem, s, dim3(1, 1, 1), std::forward<Args>(args)...);
+  launch_programmatic_ex(kernel, grid, block, smem, s, dim3(1, 1, 1), -1, std::forward<Args>(args)...);
 }
 
 // Whether this block is the last of `n` to arrive at `counter` (all threads call it). Thread 0's acq_rel add after

@@ -429,6 +429,28 @@ void run_norm_matvec(const DevMatrix& W, const float* x, const float* norm_w, fl
   // 384, each staging and normalizing x once for twice the rows. Measured in the decode chain (H100): 402 -> 390 us
   // per token; QKV at 512 threads was slower (391 -> 398) and O even, so they keep 256 (NOTES, "Fifth session").
   const bool pre = a.pre.y != nullptr;
+  // A folded residual add (post-norm models: Gemma 3) makes every block stage two norms, so such a matrix takes the
+  // most lanes a row (32, 16 or 8) whose 256-thread grid fits one block a SM, and the launch asks for no shared memory
+  // beyond what one block needs (carveout 0): the driver then gives each SM the smallest configuration that holds
+  // one block (8 KB for these ~5 KB blocks on sm_90), so the block scheduler cannot stack two blocks on one SM while
+  // others idle, and the rest of the SM is L1. H200, Gemma 3 270M shape: QKV 1,536 rows at 16 lanes (96 blocks) and
+  // gate/up 4,096 rows at 8 lanes (128 blocks): 327.3 / 328.3 -> 303.3 / 304.0 us a token. Either lane count alone at
+  // the driver's carveout lost (334, 349: blocks stacked); carveout 0 on the other models' launches, whose grids
+  // hold several blocks a SM, lost 3-17% (NOTES, "CUDA, session 36").
+  if (pre && quantized(W.type)) {
+    const int sms = device_attribute(cudaDevAttrMultiProcessorCount);
+    for (const int tpr : {32, 16, 8}) {
+      const Geometry g = matvec_geometry(W, tpr, 256);
+      if (g.grid > sms) continue;
+      const auto k = tpr == 32   ? norm_kernel<32>(W, true)
+                     : tpr == 16 ? norm_kernel<16>(W, true)
+                                 : norm_kernel<8>(W, true);
+      allow_smem(k, g.smem);
+      detail::launch_programmatic_ex(k, dim3(g.grid), dim3(g.threads), g.smem, s, dim3(1, 1, 1), 0, W, x, norm_w, eps,
+                                     a);
+      return;
+    }
+  }
   constexpr double kWaveSlack = 1.25;  // a last wave of a quarter of the SMs' blocks costs less than fewer lanes
   Geometry g = matvec_geometry(W, kMatvecTpr, a.mode == NormOut::SiluGlu ? 512 : 256);
   auto k = pre && a.mode == NormOut::SiluGlu ? kernel_for<NormKernelsPre2>(W.type) : norm_kernel<kMatvecTpr>(W, pre);
