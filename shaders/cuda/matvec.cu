@@ -433,10 +433,10 @@ void run_norm_matvec(const DevMatrix& W, const float* x, const float* norm_w, fl
   // most lanes a row (32, 16 or 8) whose 256-thread grid fits one block a SM, and the launch asks for no shared memory
   // beyond what one block needs (carveout 0): the driver then gives each SM the smallest configuration that holds
   // one block (8 KB for these ~5 KB blocks on sm_90), so the block scheduler cannot stack two blocks on one SM while
-  // others idle, and the rest of the SM is L1. H200, Gemma 3 270M shape: QKV 1,536 rows at 16 lanes (96 blocks) and
-  // gate/up 4,096 rows at 8 lanes (128 blocks): 327.3 / 328.3 -> 303.3 / 304.0 us a token. Either lane count alone at
-  // the driver's carveout lost (334, 349: blocks stacked); carveout 0 on the other models' launches, whose grids
-  // hold several blocks a SM, lost 3-17% (NOTES, "CUDA, session 36").
+  // others idle. H200, Gemma 3 270M shape: QKV 1,536 rows at 16 lanes (96 blocks) and gate/up 4,096 rows at 8 lanes
+  // (128 blocks): 328.5 / 326.6 -> 305.6 / 305.8 us a token. Either lane count alone at the driver's carveout lost
+  // (333, 349 us); carveout 0 on the other models' launches, whose grids hold several blocks a SM, lost 3-17%
+  // (NOTES, "CUDA, session 36").
   if (pre && quantized(W.type)) {
     const int sms = device_attribute(cudaDevAttrMultiProcessorCount);
     for (const int tpr : {32, 16, 8}) {
