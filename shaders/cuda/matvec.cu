@@ -208,8 +208,9 @@ __global__ void __launch_bounds__(512) norm_matvec_kernel(DevMatrix W, const flo
   norm_matvec_body<B, TPR, PRE, 1>(W, x, norm_w, eps, a);
 }
 
-// The gate/up's PreAdd at a warp a row in 512-thread blocks, held to two blocks a SM (64 registers): Gemma 3 270M's
-// 256 gate/up blocks are then one wave (the PreAdd staging takes the plain instantiation to 75-92 registers).
+// The gate/up's PreAdd at a warp a row in 512-thread blocks, held to two blocks a SM (64 registers; the PreAdd staging
+// takes the plain instantiation to 75-92 registers): for post-norm gate/ups too large for one block a SM at 8 lanes
+// (run_norm_matvec), e.g. Gemma 3 1B's 13,824 rows. Gemma 3 270M's took it until session 36 (256 blocks, one wave).
 template <typename B>
 __global__ void __launch_bounds__(512, 2) norm_matvec_kernel_pre2(DevMatrix W, const float* __restrict__ x,
                                                                   const float* __restrict__ norm_w, float eps,
