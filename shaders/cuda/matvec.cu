@@ -209,8 +209,9 @@ __global__ void __launch_bounds__(512) norm_matvec_kernel(DevMatrix W, const flo
 }
 
 // The gate/up's PreAdd at a warp a row in 512-thread blocks, held to two blocks a SM (64 registers; the PreAdd staging
-// takes the plain instantiation to 75-92 registers): for post-norm gate/ups too large for one block a SM at 8 lanes
-// (run_norm_matvec), e.g. Gemma 3 1B's 13,824 rows. Gemma 3 270M's took it until session 36 (256 blocks, one wave).
+// takes the plain instantiation to 75-92 registers): since session 36 only post-norm gate/ups too large for one block a
+// SM at 8 lanes (4,224 rows on 132 SMs) and within about one wave of these blocks take it (run_norm_matvec); Gemma 3
+// 270M's 4,096 rows took it before (256 blocks, one wave).
 template <typename B>
 __global__ void __launch_bounds__(512, 2) norm_matvec_kernel_pre2(DevMatrix W, const float* __restrict__ x,
                                                                   const float* __restrict__ norm_w, float eps,
