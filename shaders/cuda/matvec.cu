@@ -434,8 +434,8 @@ void run_norm_matvec(const DevMatrix& W, const float* x, const float* norm_w, fl
   // A folded residual add (post-norm models: Gemma 3) makes every block stage two norms, so such a matrix takes the
   // most lanes a row (32, 16 or 8) whose 256-thread grid fits one block a SM, and the launch asks for no shared memory
   // beyond what one block needs (carveout 0): the driver then gives each SM the smallest configuration that holds
-  // one block (8 KB for these ~5 KB blocks on sm_90), so the block scheduler cannot stack two blocks on one SM while
-  // others idle. H200, Gemma 3 270M shape: QKV 1,536 rows at 16 lanes (96 blocks) and gate/up 4,096 rows at 8 lanes
+  // one block (on sm_90 8 KB, where these blocks take ~5 KB with the reserved 1 KB), so the block scheduler cannot
+  // stack two blocks on one SM while others idle. H200, Gemma 3 270M shape: QKV 1,536 rows at 16 lanes (96 blocks) and gate/up 4,096 rows at 8 lanes
   // (128 blocks): 328.5 / 326.6 -> 305.6 / 305.8 us a token. Either lane count alone at the driver's carveout lost
   // (333, 349 us); carveout 0 on the other models' launches, whose grids hold several blocks a SM, lost 3-17%
   // (NOTES, "CUDA, session 36").
