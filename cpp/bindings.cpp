@@ -16,6 +16,7 @@
 #include "cpu/reference.h"
 #include "cpu/thread_pool.h"
 #include "engine/engine.h"
+#include "engine/sampling.h"
 
 namespace nb = nanobind;
 using namespace nb::literals;
@@ -197,6 +198,15 @@ NB_MODULE(_core, m) {
         },
         "rows"_a, "ggml_type"_a, "cols"_a,
         "The C++ reference dequantizer (the scalar CPU path) over uint8 rows: float32 [rows, cols].");
+  m.def("sample_logits",
+        [](FloatVector logits, double temperature, int64_t top_k, double top_p, double u) {
+          nb::gil_scoped_release release;
+          return metalattn::sample_logits(logits.data(), static_cast<int64_t>(logits.shape(0)),
+                                          {temperature, top_k, top_p}, u);
+        },
+        "logits"_a, "temperature"_a, "top_k"_a, "top_p"_a, "u"_a,
+        "The token the uniform u in [0, 1) draws from float32 logits (temperature, top_k 0 = off, top_p 1 = off); "
+        "metalattn.sampling.sample is the checked entry point.");
   m.def("cpu_read_bandwidth",
         [](int n_threads, size_t bytes, int repeats) {
           nb::gil_scoped_release release;

@@ -183,6 +183,17 @@ ArgmaxResult argmax_logits(Isa isa, const float* x, int n) {
   }
 }
 
+double exp_weights(Isa isa, const float* x, int64_t n, float m, float inv_t, float* w) {
+  check_isa(isa, "exp_weights");
+  switch (isa) {
+#ifdef METALATTN_X86
+    case Isa::Avx512: return avx512::exp_weights(x, n, m, inv_t, w);
+    case Isa::Avx2: return avx2::exp_weights(x, n, m, inv_t, w);
+#endif
+    default: return scalar::exp_weights(x, n, m, inv_t, w);
+  }
+}
+
 AttendFns attend_fns(Isa isa, int group) {
   check_isa(isa, "attention");
   switch (isa) {

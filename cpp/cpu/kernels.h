@@ -78,6 +78,8 @@ void matmul_slot_rows(Isa isa, const WeightView& packed, const block_q16_act* Xq
 void glu(Isa isa, bool gelu, float* gate, const float* up, int64_t n);
 // ref::argmax, vectorised (every logit NaN throws NonFiniteLogits, as ref does).
 ArgmaxResult argmax_logits(Isa isa, const float* x, int n);
+// Sampling weights: w[i] = exp((x[i] - m) * inv_t) (0 for NaN and -inf), their sum in double (engine/sampling.cpp).
+double exp_weights(Isa isa, const float* x, int64_t n, float m, float inv_t, float* w);
 // Attention of the query heads that share one KV head over the backend's cache layout, one piece of the context at a
 // time (vec_ops.h, attend_piece): `one` for a single query token, `tile` for kQueryTile consecutive prompt tokens.
 // Each piece leaves per (token, head) an unnormalized output and its (max, sum of exp); attention_fold merges the

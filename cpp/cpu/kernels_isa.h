@@ -11,6 +11,7 @@ namespace scalar {
 void quantize_acts(const float* x, int64_t n, block_q16_act* out);
 void glu(bool gelu, float* g, const float* u, int64_t n);
 ArgmaxResult argmax(const float* x, int n);
+double exp_weights(const float* x, int64_t n, float m, float inv_t, float* w);
 AttendFns attend_fns(int group);
 }
 
@@ -20,6 +21,7 @@ namespace avx2 {
 void quantize_acts(const float* x, int64_t n, block_q16_act* out);
 void glu(bool gelu, float* g, const float* u, int64_t n);
 ArgmaxResult argmax(const float* x, int n);
+double exp_weights(const float* x, int64_t n, float m, float inv_t, float* w);
 AttendFns attend_fns(int group);
 void matmul(const WeightView& w, const float* X, const block_q16_act* Xq, int n_tok, float* Y, int64_t ldy,
             int64_t r0, int64_t r1);
@@ -35,6 +37,7 @@ namespace avx512 {
 void quantize_acts(const float* x, int64_t n, block_q16_act* out);
 void glu(bool gelu, float* g, const float* u, int64_t n);
 ArgmaxResult argmax(const float* x, int n);
+double exp_weights(const float* x, int64_t n, float m, float inv_t, float* w);
 AttendFns attend_fns(int group);
 void matmul(const WeightView& w, const float* X, const block_q16_act* Xq, int n_tok, float* Y, int64_t ldy,
             int64_t r0, int64_t r1);

@@ -942,6 +942,82 @@ TEST(Attention, PiecesFoldToTheReferenceAndTilesEqualSingleRows) {
           }
 }
 
+// The logits' argmax (greedy decoding on the CPU) against ref::argmax on every ISA, at the vocabularies the models use
+// and at lengths around the vector widths, with NaN sprinkled in, the largest value repeated (the first index wins),
+// NaN and -inf only (the first -inf), +inf, and every logit NaN (NonFiniteLogits).
+TEST(VecOps, ArgmaxLogitsEqualsTheReference) {
+  std::mt19937 rng(41);
+  std::normal_distribution<float> nd(0.f, 3.f);
+  for (Isa isa : supported_isas())
+    for (int n : {1, 7, 8, 15, 16, 17, 33, 1000, 49152, 151936, 262144})
+      for (int kind = 0; kind < 5; ++kind) {
+        SCOPED_TRACE(std::string(isa_name(isa)) + " n " + std::to_string(n) + " kind " + std::to_string(kind));
+        std::vector<float> x(n);
+        for (float& v : x) v = nd(rng);
+        std::uniform_int_distribution<int> at(0, n - 1);
+        if (kind == 1)  // NaN in a tenth of the places, the largest value at three places
+          for (int k = 0; k < n / 10; ++k) x[at(rng)] = kPoison;
+        if (kind == 1 || kind == 2) {
+          const float top = 40.f;
+          for (int k = 0; k < 3; ++k) x[at(rng)] = top;
+        }
+        if (kind == 3)  // nothing but NaN and -inf
+          for (float& v : x) v = at(rng) % 2 ? -INFINITY : kPoison;
+        if (kind == 4) x[at(rng)] = INFINITY;
+        ArgmaxResult want{}, got{};
+        bool none = false;
+        try {
+          want = ref::argmax(x.data(), n);
+        } catch (const NonFiniteLogits&) {
+          none = true;
+        }
+        if (none) {
+          EXPECT_THROW(argmax_logits(isa, x.data(), n), NonFiniteLogits);
+          continue;
+        }
+        got = argmax_logits(isa, x.data(), n);
+        EXPECT_EQ(got.token, want.token);
+        EXPECT_TRUE(same_bits(got.value, want.value));
+      }
+  for (Isa isa : supported_isas()) {
+    std::vector<float> x(40, kPoison);
+    EXPECT_THROW(argmax_logits(isa, x.data(), 40), NonFiniteLogits) << isa_name(isa);
+    x[37] = -INFINITY;
+    EXPECT_EQ(argmax_logits(isa, x.data(), 40).token, 37u) << isa_name(isa);
+  }
+}
+
+// Sampling weights: exp((x - m) * inv_t) within the float form's error of the double one, exactly 0 for NaN and -inf,
+// and their sum that of the weights (float lanes of 64 terms each), on every ISA.
+TEST(VecOps, ExpWeightsMatchTheDoubleForm) {
+  std::mt19937 rng(43);
+  std::normal_distribution<float> nd(0.f, 4.f);
+  for (Isa isa : supported_isas())
+    for (int n : {1, 15, 16, 17, 1023, 1024, 1025, 49152, 262144}) {
+      SCOPED_TRACE(std::string(isa_name(isa)) + " n " + std::to_string(n));
+      std::vector<float> x(n), w(n, kPoison);
+      for (float& v : x) v = nd(rng);
+      std::uniform_int_distribution<int> at(0, n - 1);
+      for (int k = 0; k < n / 50; ++k) x[at(rng)] = k % 2 ? -INFINITY : kPoison;
+      const float m = 9.f, inv_t = 1.f / 0.7f;
+      const double sum = exp_weights(isa, x.data(), n, m, inv_t, w.data());
+      double want_sum = 0, w_sum = 0;
+      for (int i = 0; i < n; ++i) {
+        w_sum += w[i];
+        if (std::isnan(x[i]) || x[i] == -INFINITY) {
+          ASSERT_EQ(w[i], 0.f) << "at " << i;
+          continue;
+        }
+        const double arg = (static_cast<double>(x[i]) - m) * inv_t, want = std::exp(arg);
+        want_sum += want;
+        // The exponent is formed in float (a relative error of a few 1e-8 of |arg|), then fast_exp's ~1e-7.
+        ASSERT_NEAR(w[i], want, want * (2e-7 + 2e-7 * std::fabs(arg))) << "at " << i << " x " << x[i];
+      }
+      EXPECT_NEAR(sum, w_sum, 4e-6 * w_sum);       // float lanes of 64 terms each, then double
+      EXPECT_NEAR(sum, want_sum, 1e-5 * want_sum);  // and the weights' own error
+    }
+}
+
 // Folding: a piece that saw nothing (-inf, 0) changes nothing; two pieces fold to the softmax of both.
 TEST(Attention, FoldOfEmptyAndOfTwoPieces) {
   std::vector<float> o{kPoison, kPoison}, ml{kPoison, kPoison};

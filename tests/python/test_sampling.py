@@ -1,7 +1,43 @@
 import numpy as np
 import pytest
 
+from metalattn.errors import InvalidArgumentError, NonFiniteError
 from metalattn.sampling import sample
+
+
+class GridRng:
+    """Stands in for np.random.Generator: random() returns the given uniforms in turn (sample draws one a token)."""
+
+    def __init__(self, us):
+        self.us = iter(us)
+
+    def random(self):
+        return next(self.us)
+
+
+def reference(x, temperature=1.0, top_k=0, top_p=1.0):
+    """The distribution sample() must draw from, in float64, and its candidates in draw order: weights
+    exp((x - max) / T); top_k keeps the k largest logits, top_p the fewest of those (by decreasing logit) whose
+    weight reaches top_p of theirs; ties go to the lower index; NaN is never a candidate."""
+    x = np.asarray(x, dtype=np.float32).astype(np.float64)
+    idx = np.flatnonzero(~np.isnan(x))
+    order = idx[np.lexsort((idx, -x[idx]))]
+    if 0 < top_k < x.size:
+        order = order[:top_k]
+    w = np.exp((x[order] - x[order].max()) / temperature)
+    if top_p < 1.0:
+        keep = int(np.searchsorted(np.cumsum(w) / w.sum(), top_p) + 1)
+        order, w = order[:keep], w[:keep]
+    p = np.zeros(x.size)
+    p[order] = w / w.sum()
+    return p, order
+
+
+def grid_counts(x, n, **kw):
+    """Tokens drawn by n evenly spaced uniforms: each token's share of [0, 1) is one interval, so its count is within
+    one or two of n times its probability."""
+    rng = GridRng((np.arange(n) + 0.5) / n)
+    return np.bincount([sample(x, rng, **kw) for _ in range(n)], minlength=len(x))
 
 
 def test_top_k_1_is_argmax():
@@ -11,45 +47,76 @@ def test_top_k_1_is_argmax():
         assert sample(x, rng, temperature=0.7, top_k=1) == int(np.argmax(x))
 
 
-def test_distribution_follows_softmax():
+@pytest.mark.parametrize("temperature,top_k,top_p", [
+    (1.0, 0, 1.0), (0.7, 40, 1.0), (0.8, 0, 0.9), (1.3, 64, 0.95), (0.5, 0, 0.5), (2.0, 3000, 0.99)])
+def test_draws_follow_the_reference_distribution(temperature, top_k, top_p):
+    x = (np.random.default_rng(1).normal(size=4096) * 3).astype(np.float32)
+    n = 4000
+    counts = grid_counts(x, n, temperature=temperature, top_k=top_k, top_p=top_p)
+    p, order = reference(x, temperature, top_k, top_p)
+    assert np.all(np.abs(counts - p * n) <= 2), np.max(np.abs(counts - p * n))
+    assert set(np.flatnonzero(counts)) <= set(order.tolist())
+    # The ends of [0, 1): the first and the last candidate in draw order (by logit where a filter chose, else by id).
+    filtered = top_k > 0 or top_p < 1
+    first, last = (order[0], order[-1]) if filtered else (order.min(), order.max())
+    assert sample(x, GridRng([0.0]), temperature, top_k, top_p) == first
+    assert sample(x, GridRng([1 - 1e-12]), temperature, top_k, top_p) == last
+
+
+def test_small_softmax():
+    logits = np.log(np.array([0.5, 0.3, 0.2]))
+    assert np.allclose(grid_counts(logits, 1000) / 1000, [0.5, 0.3, 0.2], atol=0.002)
     rng = np.random.default_rng(1)
-    logits = np.log(np.array([0.5, 0.3, 0.2], dtype=np.float64))
     counts = np.bincount([sample(logits, rng) for _ in range(20000)], minlength=3) / 20000
     assert np.allclose(counts, [0.5, 0.3, 0.2], atol=0.02)
 
 
 def test_top_p_cuts_the_tail():
-    rng = np.random.default_rng(2)
     logits = np.log(np.array([0.6, 0.3, 0.05, 0.05]))
-    drawn = {sample(logits, rng, top_p=0.8) for _ in range(2000)}
-    assert drawn == {0, 1}
+    assert set(np.flatnonzero(grid_counts(logits, 2000, top_p=0.8))) == {0, 1}
 
 
-def test_nan_never_drawn_and_errors():
-    rng = np.random.default_rng(3)
+@pytest.mark.parametrize("scale", [0.01, 5.0])
+def test_nucleus_over_a_vocabulary_probe_and_full_sort(scale):
+    """top_p alone over 49,152 logits: a flat row (the 1,024 largest hold too little mass: every logit is sorted) and
+    a peaked one (they hold enough). The last token kept must be the reference's."""
+    x = (np.random.default_rng(4).normal(size=49152) * scale).astype(np.float32)
+    for top_p in (0.1, 0.5, 0.9, 0.99):
+        _, order = reference(x, 1.0, 0, top_p)
+        assert sample(x, GridRng([0.0]), top_p=top_p) == order[0]
+        assert sample(x, GridRng([1 - 1e-12]), top_p=top_p) == order[-1]
+        drawn = {sample(x, GridRng([u])) for u in np.linspace(0, 1, 200, endpoint=False)}
+        assert drawn <= set(range(x.size))
+        drawn = {sample(x, GridRng([u]), top_p=top_p) for u in np.linspace(0, 1, 200, endpoint=False)}
+        assert drawn <= set(order.tolist())
+
+
+def test_ties_go_to_the_lower_index():
+    x = np.array([1.0, 3.0, 3.0, 3.0], dtype=np.float32)
+    assert set(np.flatnonzero(grid_counts(x, 1000, top_k=2))) == {1, 2}
+    assert set(np.flatnonzero(grid_counts(x, 1000, top_p=0.5))) == {1, 2}  # 1/3 + 1/3 reaches one half
+
+
+def test_nan_inf_and_errors():
     x = np.array([np.nan, 0.0, np.nan, 0.0])
-    assert {sample(x, rng) for _ in range(200)} <= {1, 3}
-    with pytest.raises(ValueError):
-        sample(np.array([np.nan, np.nan]), rng)
-    with pytest.raises(ValueError):
-        sample(np.zeros(3), rng, temperature=0)
-    with pytest.raises(ValueError):
-        sample(np.zeros(3), rng, top_p=0)
-    assert sample(np.array([0.0, np.inf, np.inf]), rng) == 1
+    assert set(np.flatnonzero(grid_counts(x, 200))) == {1, 3}
+    assert set(np.flatnonzero(grid_counts(x, 200, top_k=1))) == {1}
+    assert sample(np.array([0.0, np.inf, np.inf]), GridRng([0.9])) == 1
+    assert set(np.flatnonzero(grid_counts(np.array([-np.inf, 0.0, -np.inf]), 100))) == {1}
+    rng = np.random.default_rng(3)
+    for bad in (np.array([np.nan, np.nan]), np.array([-np.inf, np.nan]), np.array([], dtype=np.float32)):
+        with pytest.raises(NonFiniteError):
+            sample(bad, rng)
+    for kw in (dict(temperature=0), dict(temperature=-1), dict(top_p=0), dict(top_p=1.5), dict(top_k=-1)):
+        with pytest.raises(InvalidArgumentError):
+            sample(np.zeros(3), rng, **kw)
 
 
-def test_nucleus_probe_matches_full_sort():
-    """Top-p over a flat distribution (the 1024-token probe holds too little mass) and a peaked one (it holds
-    enough) must keep exactly the tokens a full sort keeps."""
-    from metalattn.sampling import _nucleus
-
-    rng = np.random.default_rng(4)
-    for scale in (0.01, 5.0):
-        x = rng.normal(size=49152) * scale
-        w = np.exp(x - x.max())
-        cands = np.arange(x.size)
-        for p in (0.1, 0.5, 0.9, 0.99):
-            got, _ = _nucleus(cands, w, w.sum(), p)
-            order = np.argsort(-w, kind="stable")
-            keep = int(np.searchsorted(np.cumsum(w[order]) / w.sum(), p) + 1)
-            assert set(got.tolist()) == set(order[:keep].tolist())
+def test_float64_and_strided_logits_read_as_float32():
+    x = np.random.default_rng(5).normal(size=2000) * 2
+    us = (np.arange(300) + 0.5) / 300
+    want = [sample(x.astype(np.float32), GridRng([u]), top_k=50) for u in us]
+    assert [sample(x, GridRng([u]), top_k=50) for u in us] == want
+    wide = np.zeros((2000, 2))
+    wide[:, 0] = x
+    assert [sample(wide[:, 0], GridRng([u]), top_k=50) for u in us] == want
