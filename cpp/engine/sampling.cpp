@@ -3,10 +3,9 @@
 #include "engine/sampling.h"
 
 #include <algorithm>
-#include <functional>
-#include <climits>
 #include <cmath>
-#include <string>
+#include <cstdint>
+#include <functional>
 #include <vector>
 
 #include "cpu/kernels.h"

