@@ -1,8 +1,9 @@
 // Micro-benchmark of the CPU kernels: memory bandwidth, thread-pool overhead, matvec GB/s (cache-hot and
 // streaming from DRAM), matmul GOP/s, and the matvec/matmul-only ceilings of a SmolLM2-135M decode/prefill and of
-// Gemma 3 270M / Qwen2.5-Coder-0.5B Q4_K_M decodes (their real per-layer weight types).
+// Gemma 3 270M / Qwen2.5-Coder-0.5B Q4_K_M decodes (their real per-layer weight types), and the logits' argmax and
+// sampling draw.
 // Usage: bench_cpu_kernels [n_threads] [sections] [types]
-//   sections: comma-separated subset of bandwidth,pool,matvec,matmul,smollm2,decode (default: all)
+//   sections: comma-separated subset of bandwidth,pool,matvec,matmul,smollm2,decode,sample (default: all)
 //   types:    comma-separated weight types for the matvec/matmul tables, e.g. Q5_0,Q4_K (default: all timed)
 // METALATTN_CPU_ISA picks the ISA (default: the best one). BENCH_CPU_TIME=1 times by CPU time (see now_s).
 #include <algorithm>
@@ -19,6 +20,7 @@
 
 #include "cpu/kernels.h"
 #include "cpu/thread_pool.h"
+#include "engine/sampling.h"
 
 using namespace metalattn;
 using namespace metalattn::cpu;
@@ -417,6 +419,26 @@ int main(int argc, char** argv) {
         }
         std::printf("\n");
       }
+    }
+  }
+
+  // The host-side steps of a token that leave the matvecs: greedy's argmax and sampling's draw (engine/sampling.h) over
+  // the three real models' vocabularies, one thread, logits ~ N(0, 3^2).
+  if (selected(sections, "sample")) {
+    std::printf("\nLogits, one thread (us a call, best of 5 x 50):\n  %-8s %8s %11s %8s %10s %11s %18s\n", "vocab",
+                "argmax", "exp_weights", "T 0.8", "top_k 40", "top_p 0.9", "top_k 64 top_p .95");
+    for (int n : {49152, 151936, 262144}) {
+      std::vector<float> logits(n), w(n);
+      std::mt19937 rng(3);
+      std::normal_distribution<float> nd(0.f, 3.f);
+      for (float& v : logits) v = nd(rng);
+      volatile double sink = 0;
+      auto us = [&](auto&& f) { return 1e6 * time_best(5, [&] { for (int r = 0; r < 50; ++r) f(); }) / 50; };
+      auto draw = [&](SamplingParams sp) { return us([&] { sink = sample_logits(logits.data(), n, sp, 0.5); }); };
+      std::printf("  %-8d %8.1f %11.1f %8.1f %10.1f %11.1f %18.1f\n", n,
+                  us([&] { sink = argmax_logits(isa, logits.data(), n).value; }),
+                  us([&] { sink = exp_weights(isa, logits.data(), n, 10.f, 1.25f, w.data()); }),
+                  draw({0.8, 0, 1.0}), draw({0.8, 40, 1.0}), draw({0.8, 0, 0.9}), draw({1.0, 64, 0.95}));
     }
   }
   return 0;

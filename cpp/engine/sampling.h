@@ -18,8 +18,9 @@ struct SamplingParams {
 // - A token's weight is exp((x - max) / temperature) (float, relative error ~1e-7; sums in double).
 // - top_k keeps the k largest logits, top_p then the fewest of the remaining in order of decreasing logit whose
 //   weight reaches top_p of theirs (ties in both go to the lower index).
-// - u picks the first candidate whose running weight passes u x the candidates' total: in that order where top_k or
-//   top_p chose, in index order otherwise.
+// - u picks the first candidate whose running weight passes u x the candidates' total: in order of decreasing logit
+//   where top_k chose, or top_p among the 1,024 largest logits; in token-id order otherwise (no filter, or a top_p
+//   nucleus larger than that, found by bucketing). The order changes which u draws a token, not its probability.
 // A 262,144-token row takes 0.13-0.25 ms on one core of the EPYC dev machine, AVX-512 or AVX2 (the numpy form it
 // replaced: 8-12 ms).
 int64_t sample_logits(const float* x, int64_t n, const SamplingParams& p, double u);

@@ -33,6 +33,14 @@ def reference(x, temperature=1.0, top_k=0, top_p=1.0):
     return p, order
 
 
+def draw_ends(x, temperature=1.0, top_k=0, top_p=1.0):
+    """The tokens u = 0 and u -> 1 draw: the first and last candidate in draw order, which is decreasing logit where
+    top_k chose or where top_p's nucleus lies within the 1,024 largest logits, token id otherwise (sampling.h)."""
+    p, order = reference(x, temperature, top_k, top_p)
+    by_logit = (0 < top_k < len(x)) or (top_p < 1.0 and len(order) <= 1024)
+    return (order[0], order[-1]) if by_logit else (order.min(), order.max())
+
+
 def grid_counts(x, n, **kw):
     """Tokens drawn by n evenly spaced uniforms: each token's share of [0, 1) is one interval, so its count is within
     one or two of n times its probability."""
@@ -56,9 +64,7 @@ def test_draws_follow_the_reference_distribution(temperature, top_k, top_p):
     p, order = reference(x, temperature, top_k, top_p)
     assert np.all(np.abs(counts - p * n) <= 2), np.max(np.abs(counts - p * n))
     assert set(np.flatnonzero(counts)) <= set(order.tolist())
-    # The ends of [0, 1): the first and the last candidate in draw order (by logit where a filter chose, else by id).
-    filtered = top_k > 0 or top_p < 1
-    first, last = (order[0], order[-1]) if filtered else (order.min(), order.max())
+    first, last = draw_ends(x, temperature, top_k, top_p)
     assert sample(x, GridRng([0.0]), temperature, top_k, top_p) == first
     assert sample(x, GridRng([1 - 1e-12]), temperature, top_k, top_p) == last
 
@@ -76,19 +82,20 @@ def test_top_p_cuts_the_tail():
     assert set(np.flatnonzero(grid_counts(logits, 2000, top_p=0.8))) == {0, 1}
 
 
-@pytest.mark.parametrize("scale", [0.01, 5.0])
-def test_nucleus_over_a_vocabulary_probe_and_full_sort(scale):
-    """top_p alone over 49,152 logits: a flat row (the 1,024 largest hold too little mass: every logit is sorted) and
-    a peaked one (they hold enough). The last token kept must be the reference's."""
+@pytest.mark.parametrize("scale", [0.0, 0.01, 0.3, 5.0])
+def test_nucleus_over_a_vocabulary(scale):
+    """top_p alone over 49,152 logits: peaked (the nucleus lies within the 1,024 largest logits), flat (it does not: it
+    is found by buckets, cut again where one holds many tokens) and all equal (ties by id). The nucleus's first and
+    last tokens in draw order must be the reference's, every draw must lie in it, and a grid's counts follow it."""
     x = (np.random.default_rng(4).normal(size=49152) * scale).astype(np.float32)
     for top_p in (0.1, 0.5, 0.9, 0.99):
-        _, order = reference(x, 1.0, 0, top_p)
-        assert sample(x, GridRng([0.0]), top_p=top_p) == order[0]
-        assert sample(x, GridRng([1 - 1e-12]), top_p=top_p) == order[-1]
-        drawn = {sample(x, GridRng([u])) for u in np.linspace(0, 1, 200, endpoint=False)}
-        assert drawn <= set(range(x.size))
-        drawn = {sample(x, GridRng([u]), top_p=top_p) for u in np.linspace(0, 1, 200, endpoint=False)}
-        assert drawn <= set(order.tolist())
+        p, order = reference(x, 1.0, 0, top_p)
+        first, last = draw_ends(x, 1.0, 0, top_p)
+        assert sample(x, GridRng([0.0]), top_p=top_p) == first
+        assert sample(x, GridRng([1 - 1e-12]), top_p=top_p) == last
+        counts = grid_counts(x, 500, top_p=top_p)
+        assert set(np.flatnonzero(counts)) <= set(order.tolist())
+        assert np.all(np.abs(counts - p * 500) <= 2)
 
 
 def test_ties_go_to_the_lower_index():
