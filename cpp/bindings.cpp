@@ -207,6 +207,20 @@ NB_MODULE(_core, m) {
         "logits"_a, "temperature"_a, "top_k"_a, "top_p"_a, "u"_a,
         "The token the uniform u in [0, 1) draws from float32 logits (temperature, top_k 0 = off, top_p 1 = off); "
         "metalattn.sampling.sample is the checked entry point.");
+  m.def("log_probs",
+        [](FloatVector logits, int64_t token, int64_t k) {
+          metalattn::LogProbs lp;
+          {
+            nb::gil_scoped_release release;
+            lp = metalattn::log_probs(logits.data(), static_cast<int64_t>(logits.shape(0)), token, k);
+          }
+          nb::list top;
+          for (size_t j = 0; j < lp.top.size(); ++j) top.append(nb::make_tuple(lp.top_ids[j], lp.top[j]));
+          return nb::make_tuple(lp.token, top);
+        },
+        "logits"_a, "token"_a, "k"_a,
+        "(log-probability of `token`, [(id, log-probability)] of the k most likely, best first) under the float32 "
+        "logits' softmax.");
   m.def("cpu_read_bandwidth",
         [](int n_threads, size_t bytes, int repeats) {
           nb::gil_scoped_release release;

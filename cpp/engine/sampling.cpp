@@ -240,4 +240,25 @@ int64_t sample_logits(const float* x, int64_t n, const SamplingParams& p, double
   return draw(c, weight, u * kept);
 }
 
+LogProbs log_probs(const float* x, int64_t n, int64_t token, int64_t k) {
+  if (n < 1 || n > INT32_MAX) throw EngineError("log_probs: expected 1 to 2^31 - 1 logits");
+  if (token < 0 || token >= n || k < 0) throw EngineError("log_probs: token out of range or k < 0");
+  const cpu::Isa isa = cpu::selected_isa();
+  const float m = cpu::argmax_logits(isa, x, static_cast<int>(n)).value;  // every logit NaN throws
+  double lse = m;
+  if (std::isfinite(m)) {
+    thread_local std::vector<float> w;
+    w.resize(static_cast<size_t>(n));
+    lse += std::log(cpu::exp_weights(isa, x, n, m, 1.f, w.data()));
+  }
+  LogProbs out;
+  out.token = static_cast<double>(x[token]) - lse;
+  if (k > 0)
+    for (const Cand& c : top_candidates(x, n, std::min(k, n))) {
+      out.top_ids.push_back(c.i);
+      out.top.push_back(static_cast<double>(c.v) - lse);
+    }
+  return out;
+}
+
 }  // namespace metalattn

@@ -3,6 +3,7 @@
 // uniform from the caller's seeded generator and calls this.
 #pragma once
 #include <cstdint>
+#include <vector>
 
 namespace metalattn {
 
@@ -24,5 +25,15 @@ struct SamplingParams {
 // A 262,144-token row takes 0.13-0.25 ms on one core of the EPYC dev machine, AVX-512 or AVX2 (the numpy form it
 // replaced: 8-12 ms).
 int64_t sample_logits(const float* x, int64_t n, const SamplingParams& p, double u);
+
+// Log-probabilities under the raw logits' softmax (temperature 1), as OpenAI-style `logprobs` report them:
+// x - (max + log sum exp(x - max)), the sum over the non-NaN logits. `token`'s own, and the k largest (ids and values,
+// best first; ties to the lower id; NaN never among them). Every logit NaN throws NonFiniteLogits.
+struct LogProbs {
+  double token = 0;
+  std::vector<int64_t> top_ids;
+  std::vector<double> top;
+};
+LogProbs log_probs(const float* x, int64_t n, int64_t token, int64_t k);
 
 }  // namespace metalattn

@@ -127,3 +127,31 @@ def test_float64_and_strided_logits_read_as_float32():
     wide = np.zeros((2000, 2))
     wide[:, 0] = x
     assert [sample(wide[:, 0], GridRng([u]), top_k=50) for u in us] == want
+
+
+def test_log_probs_match_the_float64_log_softmax():
+    """_core.log_probs (stream(logprobs=k), the server's logprobs): the token's and the k best log-probabilities of
+    the raw logits' softmax, against float64 numpy; NaN logits are left out of the sum and of the best."""
+    from metalattn import _core
+
+    rng = np.random.default_rng(6)
+    for n, k in ((5, 3), (4096, 20), (262144, 5)):
+        x = (rng.normal(size=n) * 4).astype(np.float32)
+        x[rng.integers(0, n, size=n // 50)] = np.nan
+        x[2] = x[np.nanargmax(x)]  # a tie for the best: the lower id comes first
+        ok = ~np.isnan(x)
+        xd = x.astype(np.float64)
+        m = xd[ok].max()
+        lps = xd - (m + np.log(np.exp(xd[ok] - m).sum()))
+        for token in (int(np.nanargmax(x)), 1, n - 1):
+            lp, top = _core.log_probs(x, token, k)
+            if np.isnan(x[token]):
+                assert np.isnan(lp)
+            else:
+                assert lp == pytest.approx(lps[token], abs=1e-6)
+            idx = np.flatnonzero(ok)
+            want = idx[np.lexsort((idx, -xd[idx]))][:k]
+            assert [i for i, _ in top] == want.tolist()
+            assert [v for _, v in top] == pytest.approx(lps[want].tolist(), abs=1e-6)
+    with pytest.raises(NonFiniteError):
+        _core.log_probs(np.full(4, np.nan, dtype=np.float32), 0, 2)
