@@ -81,19 +81,21 @@ int64_t draw(const std::vector<Cand>& c, WeightOf w, double target) {
   return last;
 }
 
-// How many of the candidates (in order) top_p keeps: the fewest whose weight reaches top_p of `total`.
+// What top_p keeps of the candidates (in order): the fewest whose weight reaches top_p of `total` (all of them where
+// none do: reached false), and their weight.
+struct Nucleus {
+  size_t keep;
+  double kept;
+  bool reached;
+};
 template <class WeightOf>
-size_t nucleus(const std::vector<Cand>& c, WeightOf w, double total, double top_p, bool* reached) {
+Nucleus nucleus(const std::vector<Cand>& c, WeightOf w, double total, double top_p) {
   double run = 0;
   for (size_t j = 0; j < c.size(); ++j) {
     run += w(j);
-    if (run / total >= top_p) {
-      *reached = true;
-      return j + 1;
-    }
+    if (run / total >= top_p) return {j + 1, run, true};
   }
-  *reached = false;
-  return c.size();
+  return {c.size(), run, false};
 }
 
 constexpr int64_t kNucleusProbe = 1024;  // top_p looks among this many largest logits first
@@ -188,17 +190,15 @@ int64_t sample_logits(const float* x, int64_t n, const SamplingParams& p, double
   const bool top_k = p.top_k > 0 && p.top_k < n, top_p = p.top_p < 1.0;
 
   if (top_k) {
-    const std::vector<Cand> c = top_candidates(x, n, p.top_k);
+    std::vector<Cand> c = top_candidates(x, n, p.top_k);
     std::vector<float> v(c.size()), w(c.size());
     for (size_t j = 0; j < c.size(); ++j) v[j] = c[j].v;
     const double total = cpu::exp_weights(isa, v.data(), static_cast<int64_t>(v.size()), m, inv_t, w.data());
     auto weight = [&](size_t j) { return w[j]; };
     if (!top_p) return draw(c, weight, u * total);
-    bool reached;
-    const size_t keep = nucleus(c, weight, total, p.top_p, &reached);
-    double kept = 0;
-    for (size_t j = 0; j < keep; ++j) kept += w[j];
-    return draw(std::vector<Cand>(c.begin(), c.begin() + static_cast<ptrdiff_t>(keep)), weight, u * kept);
+    const Nucleus nu = nucleus(c, weight, total, p.top_p);
+    c.resize(nu.keep);
+    return draw(c, weight, u * nu.kept);
   }
 
   thread_local std::vector<float> w;
@@ -230,14 +230,11 @@ int64_t sample_logits(const float* x, int64_t n, const SamplingParams& p, double
   // top_p alone: among the largest logits, in their order; a flat row by buckets, in token-id order.
   std::vector<Cand> c = top_candidates(x, n, std::min(kNucleusProbe, n));
   auto weight = [&](size_t j) { return w[static_cast<size_t>(c[j].i)]; };
-  bool reached;
-  const size_t keep = nucleus(c, weight, total, p.top_p, &reached);
-  if (!reached && static_cast<int64_t>(c.size()) < n)
+  const Nucleus nu = nucleus(c, weight, total, p.top_p);
+  if (!nu.reached && static_cast<int64_t>(c.size()) < n)
     return draw_flat_nucleus(x, n, w.data(), total, m, inv_t, p.top_p, u);
-  c.resize(keep);
-  double kept = 0;
-  for (size_t j = 0; j < keep; ++j) kept += weight(j);
-  return draw(c, weight, u * kept);
+  c.resize(nu.keep);
+  return draw(c, weight, u * nu.kept);
 }
 
 LogProbs log_probs(const float* x, int64_t n, int64_t token, int64_t k) {

@@ -121,9 +121,8 @@ int arch_short_attention_cap(int head_dim, int n_ctx);
 // where that is no fewer than arch_short_attention_cap. The backend runs the short kernel at this cap up to it, at
 // the full cap past it. Gemma 3 (head_dim 256) on an H200: 160 positions (185 KB a block) against 192 (218 KB),
 // 333 -> 321 us a token at depth 32. The block log puts the gain after the last layer, in the final norm + lm_head
-// (65.0 -> 49.7 us a step), not in the attention (its share of the chain unchanged); the likeliest reason, not yet
-// measured, is the split of each SM's 256 KB between shared memory and L1, which 218 KB blocks push to 228 KB of
-// shared memory and 28 KB of L1 for the kernels after them (NOTES, "CUDA, session 35").
+// (65.0 -> 49.7 us a step), not in the attention (its share of the chain unchanged). Why is not known: more L1 for the
+// lm_head (carveout 0) made it slower, not faster (NOTES, "CUDA, sessions 35 and 36").
 constexpr size_t kShortAttnRoomBeside = 32 * 1024;
 int arch_short_attention_cap_beside(int head_dim, int n_ctx);
 void launch_arch_attention_short(const ArchAttnArgs& a, int pos_cap, cudaStream_t s);
