@@ -230,14 +230,17 @@ __global__ void __launch_bounds__(256, 5) norm_matvec_kernel_5(DevMatrix W, cons
   norm_matvec_body<B, 16, false, 5>(W, x, norm_w, eps, a);
 }
 
-// SiluGlu in the same 16-lane rows and 256 threads, each lane group computing one unit's gate and up rows together
-// (RowDotPair: every x block read from shared memory once for both): 16 units a block where norm_matvec_kernel_5 has
-// 8, so half the blocks stage and normalize x, for twice the weights each. Four resident a SM (two rows of 2 blocks a
-// lane before the wait need more than kernel_5's 48 registers).
+// SiluGlu in the same 16-lane rows, each lane group computing one unit's gate and up rows together (RowDotPair: every
+// x block read from shared memory once for both): a block of 16u threads covers u units (run_norm_matvec picks u),
+// where norm_matvec_kernel_5 covers 8 rows, so fewer blocks stage and normalize x, for more weights each. Bounded for
+// two blocks a SM of up to 22 units (two rows of 2 blocks a lane before the wait need more than kernel_5's 48
+// registers).
+constexpr int kGluPairsMaxThreads = 352;
 template <typename B>
-__global__ void __launch_bounds__(256, 3) norm_matvec_glu_pairs_kernel(DevMatrix W, const float* __restrict__ x,
-                                                                        const float* __restrict__ norm_w, float eps,
-                                                                        NormMatvecArgs a) {
+__global__ void __launch_bounds__(kGluPairsMaxThreads, 2) norm_matvec_glu_pairs_kernel(DevMatrix W,
+                                                                                       const float* __restrict__ x,
+                                                                                       const float* __restrict__ norm_w,
+                                                                                       float eps, NormMatvecArgs a) {
   norm_matvec_body<B, 16, false, 4, true>(W, x, norm_w, eps, a);
 }
 
@@ -467,11 +470,19 @@ void run_norm_matvec(const DevMatrix& W, const float* x, const float* norm_w, fl
     const auto k5 = pre || !quantized(W.type) ? k : kernel_for<NormKernels5>(W.type);
     if (k5 != k && W.rows > wave16 && W.rows <= rows_per_wave(k5, g)) {
       k = k5;
-      // The gate/up: the paired form where its units fit one wave (16 units a block, 4 blocks a SM).
+      // The gate/up: the paired form, with the fewest units a block (even, at least 16) whose grid is at most two
+      // blocks a SM, where that is one wave. Qwen2.5-0.5B's 4,864 units at 16 a block were 304 blocks (2.3 a SM) that
+      // the scheduler stacked three deep on 85 SMs and left 14 idle (block log); at 20 a block they are 244. H200:
+      // 406.8 -> 402.3 us a token (run ahead 400.0 -> 395.7); capping those at two a SM by shared memory lost (411),
+      // as did 14 units at three a SM (417) and 38 at one a SM (415) (NOTES, "CUDA, session 36").
       if (a.mode == NormOut::SiluGlu) {
+        const int units = W.rows / 2, two_a_sm = 2 * device_attribute(cudaDevAttrMultiProcessorCount);
+        const int u = std::max(16, ((units + two_a_sm - 1) / two_a_sm + 1) / 2 * 2);
         const auto kp = kernel_for<NormKernelsGluPairs>(W.type);
-        const Geometry gp = glu_pairs_geometry(W, g);
-        if (W.rows / 2 <= rows_per_wave(kp, gp)) {
+        Geometry gp = g;
+        gp.threads = 16 * u;
+        gp = glu_pairs_geometry(W, gp);
+        if (gp.threads <= kGluPairsMaxThreads && gp.grid <= blocks_per_wave(kp, gp)) {
           k = kp;
           g = gp;
         }
