@@ -208,17 +208,6 @@ __global__ void __launch_bounds__(512) norm_matvec_kernel(DevMatrix W, const flo
   norm_matvec_body<B, TPR, PRE, 1>(W, x, norm_w, eps, a);
 }
 
-// The gate/up's PreAdd at a warp a row in 512-thread blocks, held to two blocks a SM (64 registers; the PreAdd staging
-// takes the plain instantiation to 75-92 registers): since session 36 only post-norm gate/ups too large for one block a
-// SM at 8 lanes (4,224 rows on 132 SMs) and within about one wave of these blocks take it (run_norm_matvec); Gemma 3
-// 270M's 4,096 rows took it before (256 blocks, one wave).
-template <typename B>
-__global__ void __launch_bounds__(512, 2) norm_matvec_kernel_pre2(DevMatrix W, const float* __restrict__ x,
-                                                                  const float* __restrict__ norm_w, float eps,
-                                                                  NormMatvecArgs a) {
-  norm_matvec_body<B, 32, true, 1>(W, x, norm_w, eps, a);
-}
-
 // 16-lane rows in 256-thread blocks, five resident per SM (48 registers, 2 blocks a lane before the wait), for matrices
 // that one wave of norm_matvec_kernel does not cover (run_norm_matvec). Its own kernel, not a launch-bounds template
 // argument of the one above: `__launch_bounds__(512, 1)` there let ptxas take 85-111 registers instead of 64 and cost
@@ -361,11 +350,6 @@ struct NormKernels {
   template <GgmlType T>
   static Fn get() { return norm_matvec_kernel<typename BlkSel<T>::type, TPR, PRE>; }
 };
-struct NormKernelsPre2 {
-  using Fn = void (*)(DevMatrix, const float*, const float*, float, NormMatvecArgs);
-  template <GgmlType T>
-  static Fn get() { return norm_matvec_kernel_pre2<typename BlkSel<T>::type>; }
-};
 struct NormKernels5 {
   using Fn = void (*)(DevMatrix, const float*, const float*, float, NormMatvecArgs);
   template <GgmlType T>
@@ -458,7 +442,7 @@ void run_norm_matvec(const DevMatrix& W, const float* x, const float* norm_w, fl
   }
   constexpr double kWaveSlack = 1.25;  // a last wave of a quarter of the SMs' blocks costs less than fewer lanes
   Geometry g = matvec_geometry(W, kMatvecTpr, a.mode == NormOut::SiluGlu ? 512 : 256);
-  auto k = pre && a.mode == NormOut::SiluGlu ? kernel_for<NormKernelsPre2>(W.type) : norm_kernel<kMatvecTpr>(W, pre);
+  auto k = norm_kernel<kMatvecTpr>(W, pre);
   if (W.rows > kWaveSlack * static_cast<double>(rows_per_wave(k, g))) {
     g = matvec_geometry(W, 16, 256);
     k = norm_kernel<16>(W, pre);
