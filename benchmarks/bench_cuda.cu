@@ -31,6 +31,7 @@
 #include <vector>
 
 #include "cpu/reference.h"
+#include "engine/sampling.h"
 #include "cuda/cuda_check.h"
 #include "kernels.cuh"
 #include "trace.cuh"
@@ -527,6 +528,27 @@ int main(int argc, char** argv) {
       std::printf("decode tg128 run ahead (forward_tokens_greedy, %d steps a call): %.0f tok/s, %.1f us/token, "
                   "tokens %s\n", Backend::kMaxGreedyRun, median(ahead_rates), 1e6 / median(ahead_rates),
                   ahead == one_by_one ? "identical" : "DIFFER");
+    }
+    // Sampled decoding as the host draws it today: each step's logits copied back (forward_token), then
+    // sample_logits at temperature 1 with top_p 0.95 (the server's defaults) and with no filter.
+    for (const double top_p : {0.95, 1.0}) {
+      std::vector<float> logits(static_cast<size_t>(s.vocab));
+      std::vector<double> rates;
+      std::mt19937_64 rng(7);
+      std::uniform_real_distribution<double> uni(0.0, 1.0);
+      SamplingParams sp;
+      sp.top_p = top_p;
+      for (int run = 0; run < 3; ++run) {
+        int64_t tok = be->forward_prompt(prompt.data(), 32, 0, nullptr, nullptr).token;
+        const auto t0 = Clock::now();
+        for (int i = 0; i < 128; ++i) {
+          be->forward_token(static_cast<int32_t>(tok), 32 + i, logits.data());
+          tok = sample_logits(logits.data(), static_cast<int64_t>(logits.size()), sp, uni(rng));
+        }
+        if (run > 0) rates.push_back(128.0 / seconds_since(t0));
+      }
+      std::printf("decode tg128 sampled (forward_token + host sample_logits, T 1, top_p %.2f): %.0f tok/s, %.1f "
+                  "us/token\n", top_p, median(rates), 1e6 / median(rates));
     }
     if (mode == "decode") return 0;
     // Time to first token as `metalattn bench` counts it: a 32-token prompt at position 0 right after a decode
