@@ -529,27 +529,42 @@ int main(int argc, char** argv) {
                   "tokens %s\n", Backend::kMaxGreedyRun, median(ahead_rates), 1e6 / median(ahead_rates),
                   ahead == one_by_one ? "identical" : "DIFFER");
     }
-    // Sampled decoding as the host draws it today: each step's logits copied back (forward_token), then
-    // sample_logits at temperature 1 with top_p 0.95 (the server's defaults) and with no filter.
-    for (const double top_p : {0.95, 1.0}) {
-      std::vector<float> logits(static_cast<size_t>(s.vocab));
-      std::vector<double> rates;
-      std::mt19937_64 rng(7);
-      std::uniform_real_distribution<double> uni(0.0, 1.0);
-      SamplingParams sp;
-      sp.top_p = top_p;
-      for (int run = 0; run < 3; ++run) {
-        int64_t tok = be->forward_prompt(prompt.data(), 32, 0, nullptr, nullptr).token;
-        const auto t0 = Clock::now();
-        for (int i = 0; i < 128; ++i) {
-          be->forward_token(static_cast<int32_t>(tok), 32 + i, logits.data());
-          tok = sample_logits(logits.data(), static_cast<int64_t>(logits.size()), sp, uni(rng));
+    // Sampled decoding, T 1: drawn on the device (forward_token_sample, 8 bytes back; a flat row's top_p goes back
+    // to the host), and as the host draws (forward_token's logits copy, then sample_logits), with top_p 0.95, top_k 40
+    // and no filter (the server's default, top_p 1).
+    struct SampledCase {
+      const char* name;
+      int64_t top_k;
+      double top_p;
+    };
+    for (const SampledCase sc : {SampledCase{"top_p 0.95", 0, 0.95}, SampledCase{"top_k 40", 40, 1.0},
+                                 SampledCase{"no filter", 0, 1.0}})
+      for (const bool on_device : {true, false}) {
+        std::vector<float> logits(static_cast<size_t>(s.vocab));
+        std::vector<double> rates;
+        std::mt19937_64 rng(7);
+        std::uniform_real_distribution<double> uni(0.0, 1.0);
+        SamplingParams sp;
+        sp.top_k = sc.top_k;
+        sp.top_p = sc.top_p;
+        for (int run = 0; run < 3; ++run) {
+          int64_t tok = be->forward_prompt(prompt.data(), 32, 0, nullptr, nullptr).token;
+          const auto t0 = Clock::now();
+          for (int i = 0; i < 128; ++i) {
+            if (on_device) {
+              tok = be->forward_token_sample(static_cast<int32_t>(tok), 32 + i, sp, uni(rng), logits.data(),
+                                             static_cast<int64_t>(logits.size()));
+            } else {
+              be->forward_token(static_cast<int32_t>(tok), 32 + i, logits.data());
+              tok = sample_logits(logits.data(), static_cast<int64_t>(logits.size()), sp, uni(rng));
+            }
+          }
+          if (run > 0) rates.push_back(128.0 / seconds_since(t0));
         }
-        if (run > 0) rates.push_back(128.0 / seconds_since(t0));
+        std::printf("decode tg128 sampled %s (%s): %.0f tok/s, %.1f us/token\n", sc.name,
+                    on_device ? "on the device" : "host: logits copy + sample_logits", median(rates),
+                    1e6 / median(rates));
       }
-      std::printf("decode tg128 sampled (forward_token + host sample_logits, T 1, top_p %.2f): %.0f tok/s, %.1f "
-                  "us/token\n", top_p, median(rates), 1e6 / median(rates));
-    }
     if (mode == "decode") return 0;
     // Time to first token as `metalattn bench` counts it: a 32-token prompt at position 0 right after a decode
     // run, against the same prompt right after another prompt, and after an idle pause (alternating, so clocks

@@ -315,6 +315,14 @@ NB_MODULE(_core, m) {
              return out;
            },
            "token"_a, "Runs one token; returns its logits (float32, vocab).")
+      .def("forward_token_sample",
+           [](PyEngine& p, int32_t token, double temperature, int64_t top_k, double top_p, double u) {
+             nb::gil_scoped_release release;
+             return p.e().forward_token_sample(token, {temperature, top_k, top_p}, u);
+           },
+           "token"_a, "temperature"_a, "top_k"_a, "top_p"_a, "u"_a,
+           "Runs one token; returns the next token that the uniform u in [0, 1) draws from its logits (as "
+           "sample_logits does; the CUDA backend draws on the GPU, 8 bytes back).")
       .def("forward_token_debug",
            [](PyEngine& p, int32_t token) {
              const auto& s = p.e().spec();

@@ -21,6 +21,7 @@
 #include "kernels.cuh"
 #include "metalattn/backend.h"
 #include "cuda/cuda_backend.h"
+#include "engine/sampling.h"
 
 namespace metalattn {
 
@@ -231,6 +232,10 @@ CudaBackend::CudaBackend(const ModelSpec& spec, const ModelWeights& w, bool debu
   io_host_ = pinned_alloc<DecodeIO>(1, cudaHostAllocDefault);
   result_host_ = pinned_alloc<ArgmaxResult>(kResultRing, cudaHostAllocMapped);
   result_dev_ = device_alias(result_host_);
+  sample_work_ = device_alloc<uint8_t>(sample_work_bytes(), mem_.scratch);
+  CUDA_CHECK(cudaMemsetAsync(sample_work_, 0, sample_work_bytes(), res_.stream));
+  sample_host_ = pinned_alloc<SampleResult>(1, cudaHostAllocMapped);
+  sample_dev_ = device_alias(sample_host_);
 
   // Prefill scratch.
   // Up to 2048 tokens per chunk: the tensor-core attention runs a block per (head, 64 queries), so a 1024-token chunk
@@ -418,6 +423,37 @@ void CudaBackend::forward_token(int32_t token, int pos, float* logits) {
   run_decode(pos);
   finish_decode(pos);
   CUDA_CHECK(cudaMemcpy(logits, logits_, spec_.vocab * sizeof(float), cudaMemcpyDefault));
+}
+
+// The step's graph, then the draw on the device (sampling.cu) from the logits the lm_head left and its argmax: 8 bytes
+// come back, and the drawn token is already in io_dev_ for the next step. A draw the device leaves to the host (a
+// top_k past kSampleMaxTopK, a flat row's top_p) copies the row back, as forward_token does.
+int64_t CudaBackend::forward_token_sample(int32_t token, int pos, const SamplingParams& p, double u, float* logits,
+                                          int64_t vocab) {
+  check_sampling_args(p, u);
+  if (p.top_k > kSampleMaxTopK && p.top_k < vocab) return Backend::forward_token_sample(token, pos, p, u, logits, vocab);
+  set_io(token, pos);
+  run_decode(pos);
+  SampleArgs a;
+  a.inv_t = static_cast<float>(1.0 / p.temperature);
+  a.top_k = static_cast<int>(std::min<int64_t>(p.top_k, vocab));
+  a.top_p = p.top_p;
+  a.u = u;
+  launch_sample(logits_, spec_.vocab, result_dev_ + pos % kResultRing, a, sample_work_, sample_dev_, io_dev_,
+                res_.stream);
+  after_launch();
+  finish_decode(pos);  // the sync; every logit NaN throws here
+  const SampleResult r = *sample_host_;
+  if (r.status == kSampleNoCandidate) {
+    io_shadow_valid_ = false;
+    throw NonFiniteLogits("sampling: every logit is NaN or -inf: nothing to sample");
+  }
+  if (r.status == kSampleOnHost) {  // io_dev_ still holds the argmax, as finish_decode's shadow says
+    CUDA_CHECK(cudaMemcpy(logits, logits_, spec_.vocab * sizeof(float), cudaMemcpyDefault));
+    return sample_logits(logits, vocab, p, u);
+  }
+  io_shadow_ = DecodeIO{r.token, pos + 1};
+  return r.token;
 }
 
 void CudaBackend::forward_token_debug(int32_t token, int pos, float* hidden, float* logits) {

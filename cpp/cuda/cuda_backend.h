@@ -112,6 +112,8 @@ class CudaBackend final : public Backend {
   ArgmaxResult forward_token_greedy(int32_t token, int pos) override;
   void forward_tokens_greedy(int32_t token, int pos, int n, ArgmaxResult* out) override;
   void forward_token(int32_t token, int pos, float* logits) override;
+  int64_t forward_token_sample(int32_t token, int pos, const SamplingParams& p, double u, float* logits,
+                               int64_t vocab) override;
   void forward_token_debug(int32_t token, int pos, float* hidden, float* logits) override;
   ArgmaxResult forward_prompt(const int32_t* tokens, int n, int pos, float* last_logits, float* all_logits,
                               int slot) override;
@@ -289,6 +291,9 @@ class CudaBackend final : public Backend {
   static_assert(kResultRing >= kMaxGreedyRun, "a run's steps need distinct slots");
   ArgmaxResult* result_host_ = nullptr;
   ArgmaxResult* result_dev_ = nullptr;   // its device alias
+  void* sample_work_ = nullptr;          // forward_token_sample's device scratch (launch_sample)
+  SampleResult* sample_host_ = nullptr;  // mapped pinned: the draw's token and status
+  SampleResult* sample_dev_ = nullptr;
   float *x_ = nullptr, *q_ = nullptr, *logits_ = nullptr, *hidden_ = nullptr;
   float* ffn_act_ = nullptr;  // [d_ff]: silu(gate) * up, the down projection's input
   AttnScratch attn_;

@@ -74,6 +74,14 @@ void Engine::forward_token(int32_t token, float* logits) {
   ++pos_[0];
 }
 
+int64_t Engine::forward_token_sample(int32_t token, const SamplingParams& p, double u) {
+  check_tokens(&token, 1, 0);
+  sample_logits_.resize(static_cast<size_t>(spec_.vocab));
+  const int64_t next = backend_->forward_token_sample(token, pos_[0], p, u, sample_logits_.data(), spec_.vocab);
+  ++pos_[0];
+  return next;
+}
+
 void Engine::forward_token_debug(int32_t token, float* hidden, float* logits) {
   check_tokens(&token, 1, 0);
   backend_->forward_token_debug(token, pos_[0], hidden, logits);

@@ -27,6 +27,8 @@ class Engine {
   // n greedy steps from `token` (Backend::forward_tokens_greedy): out[i] is step i's argmax; the position advances n.
   void forward_tokens_greedy(int32_t token, int n, ArgmaxResult* out);
   void forward_token(int32_t token, float* logits);
+  // One token, then the next drawn from its logits by the uniform u (Backend::forward_token_sample).
+  int64_t forward_token_sample(int32_t token, const SamplingParams& p, double u);
   void forward_token_debug(int32_t token, float* hidden, float* logits);
   ArgmaxResult forward_prompt(const int32_t* tokens, int n, float* last_logits, float* all_logits) {
     return forward_prompt_slot(0, tokens, n, last_logits, all_logits);
@@ -50,6 +52,7 @@ class Engine {
   std::unique_ptr<Backend> backend_;
   std::vector<int> pos_;  // per slot: tokens in its KV cache
   std::vector<int32_t> batch_pos_;  // forward_batch's positions, reused
+  std::vector<float> sample_logits_;  // forward_token_sample's host row, where the draw is the host's
 };
 
 }  // namespace metalattn

@@ -171,12 +171,23 @@ int64_t draw_flat_nucleus(const float* x, int64_t n, const float* w, double tota
 
 }  // namespace
 
-int64_t sample_logits(const float* x, int64_t n, const SamplingParams& p, double u) {
-  if (n < 1 || n > INT32_MAX) throw EngineError("sampling: expected 1 to 2^31 - 1 logits");
+void check_sampling_args(const SamplingParams& p, double u) {
   if (!(p.temperature > 0)) throw EngineError("sampling: temperature must be > 0");
   if (!(p.top_p > 0 && p.top_p <= 1)) throw EngineError("sampling: top_p must be in (0, 1]");
   if (p.top_k < 0) throw EngineError("sampling: top_k must be >= 0");
   if (!(u >= 0 && u < 1)) throw EngineError("sampling: the uniform must be in [0, 1)");
+}
+
+int64_t Backend::forward_token_sample(int32_t token, int pos, const SamplingParams& p, double u, float* logits,
+                                      int64_t vocab) {
+  check_sampling_args(p, u);
+  forward_token(token, pos, logits);
+  return sample_logits(logits, vocab, p, u);
+}
+
+int64_t sample_logits(const float* x, int64_t n, const SamplingParams& p, double u) {
+  if (n < 1 || n > INT32_MAX) throw EngineError("sampling: expected 1 to 2^31 - 1 logits");
+  check_sampling_args(p, u);
   const cpu::Isa isa = cpu::selected_isa();
   ArgmaxResult best;
   try {

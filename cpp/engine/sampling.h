@@ -5,13 +5,12 @@
 #include <cstdint>
 #include <vector>
 
+#include "metalattn/backend.h"
+
 namespace metalattn {
 
-struct SamplingParams {
-  double temperature = 1.0;  // > 0
-  int64_t top_k = 0;         // 0: off
-  double top_p = 1.0;        // in (0, 1]; 1: off
-};
+// Throws EngineError for a temperature not > 0, top_k < 0, top_p outside (0, 1] or u outside [0, 1).
+void check_sampling_args(const SamplingParams& p, double u);
 
 // The token that the uniform u in [0, 1) draws from logits x[0 .. n):
 // - NaN logits are never drawn; the first +inf logit takes all the mass; every logit NaN or -inf throws

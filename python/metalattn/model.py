@@ -530,7 +530,9 @@ class Model:
                         ahead.append(self._engine.forward_token_greedy(fed))
                 token = ahead.popleft()
             else:
-                token = sample(self._engine.forward_token(fed), rng, temperature, top_k, top_p)
+                # The draw where the logits are (on the GPU, 8 bytes back), from the same uniform sample() takes.
+                token = self._engine.forward_token_sample(fed, float(temperature), int(top_k), float(top_p),
+                                                          float(rng.random()))
             index += 1
 
     def generate_batch(self, prompts: Sequence[Union[str, Sequence[int]]], max_tokens: int = 128,

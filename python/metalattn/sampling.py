@@ -10,16 +10,21 @@ import numpy as np
 from .errors import InvalidArgumentError, NonFiniteError
 
 
-def sample(logits: np.ndarray, rng: np.random.Generator, temperature: float = 1.0, top_k: int = 0,
-           top_p: float = 1.0) -> int:
-    """Draws one token id with one uniform from `rng`. NaN logits are never drawn; an infinite logit takes all the
-    mass; top_k=0 and top_p=1 disable those filters (ties go to the lower token id). Logits are read as float32."""
+def check_args(temperature: float, top_k: int, top_p: float) -> None:
+    """Raises InvalidArgumentError unless temperature > 0, top_k >= 0 and 0 < top_p <= 1."""
     if not temperature > 0:
         raise InvalidArgumentError("temperature must be > 0 for sampling (use greedy decoding for 0)")
     if not 0.0 < top_p <= 1.0:
         raise InvalidArgumentError(f"top_p must be in (0, 1], got {top_p}")
     if top_k < 0:
         raise InvalidArgumentError(f"top_k must be >= 0, got {top_k}")
+
+
+def sample(logits: np.ndarray, rng: np.random.Generator, temperature: float = 1.0, top_k: int = 0,
+           top_p: float = 1.0) -> int:
+    """Draws one token id with one uniform from `rng`. NaN logits are never drawn; an infinite logit takes all the
+    mass; top_k=0 and top_p=1 disable those filters (ties go to the lower token id). Logits are read as float32."""
+    check_args(temperature, top_k, top_p)
     x = np.ascontiguousarray(logits, dtype=np.float32).reshape(-1)
     if x.size == 0:
         raise NonFiniteError("no logits: nothing to sample")

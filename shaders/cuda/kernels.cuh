@@ -734,6 +734,28 @@ void launch_argmax(const float* x, int n, const ArgmaxScratch& scratch, ArgmaxRe
 constexpr int kArgmaxMaxBlocks = 2048;  // partials capacity launch_argmax and the lm_head need at most
 int argmax_partials_needed(const DevMatrix& lm_head);
 
+// Sampled decoding's draw (sampling.cu): the token that uniform u draws from x[0..n) under sample_logits's semantics
+// (cpp/engine/sampling.h), given the row's argmax `best` (as launch_argmax or the lm_head leave it; device or mapped
+// memory). Writes *out (token and status) and, where drawn, io->token (io may be null). Status kSampleOnHost: the host
+// draws from the row instead (a top_p nucleus past the 1,024 largest logits, or more than 4,096 near-equal logits at
+// the cut); kSampleNoCandidate: every logit NaN or -inf. Up to three launches; `work` is sample_work_bytes() of device
+// memory, zeroed once before the first launch (every launch leaves it so). top_k up to kSampleMaxTopK.
+constexpr int kSampleMaxTopK = 1024;
+enum SampleStatus : int32_t { kSampleDrawn = 0, kSampleOnHost = 1, kSampleNoCandidate = 2 };
+struct SampleArgs {
+  float inv_t = 1.f;   // 1 / temperature, as sample_logits rounds it
+  int top_k = 0;       // 0 or >= n: off
+  double top_p = 1.0;  // 1: off
+  double u = 0.0;      // [0, 1)
+};
+struct SampleResult {
+  int32_t token;
+  int32_t status;
+};
+size_t sample_work_bytes();
+void launch_sample(const float* x, int n, const ArgmaxResult* best, const SampleArgs& a, void* work,
+                   SampleResult* out, DecodeIO* io, cudaStream_t s);
+
 // ------------------------------------------------------------------ prefill launches (prefill.cu)
 // A prompt chunk runs layer by layer: the projections on tensor cores straight from the quantized weights
 // (prompt_gemm.cu; prompt_mma.cu up to 64 tokens), with the kernels below between them. Their inputs are operand rows

@@ -55,6 +55,38 @@ def test_greedy_generation_identical_to_cpu(pair):
     assert a == b
 
 
+def test_sampled_decoding_draws_on_the_device(pair):
+    """Sampled decoding draws on the GPU (forward_token_sample, 8 bytes back): top_k=1 is greedy, and every step's
+    draw is what the host's sample_logits draws from that step's logits with the same uniform, up to a uniform within
+    1e-6 of a boundary (expf on the device, the host's vectorised exp). The synthetic model's rows are flat, so its
+    top_p draws go back to the host (sample_logits's bucketed nucleus) and test that path."""
+    _, gpu = pair
+    prompt = list(np.random.default_rng(2).integers(300, gpu.vocab_size, size=32))
+    greedy = [c.token for c in gpu.stream(prompt, max_tokens=64)]
+    assert [c.token for c in gpu.stream(prompt, max_tokens=64, temperature=0.8, top_k=1, seed=3)] == greedy
+    for kw in [{"temperature": 1.0}, {"temperature": 0.8, "top_k": 40}, {"temperature": 1.0, "top_p": 0.9},
+               {"temperature": 0.5, "top_k": 300, "top_p": 0.7}]:
+        got = [c.token for c in gpu.stream(prompt, max_tokens=48, seed=4, **kw)]
+        assert len(got) == 48
+        args = (kw["temperature"], kw.get("top_k", 0), kw.get("top_p", 1.0))
+        rng = np.random.default_rng(4)
+        gpu.reset()
+        logits = gpu._engine.forward_prompt_logits(np.asarray(prompt, np.int32), False)
+        boundary = 0
+        for i, tok in enumerate(got):  # the stream's own tokens fed back: its draws must follow from them
+            u = rng.random()
+            want = _core.sample_logits(logits, *args, u)
+            if want != tok:
+                boundary += 1
+                near = {_core.sample_logits(logits, *args, max(0.0, u - 1e-6)),
+                        _core.sample_logits(logits, *args, min(0.9999999, u + 1e-6))}
+                assert tok in near, f"step {i}: the device drew {tok}, the host {want} ({kw})"
+            if i + 1 < len(got):
+                logits = gpu._engine.forward_token(tok)
+        assert boundary <= 2, kw
+    assert [c.token for c in gpu.stream(prompt, max_tokens=64)] == greedy
+
+
 def test_debug_hidden_states_match_cpu(smollm2_shaped, pair):
     cpu, _ = pair
     dbg = metalattn.load(smollm2_shaped, device="cuda", n_ctx=64, debug=True)

@@ -155,3 +155,41 @@ def test_log_probs_match_the_float64_log_softmax():
             assert [v for _, v in top] == pytest.approx(lps[want].tolist(), abs=1e-6)
     with pytest.raises(NonFiniteError):
         _core.log_probs(np.full(4, np.nan, dtype=np.float32), 0, 2)
+
+
+def replay_sampled(model, ids, seed, max_tokens, temperature, top_k=0, top_p=1.0):
+    """What stream(..., seed) samples, step by step the long way: the prompt's and every step's logits on the host
+    (forward_prompt_logits, forward_token) and sample() with the same generator's uniforms."""
+    rng = np.random.default_rng(seed)
+    model.reset()
+    out = [sample(model._engine.forward_prompt_logits(np.asarray(ids, np.int32), False), rng, temperature, top_k,
+                  top_p)]
+    while len(out) < max_tokens:
+        out.append(sample(model._engine.forward_token(out[-1]), rng, temperature, top_k, top_p))
+    return out
+
+
+@pytest.mark.parametrize("kw", [{"temperature": 1.0}, {"temperature": 0.7, "top_k": 20},
+                                {"temperature": 1.3, "top_p": 0.8}, {"temperature": 0.9, "top_k": 5, "top_p": 0.5}])
+def test_sampled_decoding_draws_what_sample_draws(synthetic_factory, kw):
+    """Sampled decoding draws each step where the logits are (forward_token_sample: on the CPU from the row it
+    computed, on a GPU on the device); on the CPU that is sample_logits over the same row with the same uniform, so
+    stream() equals the long way exactly."""
+    import metalattn
+
+    model = metalattn.load(synthetic_factory(quant="q4_0", seed=21), device="cpu")
+    ids = model.tokenize("sampled decoding")
+    got = [c.token for c in model.stream(ids, max_tokens=24, seed=9, **kw)]
+    assert got == replay_sampled(model, ids, 9, len(got), **kw)
+    assert len(got) == 24  # the synthetic vocabulary has no end-of-text token among its draws here
+
+
+def test_forward_token_sample_checks_its_arguments(synthetic_factory):
+    import metalattn
+
+    model = metalattn.load(synthetic_factory(quant="q4_0", seed=21), device="cpu")
+    for bad in [(0.0, 0, 1.0, 0.5), (1.0, -1, 1.0, 0.5), (1.0, 0, 0.0, 0.5), (1.0, 0, 1.5, 0.5), (1.0, 0, 1.0, 1.0)]:
+        model.reset()
+        with pytest.raises(ValueError, match="sampling: "):
+            model._engine.forward_token_sample(1, *bad)
+        assert model._engine.pos == 0, "a refused draw runs no step"

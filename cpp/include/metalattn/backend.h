@@ -20,6 +20,13 @@ struct MemoryInfo {
   size_t scratch = 0;  // activations, logits, staging
 };
 
+// Sampled decoding's parameters (sample_logits, cpp/engine/sampling.h, defines the draw).
+struct SamplingParams {
+  double temperature = 1.0;  // > 0
+  int64_t top_k = 0;         // 0: off
+  double top_p = 1.0;        // in (0, 1]; 1: off
+};
+
 class Backend {
  public:
   virtual ~Backend() = default;
@@ -29,6 +36,11 @@ class Backend {
   virtual ArgmaxResult forward_token_greedy(int32_t token, int pos) = 0;
   // As above but copies the full logits row (vocab floats) to `logits`.
   virtual void forward_token(int32_t token, int pos, float* logits) = 0;
+  // One token at `pos`, then the next token that the uniform u in [0, 1) draws from its logits (sample_logits's
+  // semantics; arguments as it checks them). `logits`: host scratch of `vocab` floats for a draw made on the host.
+  // This default copies the row back and draws there; the CUDA backend draws on the device (8 bytes back).
+  virtual int64_t forward_token_sample(int32_t token, int pos, const SamplingParams& p, double u, float* logits,
+                                       int64_t vocab);
   // Debug path: also writes the residual stream after the embedding and after every layer,
   // (n_layers + 1) x d_model floats, into `hidden`.
   virtual void forward_token_debug(int32_t token, int pos, float* hidden, float* logits) = 0;

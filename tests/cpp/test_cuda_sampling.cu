@@ -1,0 +1,170 @@
+// Sampled decoding's draw on the GPU (shaders/cuda/sampling.cu) against the host's sample_logits (its reference) on the
+// same rows and uniforms: the vocabularies of the real models, LLM-like and flat rows, ties, NaN and infinities.
+#include "cuda_test_util.h"
+#include "engine/sampling.h"
+
+namespace {
+
+struct Sampler {
+  ArgmaxScratch am;
+  DevBuf<ArgmaxPartial> partials{static_cast<size_t>(kArgmaxMaxBlocks)};
+  DevBuf<unsigned int> counter{1};
+  DevBuf<ArgmaxResult> best{1};
+  DevBuf<uint8_t> work{sample_work_bytes()};
+  DevBuf<SampleResult> out{1};
+  DevBuf<DecodeIO> io{1};
+  Sampler() {
+    CUDA_CHECK(cudaMemset(counter.p, 0, sizeof(unsigned int)));
+    CUDA_CHECK(cudaMemset(work.p, 0, sample_work_bytes()));
+    am.partials = partials.p;
+    am.counter = counter.p;
+    am.capacity = kArgmaxMaxBlocks;
+  }
+  // The row's argmax, then the draw; the result and the token left in io.
+  SampleResult draw(const DevBuf<float>& x, const SamplingParams& p, double u, int32_t* io_token) {
+    launch_argmax(x.p, static_cast<int>(x.n), am, best.p, nullptr, nullptr);
+    const DecodeIO before{-7, 3};
+    CUDA_CHECK(cudaMemcpy(io.p, &before, sizeof(DecodeIO), cudaMemcpyHostToDevice));
+    SampleArgs a;
+    a.inv_t = static_cast<float>(1.0 / p.temperature);
+    a.top_k = static_cast<int>(p.top_k);
+    a.top_p = p.top_p;
+    a.u = u;
+    launch_sample(x.p, static_cast<int>(x.n), best.p, a, work.p, out.p, io.p, nullptr);
+    const DecodeIO after = io.download()[0];
+    EXPECT_EQ(after.pos, 3) << "the draw changes only the token of io";
+    *io_token = after.token;
+    return out.download()[0];
+  }
+};
+
+std::vector<float> llm_like_row(int n) {  // a few dominant logits over a normal body, as a trained model gives
+  std::normal_distribution<float> body(0.f, 2.5f);
+  std::vector<float> x(n);
+  for (float& v : x) v = body(rng());
+  for (int j = 0; j < 8; ++j) x[std::uniform_int_distribution<int>(0, n - 1)(rng())] = uniform(9.f, 14.f);
+  return x;
+}
+
+// The host's weight of the 1,024 largest logits and of the whole row (top_p's probe in sample_logits).
+std::pair<double, double> probe_mass(const std::vector<float>& x, double temperature) {
+  std::vector<float> v;
+  for (float f : x)
+    if (!std::isnan(f)) v.push_back(f);
+  std::sort(v.begin(), v.end(), std::greater<float>());
+  double top = 0, all = 0;
+  for (size_t j = 0; j < v.size(); ++j) {
+    const double w = std::exp((static_cast<double>(v[j]) - v[0]) / temperature);
+    all += w;
+    if (j < 1024) top += w;
+  }
+  return {top, all};
+}
+
+TEST(CudaSampling, DrawsWhatTheHostDraws) {
+  REQUIRE_GPU();
+  Sampler s;
+  struct RowCase {
+    const char* kind;
+    int n;
+  };
+  const RowCase rows[] = {{"llm", 49152}, {"llm", 151936}, {"llm", 262144}, {"flat", 262144}, {"ties", 49152},
+                          {"llm", 1000},  {"nan-inf", 151936}, {"llm", 7}};
+  const double temps[] = {1.0, 0.7, 1.6};
+  const int64_t top_ks[] = {0, 1, 40, 1024};
+  const double top_ps[] = {1.0, 0.9, 0.5};
+  constexpr int kUniforms = 7;
+  int draws = 0, near_boundary = 0, on_host = 0;
+  for (const RowCase& rc : rows) {
+    std::vector<float> x;
+    if (std::string(rc.kind) == "flat") {
+      x = random_vec(rc.n, -0.01f, 0.01f);
+    } else if (std::string(rc.kind) == "ties") {  // logits on a 1/4 grid: equal values at every cut
+      x = llm_like_row(rc.n);
+      for (float& v : x) v = std::round(v * 4.f) / 4.f;
+    } else {
+      x = llm_like_row(rc.n);
+      if (std::string(rc.kind) == "nan-inf")
+        for (int j = 0; j < rc.n; j += 97) x[j] = j % 2 ? NAN : -INFINITY;
+    }
+    DevBuf<float> dx(x);
+    for (double t : temps)
+      for (int64_t k : top_ks)
+        for (double p : top_ps) {
+          SamplingParams sp;
+          sp.temperature = t;
+          sp.top_k = k;
+          sp.top_p = p;
+          const auto [top_mass, all_mass] = probe_mass(x, t);
+          for (int q = 0; q < kUniforms; ++q) {
+            const double u = q == kUniforms - 1 ? 0.999999 : (q + 0.37 * (q % 3)) / kUniforms;
+            SCOPED_TRACE(std::string(rc.kind) + " n " + std::to_string(rc.n) + " T " + std::to_string(t) + " top_k " +
+                         std::to_string(k) + " top_p " + std::to_string(p) + " u " + std::to_string(u));
+            int32_t io_token = 0;
+            const SampleResult r = s.draw(dx, sp, u, &io_token);
+            if (r.status == kSampleOnHost) {
+              // Only a top_p nucleus past the 1,024 largest logits goes back to the host.
+              ++on_host;
+              EXPECT_TRUE(p < 1.0 && (k == 0 || k >= rc.n) && top_mass < p * all_mass * (1 + 1e-6))
+                  << "drawn on the host without need";
+              EXPECT_EQ(io_token, -7) << "io must keep its token when the host draws";
+              continue;
+            }
+            ASSERT_EQ(r.status, kSampleDrawn);
+            EXPECT_EQ(io_token, r.token) << "io must carry the drawn token";
+            const int64_t want = sample_logits(x.data(), rc.n, sp, u);
+            ++draws;
+            if (r.token == want) continue;
+            // The weights' rounding differs (expf on the GPU, the host's vectorised exp) and so do the orders of
+            // the sums: a different token is right only where a uniform within 1e-6 draws it on the host.
+            ++near_boundary;
+            const int64_t lo = sample_logits(x.data(), rc.n, sp, std::max(0.0, u - 1e-6));
+            const int64_t hi = sample_logits(x.data(), rc.n, sp, std::min(0.9999999, u + 1e-6));
+            EXPECT_TRUE(r.token == lo || r.token == hi)
+                << "GPU drew " << r.token << ", the host " << want << " (" << lo << " / " << hi << " at u -/+ 1e-6)";
+          }
+        }
+  }
+  std::printf("[ %d draws on the GPU, %d at a rounding boundary, %d sent to the host ]\n", draws, near_boundary,
+              on_host);
+  EXPECT_LE(near_boundary, draws / 20) << "more rounding-boundary draws than rounding explains";
+  EXPECT_GT(on_host, 0) << "the flat row's top_p should have needed the host";
+}
+
+TEST(CudaSampling, SpecialRows) {
+  REQUIRE_GPU();
+  Sampler s;
+  SamplingParams sp;
+  int32_t io_token = 0;
+  for (const int64_t k : {0, 40}) {
+    sp.top_k = k;
+    std::vector<float> x(5000, NAN);
+    DevBuf<float> all_nan(x);
+    EXPECT_EQ(s.draw(all_nan, sp, 0.5, &io_token).status, kSampleNoCandidate);
+    for (size_t j = 0; j < x.size(); ++j) x[j] = j % 3 ? -INFINITY : NAN;
+    DevBuf<float> nan_or_neg_inf(x);
+    EXPECT_EQ(s.draw(nan_or_neg_inf, sp, 0.5, &io_token).status, kSampleNoCandidate);
+    EXPECT_EQ(io_token, -7);
+    x = random_vec(5000, -3.f, 3.f);
+    x[1234] = INFINITY;
+    x[4000] = INFINITY;
+    DevBuf<float> pos_inf(x);
+    const SampleResult r = s.draw(pos_inf, sp, 0.99, &io_token);
+    EXPECT_EQ(r.status, kSampleDrawn);
+    EXPECT_EQ(r.token, 1234) << "the first +inf logit takes all the mass";
+    EXPECT_EQ(io_token, 1234);
+    // A single finite logit among NaN and -inf: every draw takes it.
+    for (size_t j = 0; j < x.size(); ++j) x[j] = j % 2 ? -INFINITY : NAN;
+    x[4321] = -50.f;
+    DevBuf<float> one(x);
+    for (double u : {0.0, 0.5, 0.999999}) EXPECT_EQ(s.draw(one, sp, u, &io_token).token, 4321);
+  }
+  // top_k past kSampleMaxTopK is the host's.
+  SampleArgs a;
+  a.top_k = kSampleMaxTopK + 1;
+  std::vector<float> x = random_vec(5000);
+  DevBuf<float> dx(x);
+  EXPECT_THROW(launch_sample(dx.p, 5000, s.best.p, a, s.work.p, s.out.p, nullptr, nullptr), EngineError);
+}
+
+}  // namespace
