@@ -3,25 +3,29 @@
 // as a greedy one does, instead of the whole row. Test: CudaSampling.* (tests/cpp/test_cuda_sampling.cu) against
 // sample_logits on the same rows and uniforms.
 //
-// Three launches, each over the row in fixed chunks (at most kMaxChunks blocks), the last block of each finishing the
-// step (a done-counter, as the argmax's):
-//  1. pass1: every chunk's weight sum exp((x - max) / T) (double) and its last token with weight; with a filter
-//     (top_k, or top_p's probe of the 1,024 largest) also a histogram of the top 12 bits of each logit's order key.
-//     Its last block either draws at once (no filter: the chunk where the running weight passes u x total, then the
-//     token inside it), or finds the bin where the K largest end: if the bins above and that bin hold at most
-//     kMaxCands logits they are the candidates, else pass2 refines.
-//  2. pass2: a histogram of the next 12 key bits of the logits in that bin, the same choice (too many near-equal
-//     logits even then: the host draws).
-//  3. collect: the candidates (key at or above the threshold) into a list; its last block sorts them (larger logit
-//     first, the lower id among equal ones), keeps the first K, and applies top_p and the draw as sample_logits does.
-// The host draws instead (status kSampleOnHost, the row still in device memory) where sample_logits would go past what
-// this holds: top_k above kSampleMaxTopK, and a top_p whose nucleus is not within the 1,024 largest logits (a flat
-// row: sample_logits's bucketed nucleus in token-id order).
+// Up to four launches over the row in fixed chunks (at most kMaxChunks blocks), the last block of each finishing its
+// part (a done-counter, as the argmax's); the later ones return at once when an earlier one decided:
+//  1. pass1: every chunk's weight exp((x - max) / T) (double) and its last token with weight. No filter: its last
+//     block draws (the chunk where the running weight passes u x total, then the token inside it). With a filter also
+//     a histogram (count and weight) of the top 12 bits of each logit's order key, and its last block finds the bin
+//     where the selection ends: the K-th largest logit (top_k), or the logit where the weight from the top reaches
+//     top_p of the total (top_p alone). The logits from that bin up become the candidates if at most kMaxCands; else
+//  2. pass2 refines that bin by the next 12 key bits, and decides the same way.
+//  3. collect: the candidates into a list; its last block sorts them (larger logit first, the lower id among equal
+//     ones) and applies top_k, top_p and the draw in that order, as sample_logits does. A top_p nucleus of more than
+//     the 1,024 largest logits is drawn in token-id order instead (sample_logits's flat-row path): the list then gives
+//     the nucleus's last token, and
+//  4. index_draw draws as pass1 does without a filter, over the tokens up to that one in the sorted order. Past
+//     kMaxCands logits in the nucleus only the band of the cut's bin is collected (the logits above it are counted
+//     and weighed by the histograms).
+// The host draws instead (status kSampleOnHost, the row still in device memory) where the cut's bin holds more than
+// kMaxCands logits after both passes (near-equal logits by the thousand), and for a top_k above kSampleMaxTopK.
 #include <cuda_runtime.h>
 
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <type_traits>
 
 #include "cuda/cuda_check.h"
 #include "kernels.cuh"
@@ -30,25 +34,32 @@ namespace metalattn::cuda {
 namespace {
 
 constexpr int kThreads = 256;
-constexpr int kMaxChunks = 128;    // blocks of a pass (one wave)
-constexpr int kBins = 4096;        // 12 key bits a histogram pass
-constexpr int kMaxCands = 4096;    // candidates one block sorts in shared memory (32 KB)
-constexpr int kNucleusProbe = 1024;  // top_p alone looks among this many largest logits (sample_logits's probe)
-static_assert(kSampleMaxTopK <= kNucleusProbe && kNucleusProbe <= 4 * kThreads, "the draw holds 4 candidates a thread");
+constexpr int kMaxChunks = 128;      // blocks of a pass (one wave)
+constexpr int kBins = 4096;          // 12 key bits a histogram pass
+constexpr int kMaxCands = 4096;      // candidates one block sorts in shared memory (32 KB)
+constexpr int kPerThread = kMaxCands / kThreads;
+constexpr int kNucleusProbe = 1024;  // a top_p nucleus of at most this many logits is drawn in logit order
+static_assert(kMaxChunks <= kThreads, "pass1's last block scans one chunk a thread");
+static_assert(kSampleMaxTopK <= kNucleusProbe && kNucleusProbe <= kMaxCands, "the selections fit the list");
 
-enum Stage : int { kStageNone = 0, kStageRefine = 1, kStageCollect = 2 };
+enum Stage : int { kStageNone = 0, kStageRefine = 1, kStageCollect = 2, kStageIndexDraw = 3 };
 
 struct Work {
   double chunk_sum[kMaxChunks];
   int chunk_last[kMaxChunks];
-  unsigned int hist[kBins];
+  unsigned int count[kBins];  // the current pass's histogram: logits a bin
+  double mass[kBins];         // and their weight
   unsigned long long cand[kMaxCands];
-  double total;           // the whole row's weight (top_p alone)
-  unsigned int done;      // blocks finished in the current pass (zero between passes)
+  double total;               // the whole row's weight
+  double mass_above;          // the logits above the current bin (all passes so far): their weight
+  unsigned int count_above;   // and their number
+  unsigned int done;          // blocks finished in the current pass (zero between passes)
   unsigned int n_cand;
-  unsigned int key_lo;    // candidates: order key >= key_lo
-  unsigned int prefix;    // pass2: the bin (top 12 key bits) it refines
-  unsigned int above;     // logits in the bins above it
+  unsigned int prefix;        // pass2: the pass1 bin it refines
+  unsigned int key_lo, key_hi;  // collect: order keys in [key_lo, key_hi]
+  int band_only;              // collect: only the cut's bin; the logits above it are in count_above / mass_above
+  unsigned int key_cut;       // index_draw: the nucleus's last logit (key, id) in the sorted order
+  int id_cut;
   int stage;
 };
 
@@ -56,7 +67,15 @@ struct Row {
   const float* x;
   int n;
   int chunk;  // logits a block
-  int k;      // the candidates wanted: top_k, or the nucleus probe; 0 without a filter
+  int k;      // top_k (1 .. kSampleMaxTopK); 0: top_p alone, or no filter
+  bool filtered;
+};
+
+// The nucleus of an index-order draw: every token up to (key, id) in the sorted order; `on` false: every token.
+struct Cut {
+  bool on;
+  unsigned int key;
+  int id;
 };
 
 // Larger float -> larger key (-0 counted as +0, as the host's comparisons do); NaN never reaches it.
@@ -156,23 +175,37 @@ __device__ bool row_max(const ArgmaxResult* best, SampleResult* out, DecodeIO* i
   return true;
 }
 
-// Thread t owns bins [kBins - 16 (t + 1), kBins - 16 t): scanning the threads counts from the top bin down. The bin
-// where the count above plus its own reaches k, and that count above (min(k, count) when fewer logits than k).
-__device__ void find_bin(const unsigned int* hist, int k, unsigned int* bin, unsigned int* above) {
-  __shared__ unsigned int sm[32];
-  __shared__ unsigned int s_bin, s_above, s_total;
+__device__ __forceinline__ float cut_weight(const Row& r, int i, float m, float inv_t, const Cut& c) {
+  const float v = r.x[i];
+  if (c.on) {
+    if (isnan(v)) return 0.f;
+    const unsigned int k = order_key(v);
+    if (k < c.key || (k == c.key && i > c.id)) return 0.f;
+  }
+  return weight(v, m, inv_t);
+}
+
+// The bin (by the thread order of `owner`: thread t holds bins [kBins - 16 (t + 1), kBins - 16 t), the top first)
+// where the running value from the top bin first reaches `want` (clamped to the sum of all bins, and above 0), and the
+// sum of the bins above it. Where rounding leaves no bin reaching it: the lowest bin holding a logit.
+template <class T>
+__device__ void find_bin(const T* vals, const unsigned int* counts, T want, unsigned int* bin, T* above) {
+  __shared__ T sm[32];
+  __shared__ unsigned int s_bin;
+  __shared__ T s_above, s_total;
   const int hi = kBins - 16 * static_cast<int>(threadIdx.x);
-  unsigned int mine = 0;
-  for (int b = hi - 16; b < hi; ++b) mine += __ldcg(&hist[b]);
-  const unsigned int incl = block_scan(mine, sm);
+  T mine = 0;
+  for (int b = hi - 16; b < hi; ++b) mine += __ldcg(&vals[b]);
+  const T incl = block_scan(mine, sm);
+  if (threadIdx.x == 0) s_bin = kBins;
   if (threadIdx.x == blockDim.x - 1) s_total = incl;
   __syncthreads();
-  const unsigned int want = min(static_cast<unsigned int>(k), s_total);
-  const unsigned int excl = incl - mine;
+  want = max(min(want, s_total), std::is_integral<T>::value ? T(1) : T(1e-300));
+  const T excl = incl - mine;
   if (excl < want && incl >= want) {
-    unsigned int acc = excl;
+    T acc = excl;
     for (int b = hi - 1; b >= hi - 16; --b) {
-      const unsigned int h = __ldcg(&hist[b]);
+      const T h = __ldcg(&vals[b]);
       if (acc + h >= want) {
         s_bin = b;
         s_above = acc;
@@ -182,24 +215,91 @@ __device__ void find_bin(const unsigned int* hist, int k, unsigned int* bin, uns
     }
   }
   __syncthreads();
+  if (s_bin == kBins && threadIdx.x == 0) {
+    for (int b = kBins - 1; b >= 0; --b)
+      if (__ldcg(&counts[b]) != 0u) s_bin = b;
+    s_above = 0;
+    for (int b = kBins - 1; b > static_cast<int>(s_bin); --b) s_above += __ldcg(&vals[b]);
+  }
+  __syncthreads();
   *bin = s_bin;
   *above = s_above;
+  __syncthreads();
 }
 
-// The first token in chunk c (index order) whose running weight, from `run0` before it, passes target; -1 if rounding
-// leaves none, then the chunk's last token with weight.
-__device__ int walk_chunk(const Row& r, int c, float m, float inv_t, double run0, double target) {
+// Logits in the bins above `bin`.
+__device__ unsigned int count_above_bin(const unsigned int* counts, unsigned int bin) {
+  __shared__ unsigned int sm[32];
+  unsigned int mine = 0;
+  for (int b = static_cast<int>(bin) + 1 + threadIdx.x; b < kBins; b += kThreads) mine += __ldcg(&counts[b]);
+  const unsigned int all = block_scan(mine, sm);
+  __shared__ unsigned int s;
+  if (threadIdx.x == kThreads - 1) s = all;
+  __syncthreads();
+  const unsigned int v = s;
+  __syncthreads();
+  return v;
+}
+
+// The last block of pass1 (level 1) or pass2 (level 2): the cut's bin from this pass's histogram, and what comes next.
+// total: the row's weight.
+__device__ void choose(const Row& r, const SampleArgs& a, Work* w, int level, double total, SampleResult* out,
+                       DecodeIO* io) {
+  const unsigned int above0 = level == 1 ? 0u : w->count_above;
+  const double mass0 = level == 1 ? 0.0 : w->mass_above;
+  unsigned int bin, above;
+  double mass;
+  if (r.k > 0) {  // top_k: the K-th largest
+    find_bin<unsigned int>(w->count, w->count, static_cast<unsigned int>(r.k) - above0, &bin, &above);
+    mass = 0;
+  } else {  // top_p alone: where the weight from the top reaches top_p of the total
+    find_bin<double>(w->mass, w->count, a.top_p * total - mass0, &bin, &mass);
+    above = count_above_bin(w->count, bin);
+  }
+  const unsigned int in_bin = __ldcg(&w->count[bin]);
+  __syncthreads();
+  for (int b = threadIdx.x; b < kBins; b += kThreads) {
+    w->count[b] = 0u;
+    w->mass[b] = 0.0;
+  }
+  if (threadIdx.x != 0) return;
+  const unsigned int lo = level == 1 ? bin << 20 : (w->prefix << 20) | (bin << 8);
+  const unsigned int hi = lo | (level == 1 ? 0xfffffu : 0xffu);
+  w->count_above = above0 + above;
+  w->mass_above = mass0 + mass;
+  if (above0 + above + in_bin <= kMaxCands) {  // every candidate in the list
+    w->stage = kStageCollect;
+    w->key_lo = lo;
+    w->key_hi = 0xffffffffu;
+    w->band_only = 0;
+  } else if (r.k == 0 && in_bin <= kMaxCands && above0 + above >= kNucleusProbe) {  // a large nucleus: its cut's bin
+    w->stage = kStageCollect;
+    w->key_lo = lo;
+    w->key_hi = hi;
+    w->band_only = 1;
+  } else if (level == 1) {
+    w->stage = kStageRefine;
+    w->prefix = bin;
+  } else {  // thousands of logits within 2^-15 of each other at the cut: the host orders them
+    w->stage = kStageNone;
+    finish(out, io, -1, kSampleOnHost);
+  }
+}
+
+// The first token in chunk c (index order) whose running weight, from `run0` before it, passes target; where rounding
+// leaves none, the chunk's last token with weight.
+__device__ int walk_chunk(const Row& r, int c, float m, float inv_t, const Cut& cut, double run0, double target) {
   __shared__ double dsm[32];
   __shared__ int ism[32];
   const int lo = c * r.chunk, hi = min(r.n, lo + r.chunk);
   const int per = (r.chunk + kThreads - 1) / kThreads;
   const int a = lo + threadIdx.x * per, b = min(hi, a + per);
   double mine = 0;
-  for (int i = a; i < b; ++i) mine += weight(r.x[i], m, inv_t);
+  for (int i = a; i < b; ++i) mine += cut_weight(r, i, m, inv_t, cut);
   double run = run0 + block_scan(mine, dsm) - mine;
   int found = INT32_MAX, last = -1;
   for (int i = a; i < b; ++i) {
-    const float wi = weight(r.x[i], m, inv_t);
+    const float wi = cut_weight(r, i, m, inv_t, cut);
     run += wi;
     if (wi > 0.f) {
       last = i;
@@ -210,111 +310,121 @@ __device__ int walk_chunk(const Row& r, int c, float m, float inv_t, double run0
   return found != INT32_MAX ? found : block_max(last, ism);
 }
 
-__global__ void __launch_bounds__(kThreads) sample_pass1(Row r, const ArgmaxResult* best, SampleArgs a, Work* w,
-                                                          SampleResult* out, DecodeIO* io) {
-  __shared__ unsigned int hist[kBins];
+// Each block's chunk: its weight (under the cut) and last token with weight, into the work area.
+__device__ void chunk_weight(const Row& r, float m, float inv_t, const Cut& cut, Work* w, unsigned int* count,
+                             float* mass) {
   __shared__ double dsm[32];
   __shared__ int ism[32];
-  float m;
-  if (!row_max(best, out, io, &m)) return;
-  const bool filtered = r.k > 0;
-  if (filtered)
-    for (int b = threadIdx.x; b < kBins; b += kThreads) hist[b] = 0u;
-  __syncthreads();
   const int lo = blockIdx.x * r.chunk, hi = min(r.n, lo + r.chunk);
   double sum = 0;
   int last = -1;
   for (int i = lo + threadIdx.x; i < hi; i += kThreads) {
-    const float v = r.x[i];
-    const float wi = weight(v, m, a.inv_t);
+    const float wi = cut_weight(r, i, m, inv_t, cut);
     sum += wi;
     if (wi > 0.f) last = i;
-    if (filtered && !isnan(v)) atomicAdd(&hist[order_key(v) >> 20], 1u);
+    if (count != nullptr) {
+      const float v = r.x[i];
+      if (!isnan(v)) {
+        const unsigned int b = order_key(v) >> 20;
+        atomicAdd(&count[b], 1u);
+        atomicAdd(&mass[b], wi);
+      }
+    }
   }
-  sum = block_scan(sum, dsm);  // the last thread holds the chunk's sum
+  sum = block_scan(sum, dsm);  // the last thread holds the chunk's weight
   last = block_max(last, ism);
   if (threadIdx.x == kThreads - 1) w->chunk_sum[blockIdx.x] = sum;
   if (threadIdx.x == 0) w->chunk_last[blockIdx.x] = last;
-  if (filtered) {
-    __syncthreads();
-    for (int b = threadIdx.x; b < kBins; b += kThreads)
-      if (hist[b] != 0u) atomicAdd(&w->hist[b], hist[b]);
-  }
-  if (!last_block(w)) return;
+}
 
-  // The running weight over the chunks in index order (one chunk a thread: kMaxChunks <= kThreads).
+// In the last block of a chunk_weight pass: the token that u draws in token-id order; returns the row's weight.
+__device__ double index_draw(const Row& r, float m, float inv_t, const Cut& cut, double u, Work* w, SampleResult* out,
+                             DecodeIO* io, bool draw) {
+  __shared__ double dsm[32];
+  __shared__ int ism[32];
+  __shared__ double s_total, s_before;
   const int g = gridDim.x;
   const double cs = threadIdx.x < g ? __ldcg(&w->chunk_sum[threadIdx.x]) : 0.0;
   const double incl = block_scan(cs, dsm);
-  __shared__ double s_total;
   if (threadIdx.x == kThreads - 1) s_total = incl;
   __syncthreads();
   const double total = s_total;
-  if (!filtered) {
-    const double target = a.u * total;
-    const int c = block_min(threadIdx.x < g && incl > target ? static_cast<int>(threadIdx.x) : INT32_MAX, ism);
-    __shared__ double s_before;  // the running weight before chunk c
-    if (static_cast<int>(threadIdx.x) == c) s_before = incl - cs;
-    __syncthreads();
-    const int token = c != INT32_MAX
-                          ? walk_chunk(r, c, m, a.inv_t, s_before, target)
-                          // rounding left the sum at the target: the last token with weight
-                          : block_max(threadIdx.x < g ? __ldcg(&w->chunk_last[threadIdx.x]) : -1, ism);
-    if (threadIdx.x == 0) finish(out, io, token, kSampleDrawn);
-    return;
-  }
-  unsigned int bin, above;
-  find_bin(w->hist, r.k, &bin, &above);
-  const unsigned int in_bin = __ldcg(&w->hist[bin]);
+  if (!draw) return total;
+  const double target = u * total;
+  const int c = block_min(threadIdx.x < g && incl > target ? static_cast<int>(threadIdx.x) : INT32_MAX, ism);
+  if (static_cast<int>(threadIdx.x) == c) s_before = incl - cs;
   __syncthreads();
-  for (int b = threadIdx.x; b < kBins; b += kThreads) w->hist[b] = 0u;
-  if (threadIdx.x == 0) {
-    w->total = total;
-    if (above + in_bin <= kMaxCands) {
-      w->stage = kStageCollect;
-      w->key_lo = bin << 20;
-    } else {
-      w->stage = kStageRefine;
-      w->prefix = bin;
-      w->above = above;
+  const int token = c != INT32_MAX
+                        ? walk_chunk(r, c, m, inv_t, cut, s_before, target)
+                        // rounding left the sum at the target: the last token with weight
+                        : block_max(threadIdx.x < g ? __ldcg(&w->chunk_last[threadIdx.x]) : -1, ism);
+  if (threadIdx.x == 0) finish(out, io, token, kSampleDrawn);
+  return total;
+}
+
+__global__ void __launch_bounds__(kThreads) sample_pass1(Row r, const ArgmaxResult* best, SampleArgs a, Work* w,
+                                                          SampleResult* out, DecodeIO* io) {
+  __shared__ unsigned int count[kBins];
+  __shared__ float mass[kBins];
+  float m;
+  if (!row_max(best, out, io, &m)) return;
+  if (r.filtered) {
+    for (int b = threadIdx.x; b < kBins; b += kThreads) {
+      count[b] = 0u;
+      mass[b] = 0.f;
     }
+    __syncthreads();
   }
+  const Cut none{false, 0u, 0};
+  chunk_weight(r, m, a.inv_t, none, w, r.filtered ? count : nullptr, mass);
+  if (r.filtered) {
+    __syncthreads();
+    for (int b = threadIdx.x; b < kBins; b += kThreads)
+      if (count[b] != 0u) {
+        atomicAdd(&w->count[b], count[b]);
+        atomicAdd(&w->mass[b], static_cast<double>(mass[b]));
+      }
+  }
+  if (!last_block(w)) return;
+  const double total = index_draw(r, m, a.inv_t, none, a.u, w, out, io, !r.filtered);
+  if (!r.filtered) return;
+  if (threadIdx.x == 0) w->total = total;
+  __syncthreads();
+  choose(r, a, w, 1, total, out, io);
 }
 
 // The logits of pass1's bin by their next 12 key bits.
-__global__ void __launch_bounds__(kThreads) sample_pass2(Row r, SampleArgs a, Work* w, SampleResult* out,
-                                                          DecodeIO* io) {
-  __shared__ unsigned int hist[kBins];
+__global__ void __launch_bounds__(kThreads) sample_pass2(Row r, const ArgmaxResult* best, SampleArgs a, Work* w,
+                                                          SampleResult* out, DecodeIO* io) {
+  __shared__ unsigned int count[kBins];
+  __shared__ float mass[kBins];
   if (w->stage != kStageRefine) return;  // every block alike: no counter to keep
   const unsigned int prefix = w->prefix;
-  for (int b = threadIdx.x; b < kBins; b += kThreads) hist[b] = 0u;
+  const float m = best->value;
+  for (int b = threadIdx.x; b < kBins; b += kThreads) {
+    count[b] = 0u;
+    mass[b] = 0.f;
+  }
   __syncthreads();
   const int lo = blockIdx.x * r.chunk, hi = min(r.n, lo + r.chunk);
   for (int i = lo + threadIdx.x; i < hi; i += kThreads) {
     const float v = r.x[i];
     if (isnan(v)) continue;
     const unsigned int k = order_key(v);
-    if ((k >> 20) == prefix) atomicAdd(&hist[(k >> 8) & (kBins - 1)], 1u);
+    if ((k >> 20) == prefix) {
+      const unsigned int b = (k >> 8) & (kBins - 1);
+      atomicAdd(&count[b], 1u);
+      atomicAdd(&mass[b], weight(v, m, a.inv_t));
+    }
   }
   __syncthreads();
   for (int b = threadIdx.x; b < kBins; b += kThreads)
-    if (hist[b] != 0u) atomicAdd(&w->hist[b], hist[b]);
-  if (!last_block(w)) return;
-  const unsigned int above0 = w->above;
-  unsigned int bin, above;
-  find_bin(w->hist, r.k - static_cast<int>(above0), &bin, &above);
-  const unsigned int in_bin = __ldcg(&w->hist[bin]);
-  __syncthreads();
-  for (int b = threadIdx.x; b < kBins; b += kThreads) w->hist[b] = 0u;
-  if (threadIdx.x == 0) {
-    if (above0 + above + in_bin <= kMaxCands) {
-      w->stage = kStageCollect;
-      w->key_lo = (prefix << 20) | (bin << 8);
-    } else {  // more than kMaxCands logits within 2^-15 of each other around the K-th: the host orders them
-      w->stage = kStageNone;
-      finish(out, io, -1, kSampleOnHost);
+    if (count[b] != 0u) {
+      atomicAdd(&w->count[b], count[b]);
+      atomicAdd(&w->mass[b], static_cast<double>(mass[b]));
     }
-  }
+  if (!last_block(w)) return;
+  choose(r, a, w, 2, w->total, out, io);
 }
 
 // The candidates, sorted; then top_k / top_p and the draw, as sample_logits does them.
@@ -323,14 +433,15 @@ __global__ void __launch_bounds__(kThreads) sample_collect(Row r, const ArgmaxRe
   __shared__ unsigned long long c[kMaxCands];
   __shared__ double dsm[32];
   __shared__ int ism[32];
+  __shared__ double s_run_last, s_kept;
   if (w->stage != kStageCollect) return;
-  const unsigned int key_lo = w->key_lo;
+  const unsigned int key_lo = w->key_lo, key_hi = w->key_hi;
   const int lo = blockIdx.x * r.chunk, hi = min(r.n, lo + r.chunk);
   for (int i = lo + threadIdx.x; i < hi; i += kThreads) {
     const float v = r.x[i];
     if (isnan(v)) continue;
     const unsigned int k = order_key(v);
-    if (k >= key_lo) {
+    if (k >= key_lo && k <= key_hi) {
       const unsigned int slot = atomicAdd(&w->n_cand, 1u);
       // Ascending order of (~key, id): larger logit first, the lower id among equal ones.
       if (slot < kMaxCands) w->cand[slot] = (static_cast<unsigned long long>(~k) << 32) | static_cast<unsigned int>(i);
@@ -338,6 +449,9 @@ __global__ void __launch_bounds__(kThreads) sample_collect(Row r, const ArgmaxRe
   }
   if (!last_block(w)) return;
   const int count = min(static_cast<int>(__ldcg(&w->n_cand)), kMaxCands);
+  const bool band = w->band_only != 0;
+  const unsigned int base_count = band ? w->count_above : 0u;
+  const double base_mass = band ? w->mass_above : 0.0;
   int size = 32;
   while (size < count) size <<= 1;
   for (int j = threadIdx.x; j < size; j += kThreads) c[j] = j < count ? __ldcg(&w->cand[j]) : ~0ull;
@@ -362,55 +476,78 @@ __global__ void __launch_bounds__(kThreads) sample_collect(Row r, const ArgmaxRe
     }
 
   const float m = best->value;
-  const int kc = min(r.k, count);  // the candidates the filter keeps (fewer where fewer logits are not NaN)
-  // Four consecutive candidates a thread: their weights and running weight.
-  float wj[4];
-  double run[4];
+  const bool top_k = r.k > 0, top_p = a.top_p < 1.0;
+  const int kc = top_k ? min(r.k, count) : count;  // the candidates the selection keeps
+  // kPerThread consecutive candidates a thread: their weights and running weight (from the logits above the list).
+  const int j0 = kPerThread * threadIdx.x;
+  float wj[kPerThread];
   double mine = 0;
-  for (int q = 0; q < 4; ++q) {
-    const int j = 4 * threadIdx.x + q;
+#pragma unroll
+  for (int q = 0; q < kPerThread; ++q) {
+    const int j = j0 + q;
     wj[q] = j < kc ? expf((key_value(~static_cast<unsigned int>(c[j] >> 32)) - m) * a.inv_t) : 0.f;
     mine += wj[q];
-    run[q] = mine;
   }
-  const double before = block_scan(mine, dsm) - mine;
-  for (int q = 0; q < 4; ++q) run[q] += before;
-  __shared__ double s_kept_all;
-  if (threadIdx.x == kThreads - 1) s_kept_all = run[3];
+  const double before = base_mass + block_scan(mine, dsm) - mine;
+  if (threadIdx.x == kThreads - 1) s_run_last = before + mine;
   __syncthreads();
-  const bool top_k = a.top_k > 0;
-  const double total = top_k ? s_kept_all : w->total;
-  // top_p: the fewest candidates whose weight reaches top_p of the total.
+  const double total = top_k ? s_run_last : w->total;
+  // top_p: the fewest candidates whose weight (with the logits above the list) reaches top_p of the total.
   int keep = kc;
-  if (a.top_p < 1.0) {
+  if (top_p) {
     int first = INT32_MAX;
-    for (int q = 0; q < 4; ++q) {
-      const int j = 4 * threadIdx.x + q;
-      if (j < kc && run[q] / total >= a.top_p) first = min(first, j);
+    double run = before;
+#pragma unroll
+    for (int q = 0; q < kPerThread; ++q) {
+      run += wj[q];
+      if (j0 + q < kc && run / total >= a.top_p) first = min(first, j0 + q);
     }
     first = block_min(first, ism);
-    if (first == INT32_MAX && !top_k && kc < r.n) {  // a flat row: sample_logits's bucketed nucleus, on the host
-      if (threadIdx.x == 0) finish(out, io, -1, kSampleOnHost);
-      return;
-    }
     if (first != INT32_MAX) keep = first + 1;
   }
-  __shared__ double s_kept;
-  if (4 * static_cast<int>(threadIdx.x) <= keep - 1 && keep - 1 < 4 * static_cast<int>(threadIdx.x) + 4)
-    s_kept = run[keep - 1 - 4 * threadIdx.x];
+  if (!top_k && top_p && base_count + keep > kNucleusProbe) {
+    // sample_logits's flat-row nucleus: drawn in token-id order over every token up to candidate keep - 1
+    if (threadIdx.x == 0) {
+      w->key_cut = ~static_cast<unsigned int>(c[keep - 1] >> 32);
+      w->id_cut = static_cast<int>(c[keep - 1] & 0xffffffffu);
+      w->stage = kStageIndexDraw;
+    }
+    return;
+  }
+  double run = before;
+#pragma unroll
+  for (int q = 0; q < kPerThread; ++q) {
+    run += wj[q];
+    if (j0 + q == keep - 1) s_kept = run;
+  }
   __syncthreads();
-  const double target = a.u * (a.top_p < 1.0 ? s_kept : total);
+  const double target = a.u * (top_p ? s_kept : total);
   int found = INT32_MAX, last = -1;
-  for (int q = 0; q < 4; ++q) {
-    const int j = 4 * threadIdx.x + q;
+  run = before;
+#pragma unroll
+  for (int q = 0; q < kPerThread; ++q) {
+    const int j = j0 + q;
+    run += wj[q];
     if (j < keep && wj[q] > 0.f) {
       last = j;
-      if (run[q] > target) found = min(found, j);
+      if (run > target) found = min(found, j);
     }
   }
   found = block_min(found, ism);
   const int pick = found != INT32_MAX ? found : block_max(last, ism);
   if (threadIdx.x == 0) finish(out, io, static_cast<int>(c[pick] & 0xffffffffu), kSampleDrawn);
+}
+
+// A large top_p nucleus, in token-id order (sample_logits's flat-row path).
+__global__ void __launch_bounds__(kThreads) sample_index_draw(Row r, const ArgmaxResult* best, SampleArgs a, Work* w,
+                                                              SampleResult* out, DecodeIO* io) {
+  if (w->stage != kStageIndexDraw) return;
+  const float m = best->value;
+  const Cut cut{true, w->key_cut, w->id_cut};
+  chunk_weight(r, m, a.inv_t, cut, w, nullptr, nullptr);
+  if (!last_block(w)) return;
+  index_draw(r, m, a.inv_t, cut, a.u, w, out, io, true);
+  if (threadIdx.x == 0) w->stage = kStageNone;
 }
 
 }  // namespace
@@ -426,18 +563,19 @@ void launch_sample(const float* logits, int n, const ArgmaxResult* best, const S
   r.x = logits;
   r.n = n;
   r.chunk = kThreads * std::max(4, (n + kThreads * kMaxChunks - 1) / (kThreads * kMaxChunks));
-  const int top_k = a.top_k > 0 && a.top_k < n ? a.top_k : 0;
-  r.k = top_k > 0 ? top_k : a.top_p < 1.0 ? std::min(kNucleusProbe, n) : 0;
-  SampleArgs b = a;
-  b.top_k = top_k;
+  r.k = a.top_k > 0 && a.top_k < n ? a.top_k : 0;
+  r.filtered = r.k > 0 || a.top_p < 1.0;
   const int grid = (n + r.chunk - 1) / r.chunk;
   Work* w = static_cast<Work*>(work);
-  sample_pass1<<<grid, kThreads, 0, s>>>(r, best, b, w, out, io);
+  sample_pass1<<<grid, kThreads, 0, s>>>(r, best, a, w, out, io);
   CUDA_CHECK(cudaGetLastError());
-  if (r.k == 0) return;
-  sample_pass2<<<grid, kThreads, 0, s>>>(r, b, w, out, io);
+  if (!r.filtered) return;
+  sample_pass2<<<grid, kThreads, 0, s>>>(r, best, a, w, out, io);
   CUDA_CHECK(cudaGetLastError());
-  sample_collect<<<grid, kThreads, 0, s>>>(r, best, b, w, out, io);
+  sample_collect<<<grid, kThreads, 0, s>>>(r, best, a, w, out, io);
+  CUDA_CHECK(cudaGetLastError());
+  if (r.k > 0) return;
+  sample_index_draw<<<grid, kThreads, 0, s>>>(r, best, a, w, out, io);
   CUDA_CHECK(cudaGetLastError());
 }
 

@@ -77,10 +77,18 @@ def test_sampled_decoding_draws_on_the_device(pair):
             u = rng.random()
             want = _core.sample_logits(logits, *args, u)
             if want != tok:
+                # Right only between the host's draws at u -/+ 1e-6, in the order of the draw: token ids without a
+                # filter, else larger logit first (the lower id among equal ones).
                 boundary += 1
-                near = {_core.sample_logits(logits, *args, max(0.0, u - 1e-6)),
-                        _core.sample_logits(logits, *args, min(0.9999999, u + 1e-6))}
-                assert tok in near, f"step {i}: the device drew {tok}, the host {want} ({kw})"
+                lo = _core.sample_logits(logits, *args, max(0.0, u - 1e-6))
+                hi = _core.sample_logits(logits, *args, min(0.9999999, u + 1e-6))
+                if args[1:] == (0, 1.0):
+                    place = {t: t for t in (lo, tok, hi)}
+                else:
+                    rank = np.empty(len(logits), np.int64)
+                    rank[np.lexsort((np.arange(len(logits)), -logits))] = np.arange(len(logits))
+                    place = {t: rank[t] for t in (lo, tok, hi)}
+                assert place[lo] <= place[tok] <= place[hi], f"step {i}: the device drew {tok}, the host {want} ({kw})"
             if i + 1 < len(got):
                 logits = gpu._engine.forward_token(tok)
         assert boundary <= 2, kw
