@@ -8,7 +8,8 @@
 // chain. `bench_cuda <n_ctx> q4_k_m` runs the whole benchmark on the same shapes with the tensor types of the real
 // SmolLM2-135M Q4_K_M file (q, k, o, gate, up Q5_0; v Q8_0 / Q5_0 and down Q6_K / Q4_K alternating by layer;
 // token_embd Q8_0); `bench_cuda <n_ctx> types` times one matvec per weight type at Llama 3.2 1B's shapes (graph
-// replay, effective GB/s of the GPU layout's bytes); `bench_cuda <n_ctx> decode` stops after the decode tg128 line.
+// replay, effective GB/s of the GPU layout's bytes); `bench_cuda <n_ctx> decode` stops after the decode tg128 and
+// sampled lines; `bench_cuda <n_ctx> sample` times the device draw of sampled decoding alone (bench_sample).
 // METALATTN_BENCH_SHAPE=qwen takes Qwen2.5-0.5B's shape instead (24 layers, d 896, ffn 4864, 14/2 heads, vocab
 // 151,936) with its Q4_K_M file's types, Q/K/V biases and NeoX RoPE (the paths the real file takes: the fused decode
 // kernels with their bias and pair gathering, the plain path's prompt kernels; before session 31 the shape had no
@@ -324,6 +325,76 @@ int bench_types() {
   return 0;
 }
 
+// bench_cuda <n_ctx> sample: sampled decoding's draw on the device (launch_sample after launch_argmax, as a sampled
+// step runs them after the lm_head) per vocabulary, row and filter, replayed 200x in a graph: us a draw, the argmax's
+// own time first. Rows: LLM-like (eight dominant logits over a normal body of sd 2.5) and flat (uniform in +-0.01: the
+// largest candidate lists and top_p nuclei, the token-id-order draw).
+int bench_sample() {
+  cudaStream_t sm;
+  CUDA_CHECK(cudaStreamCreateWithFlags(&sm, cudaStreamNonBlocking));
+  ArgmaxScratch am;
+  am.capacity = kArgmaxMaxBlocks;
+  CUDA_CHECK(cudaMalloc(&am.partials, kArgmaxMaxBlocks * sizeof(ArgmaxPartial)));
+  CUDA_CHECK(cudaMalloc(&am.counter, sizeof(unsigned int)));
+  CUDA_CHECK(cudaMemset(am.counter, 0, sizeof(unsigned int)));
+  ArgmaxResult* best = nullptr;
+  SampleResult* out = nullptr;
+  void* work = nullptr;
+  float* x = nullptr;
+  CUDA_CHECK(cudaMalloc(&best, sizeof(ArgmaxResult)));
+  CUDA_CHECK(cudaMalloc(&out, sizeof(SampleResult)));
+  CUDA_CHECK(cudaMalloc(&work, sample_work_bytes()));
+  CUDA_CHECK(cudaMemset(work, 0, sample_work_bytes()));
+  CUDA_CHECK(cudaMalloc(&x, 262144 * sizeof(float)));
+  struct Mode {
+    const char* name;
+    float temperature;
+    int top_k;
+    double top_p;
+  };
+  const Mode modes[] = {{"T 1", 1.f, 0, 1.0},
+                        {"top_k 40", 1.f, 40, 1.0},
+                        {"top_p 0.95", 1.f, 0, 0.95},
+                        {"top_k 40 top_p 0.9", 1.f, 40, 0.9},
+                        {"T 1.5 top_p 0.95", 1.5f, 0, 0.95}};
+  std::printf("%-8s %-5s %8s", "vocab", "row", "argmax");
+  for (const Mode& m : modes) std::printf(" %20s", m.name);
+  std::printf("   (us a draw, argmax included)\n");
+  std::mt19937 g(5);
+  for (const int n : {49152, 151936, 262144})
+    for (const bool flat : {false, true}) {
+      std::vector<float> row(n);
+      std::normal_distribution<float> body(0.f, 2.5f);
+      std::uniform_real_distribution<float> uni(-0.01f, 0.01f);
+      for (float& v : row) v = flat ? uni(g) : body(g);
+      if (!flat)
+        for (int j = 0; j < 8; ++j) row[std::uniform_int_distribution<int>(0, n - 1)(g)] = 9.f + j * 0.6f;
+      CUDA_CHECK(cudaMemcpy(x, row.data(), n * sizeof(float), cudaMemcpyHostToDevice));
+      std::printf("%-8d %-5s %8.2f", n, flat ? "flat" : "llm",
+                  graph_time_us(sm, [&] { launch_argmax(x, n, am, best, nullptr, sm); }));
+      for (const Mode& m : modes) {
+        SampleArgs a;
+        a.inv_t = 1.f / m.temperature;
+        a.top_k = m.top_k;
+        a.top_p = m.top_p;
+        a.u = 0.61;
+        std::printf(" %20.2f", graph_time_us(sm, [&] {
+                      launch_argmax(x, n, am, best, nullptr, sm);
+                      launch_sample(x, n, best, a, work, out, nullptr, sm);
+                    }));
+      }
+      std::printf("\n");
+    }
+  cudaFree(x);
+  cudaFree(work);
+  cudaFree(out);
+  cudaFree(best);
+  cudaFree(am.partials);
+  cudaFree(am.counter);
+  cudaStreamDestroy(sm);
+  return 0;
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -383,6 +454,7 @@ int main(int argc, char** argv) {
     const float sd = 1.f / std::sqrt(static_cast<float>(s.d_model)), sf = 1.f / std::sqrt(static_cast<float>(s.d_ff));
     const std::string mode = argc > 2 ? argv[2] : "";
     if (mode == "types") return bench_types();
+    if (mode == "sample") return bench_sample();
     // The other modes time the fused path's kernels. (The whole table's per-kernel part stops itself for every shape
     // but the 135M's.)
     if (gemma && !mode.empty() && mode != "decode" && mode != "trace" && mode != "depth") {

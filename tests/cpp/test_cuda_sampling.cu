@@ -117,12 +117,17 @@ TEST(CudaSampling, DrawsWhatTheHostDraws) {
             ++draws;
             if (r.token == want) continue;
             // The weights' rounding differs (expf on the GPU, the host's vectorised exp) and so do the orders of
-            // the sums: a different token is right only where a uniform within 1e-6 draws it on the host, i.e. it
-            // lies between the host's draws at u - 1e-6 and u + 1e-6 in the order of the draw (token ids without a
-            // filter, else larger logit first).
+            // the sums: a different token is right only where a uniform and a top_p within 1e-6 draw it on the host,
+            // i.e. it lies between the host's draws at (u, top_p) - 1e-6 and + 1e-6 in the order of the draw (token
+            // ids without a filter, else larger logit first); both move the draw one way.
             ++near_boundary;
-            const int64_t lo = sample_logits(x.data(), rc.n, sp, std::max(0.0, u - 1e-6));
-            const int64_t hi = sample_logits(x.data(), rc.n, sp, std::min(0.9999999, u + 1e-6));
+            SamplingParams sp_lo = sp, sp_hi = sp;
+            if (p < 1.0) {
+              sp_lo.top_p = p - 1e-6;
+              sp_hi.top_p = std::min(1.0, p + 1e-6);
+            }
+            const int64_t lo = sample_logits(x.data(), rc.n, sp_lo, std::max(0.0, u - 1e-6));
+            const int64_t hi = sample_logits(x.data(), rc.n, sp_hi, std::min(0.9999999, u + 1e-6));
             const bool by_id = (k == 0 || k >= rc.n) && p == 1.0;
             auto place = [&](int64_t tok) { return by_id ? tok : rank[tok]; };
             EXPECT_TRUE(place(lo) <= place(r.token) && place(r.token) <= place(hi))
@@ -181,7 +186,9 @@ TEST(CudaSampling, SpecialRows) {
     sp.top_p = 1.0;
     const SampleResult r = s.draw(flat, sp, 0.3, &io_token);
     EXPECT_EQ(r.status, kSampleDrawn);
-    EXPECT_EQ(r.token, sample_logits(x.data(), static_cast<int64_t>(x.size()), sp, 0.3));
+    // (u 0.3 falls 0.003 of a token's weight from a boundary here: within rounding, either neighbour is right)
+    EXPECT_LE(sample_logits(x.data(), static_cast<int64_t>(x.size()), sp, 0.3 - 1e-6), r.token);
+    EXPECT_GE(sample_logits(x.data(), static_cast<int64_t>(x.size()), sp, 0.3 + 1e-6), r.token);
   }
   // top_k past kSampleMaxTopK is the host's.
   SampleArgs a;

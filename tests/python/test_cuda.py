@@ -57,9 +57,9 @@ def test_greedy_generation_identical_to_cpu(pair):
 
 def test_sampled_decoding_draws_on_the_device(pair):
     """Sampled decoding draws on the GPU (forward_token_sample, 8 bytes back): top_k=1 is greedy, and every step's
-    draw is what the host's sample_logits draws from that step's logits with the same uniform, up to a uniform within
-    1e-6 of a boundary (expf on the device, the host's vectorised exp). The synthetic model's rows are flat, so its
-    top_p draws go back to the host (sample_logits's bucketed nucleus) and test that path."""
+    draw is what the host's sample_logits draws from that step's logits with the same uniform, up to a uniform or
+    top_p within 1e-6 of a boundary (expf on the device, the host's vectorised exp). The synthetic model's rows are
+    flat, so its top_p nuclei hold thousands of tokens and take the device's token-id-order draw."""
     _, gpu = pair
     prompt = list(np.random.default_rng(2).integers(300, gpu.vocab_size, size=32))
     greedy = [c.token for c in gpu.stream(prompt, max_tokens=64)]
@@ -77,11 +77,12 @@ def test_sampled_decoding_draws_on_the_device(pair):
             u = rng.random()
             want = _core.sample_logits(logits, *args, u)
             if want != tok:
-                # Right only between the host's draws at u -/+ 1e-6, in the order of the draw: token ids without a
-                # filter, else larger logit first (the lower id among equal ones).
+                # Right only between the host's draws at (u, top_p) -/+ 1e-6, in the order of the draw: token ids
+                # without a filter, else larger logit first (the lower id among equal ones).
                 boundary += 1
-                lo = _core.sample_logits(logits, *args, max(0.0, u - 1e-6))
-                hi = _core.sample_logits(logits, *args, min(0.9999999, u + 1e-6))
+                t, k, p = args
+                lo = _core.sample_logits(logits, t, k, p - 1e-6 if p < 1 else p, max(0.0, u - 1e-6))
+                hi = _core.sample_logits(logits, t, k, min(1.0, p + 1e-6), min(0.9999999, u + 1e-6))
                 if args[1:] == (0, 1.0):
                     place = {t: t for t in (lo, tok, hi)}
                 else:
