@@ -7,6 +7,8 @@ greedy generate() and stream() run them, 64 steps an engine call (forward_tokens
 queued back to back and each token passes to the next step on the device). Decode at depth D (tgN @ dD, --depths):
 the same N steps after a D-token prompt (untimed), so the attention reads D cached positions per step; the table
 also gives each depth's time per token over the shallowest's.
+Decode sampled (tgN sampled): the same N steps drawn at temperature 1 with top_p 0.95 (forward_token_sample: on
+CUDA the draw runs on the device, 8 bytes back), one engine call a token, seeded uniforms.
 Each figure is the median over --iterations runs after one warm-up run, with min and max.
 """
 
@@ -49,19 +51,27 @@ def weight_bytes_per_token(model) -> int:
 
 
 RUN_AHEAD = 64  # steps per forward_tokens_greedy call (the engine's most)
+SAMPLED = {"temperature": 1.0, "top_k": 0, "top_p": 0.95}  # the sampled decode's settings
 
 
 def _decode_rates(model, prompt: np.ndarray, gen_length: int, iterations: int, label: str, progress: bool,
-                  ahead: bool = False):
+                  ahead: bool = False, sampled: bool = False):
     """tok/s of gen_length greedy steps after `prompt`, and the prompt's own time (ms), one list entry per timed run
-    (the first run warms up and is dropped). ahead: RUN_AHEAD steps an engine call instead of one."""
+    (the first run warms up and is dropped). ahead: RUN_AHEAD steps an engine call instead of one. sampled: each step
+    drawn with the SAMPLED settings instead."""
     rates, prompt_ms = [], []
+    rng = np.random.default_rng(0)
     for it in range(iterations + 1):
         model.reset()
         t = time.perf_counter()
         token = model.forward_prompt(prompt)
         t1 = time.perf_counter()
-        if ahead:
+        if sampled:
+            draw = model._engine.forward_token_sample
+            temp, top_k, top_p = SAMPLED["temperature"], SAMPLED["top_k"], SAMPLED["top_p"]
+            for u in rng.random(gen_length):
+                token = draw(int(token), temp, top_k, top_p, float(u))
+        elif ahead:
             left = gen_length
             while left > 0:
                 k = min(RUN_AHEAD, left)
@@ -122,8 +132,11 @@ def run_bench(model, prompt_lengths: Sequence[int] = (32, 128, 512), gen_length:
         rates, ttft = _decode_rates(model, prompt, gen_length, iterations, f"tg{gen_length}", progress)
         per_token = weight_bytes_per_token(model)
         ahead, _ = _decode_rates(model, prompt, gen_length, iterations, f"tg{gen_length} ahead", progress, ahead=True)
+        sampled, _ = _decode_rates(model, prompt, gen_length, iterations, f"tg{gen_length} sampled", progress,
+                                   sampled=True)
         result["decode"] = {"n_prompt": DECODE_PROMPT, "n_gen": gen_length, "tokens_per_second": _summary(rates),
                             "run_ahead_tokens_per_second": _summary(ahead), "run_ahead_steps_per_call": RUN_AHEAD,
+                            "sampled_tokens_per_second": _summary(sampled), "sampled_settings": dict(SAMPLED),
                             "time_to_first_token_ms": _summary(ttft), "weight_bytes_per_token": per_token}
         bw = _bandwidth(model)
         if bw:
@@ -194,6 +207,11 @@ def format_table(r: dict) -> str:
         s = d.get("run_ahead_tokens_per_second")
         if s:
             rows.append((f"tg{d['n_gen']} ahead ({d['run_ahead_steps_per_call']} a call)", f"{s['median']:.1f}",
+                         f"{s['min']:.1f}", f"{s['max']:.1f}", f"{1e3 / s['median']:.3f}"))
+        s = d.get("sampled_tokens_per_second")
+        if s:
+            c = d["sampled_settings"]
+            rows.append((f"tg{d['n_gen']} sampled (T {c['temperature']:g}, top_p {c['top_p']:g})", f"{s['median']:.1f}",
                          f"{s['min']:.1f}", f"{s['max']:.1f}", f"{1e3 / s['median']:.3f}"))
     for x in r.get("decode_at_depth") or []:
         s = x["tokens_per_second"]

@@ -25,7 +25,6 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
-#include <type_traits>
 
 #include "cuda/cuda_check.h"
 #include "kernels.cuh"
@@ -37,10 +36,12 @@ constexpr int kThreads = 256;
 constexpr int kMaxChunks = 128;      // blocks of a pass (one wave)
 constexpr int kBins = 4096;          // 12 key bits a histogram pass
 constexpr int kMaxCands = 4096;      // candidates one block sorts in shared memory (32 KB)
-constexpr int kPerThread = kMaxCands / kThreads;
+constexpr int kCollectThreads = 1024;  // the collect kernel's blocks: its last one sorts the list
+constexpr int kPerThread = kMaxCands / kCollectThreads;
 constexpr int kNucleusProbe = 1024;  // a top_p nucleus of at most this many logits is drawn in logit order
 static_assert(kMaxChunks <= kThreads, "pass1's last block scans one chunk a thread");
 static_assert(kSampleMaxTopK <= kNucleusProbe && kNucleusProbe <= kMaxCands, "the selections fit the list");
+static_assert(kMaxCands % kCollectThreads == 0, "the list in equal parts a thread");
 
 enum Stage : int { kStageNone = 0, kStageRefine = 1, kStageCollect = 2, kStageIndexDraw = 3 };
 
@@ -185,97 +186,94 @@ __device__ __forceinline__ float cut_weight(const Row& r, int i, float m, float 
   return weight(v, m, inv_t);
 }
 
-// The bin (by the thread order of `owner`: thread t holds bins [kBins - 16 (t + 1), kBins - 16 t), the top first)
-// where the running value from the top bin first reaches `want` (clamped to the sum of all bins, and above 0), and the
-// sum of the bins above it. Where rounding leaves no bin reaching it: the lowest bin holding a logit.
-template <class T>
-__device__ void find_bin(const T* vals, const unsigned int* counts, T want, unsigned int* bin, T* above) {
-  __shared__ T sm[32];
-  __shared__ unsigned int s_bin;
-  __shared__ T s_above, s_total;
+// The last block of pass1 (level 1) or pass2 (level 2): the cut's bin from this pass's histogram, and what comes next.
+// The bin is where the running count from the top bin first reaches K (top_k), or the running weight reaches top_p of
+// the row's weight `total` (top_p alone); each thread loads 16 bins at once (thread t: bins [kBins - 16 (t + 1),
+// kBins - 16 t), the top first) and the block scans their sums. Where rounding leaves no bin reaching it: the lowest
+// bin holding a logit.
+__device__ void choose(const Row& r, const SampleArgs& a, Work* w, int level, double total, SampleResult* out,
+                       DecodeIO* io) {
+  __shared__ unsigned int usm[32];
+  __shared__ double dsm[32];
+  __shared__ unsigned int s_bin, s_above, s_in_bin, s_count;
+  __shared__ double s_mass_above, s_mass;
+  const bool by_mass = r.k == 0;
+  const unsigned int above0 = level == 1 ? 0u : w->count_above;
+  const double mass0 = level == 1 ? 0.0 : w->mass_above;
   const int hi = kBins - 16 * static_cast<int>(threadIdx.x);
-  T mine = 0;
-  for (int b = hi - 16; b < hi; ++b) mine += __ldcg(&vals[b]);
-  const T incl = block_scan(mine, sm);
+  unsigned int cnt[16];
+  double ms[16];
+  unsigned int csum = 0;
+  double msum = 0;
+#pragma unroll
+  for (int q = 0; q < 16; ++q) {
+    cnt[q] = __ldcg(&w->count[hi - 1 - q]);
+    ms[q] = by_mass ? __ldcg(&w->mass[hi - 1 - q]) : 0.0;
+    csum += cnt[q];
+    msum += ms[q];
+  }
+  const unsigned int cincl = block_scan(csum, usm);
+  const double mincl = block_scan(msum, dsm);
   if (threadIdx.x == 0) s_bin = kBins;
-  if (threadIdx.x == blockDim.x - 1) s_total = incl;
+  if (threadIdx.x == kThreads - 1) {
+    s_count = cincl;
+    s_mass = mincl;
+  }
   __syncthreads();
-  want = max(min(want, s_total), std::is_integral<T>::value ? T(1) : T(1e-300));
-  const T excl = incl - mine;
-  if (excl < want && incl >= want) {
-    T acc = excl;
-    for (int b = hi - 1; b >= hi - 16; --b) {
-      const T h = __ldcg(&vals[b]);
-      if (acc + h >= want) {
-        s_bin = b;
-        s_above = acc;
+  const unsigned int want_c = min(static_cast<unsigned int>(r.k) - above0, s_count);
+  const double want_m = fmax(fmin(a.top_p * total - mass0, s_mass), 1e-300);
+  unsigned int acc_c = cincl - csum;
+  double acc_m = mincl - msum;
+  if (by_mass ? (acc_m < want_m && mincl >= want_m) : (acc_c < want_c && cincl >= want_c)) {
+#pragma unroll
+    for (int q = 0; q < 16; ++q) {
+      if (by_mass ? acc_m + ms[q] >= want_m : acc_c + cnt[q] >= want_c) {
+        s_bin = hi - 1 - q;
+        s_above = acc_c;
+        s_mass_above = acc_m;
+        s_in_bin = cnt[q];
         break;
       }
-      acc += h;
+      acc_c += cnt[q];
+      acc_m += ms[q];
     }
   }
   __syncthreads();
-  if (s_bin == kBins && threadIdx.x == 0) {
-    for (int b = kBins - 1; b >= 0; --b)
-      if (__ldcg(&counts[b]) != 0u) s_bin = b;
-    s_above = 0;
-    for (int b = kBins - 1; b > static_cast<int>(s_bin); --b) s_above += __ldcg(&vals[b]);
+  if (s_bin == kBins) {  // rounding: the lowest bin holding a logit
+    int low = kBins;
+#pragma unroll
+    for (int q = 0; q < 16; ++q)
+      if (cnt[q] != 0u) low = hi - 1 - q;
+    low = block_min(low, reinterpret_cast<int*>(usm));
+#pragma unroll
+    for (int q = 0; q < 16; ++q)
+      if (hi - 1 - q == low) {
+        s_bin = low;
+        s_in_bin = cnt[q];
+        s_above = s_count - cnt[q];
+        s_mass_above = s_mass - ms[q];
+      }
+    __syncthreads();
   }
-  __syncthreads();
-  *bin = s_bin;
-  *above = s_above;
-  __syncthreads();
-}
-
-// Logits in the bins above `bin`.
-__device__ unsigned int count_above_bin(const unsigned int* counts, unsigned int bin) {
-  __shared__ unsigned int sm[32];
-  unsigned int mine = 0;
-  for (int b = static_cast<int>(bin) + 1 + threadIdx.x; b < kBins; b += kThreads) mine += __ldcg(&counts[b]);
-  const unsigned int all = block_scan(mine, sm);
-  __shared__ unsigned int s;
-  if (threadIdx.x == kThreads - 1) s = all;
-  __syncthreads();
-  const unsigned int v = s;
-  __syncthreads();
-  return v;
-}
-
-// The last block of pass1 (level 1) or pass2 (level 2): the cut's bin from this pass's histogram, and what comes next.
-// total: the row's weight.
-__device__ void choose(const Row& r, const SampleArgs& a, Work* w, int level, double total, SampleResult* out,
-                       DecodeIO* io) {
-  const unsigned int above0 = level == 1 ? 0u : w->count_above;
-  const double mass0 = level == 1 ? 0.0 : w->mass_above;
-  unsigned int bin, above;
-  double mass;
-  if (r.k > 0) {  // top_k: the K-th largest
-    find_bin<unsigned int>(w->count, w->count, static_cast<unsigned int>(r.k) - above0, &bin, &above);
-    mass = 0;
-  } else {  // top_p alone: where the weight from the top reaches top_p of the total
-    find_bin<double>(w->mass, w->count, a.top_p * total - mass0, &bin, &mass);
-    above = count_above_bin(w->count, bin);
-  }
-  const unsigned int in_bin = __ldcg(&w->count[bin]);
-  __syncthreads();
   for (int b = threadIdx.x; b < kBins; b += kThreads) {
     w->count[b] = 0u;
     w->mass[b] = 0.0;
   }
   if (threadIdx.x != 0) return;
+  const unsigned int bin = s_bin, above = s_above, in_bin = s_in_bin;
   const unsigned int lo = level == 1 ? bin << 20 : (w->prefix << 20) | (bin << 8);
-  const unsigned int hi = lo | (level == 1 ? 0xfffffu : 0xffu);
+  const unsigned int hi_key = lo | (level == 1 ? 0xfffffu : 0xffu);
   w->count_above = above0 + above;
-  w->mass_above = mass0 + mass;
+  w->mass_above = mass0 + s_mass_above;
   if (above0 + above + in_bin <= kMaxCands) {  // every candidate in the list
     w->stage = kStageCollect;
     w->key_lo = lo;
     w->key_hi = 0xffffffffu;
     w->band_only = 0;
-  } else if (r.k == 0 && in_bin <= kMaxCands && above0 + above >= kNucleusProbe) {  // a large nucleus: its cut's bin
+  } else if (by_mass && in_bin <= kMaxCands && above0 + above >= kNucleusProbe) {  // a large nucleus: its cut's bin
     w->stage = kStageCollect;
     w->key_lo = lo;
-    w->key_hi = hi;
+    w->key_hi = hi_key;
     w->band_only = 1;
   } else if (level == 1) {
     w->stage = kStageRefine;
@@ -327,7 +325,7 @@ __device__ void chunk_weight(const Row& r, float m, float inv_t, const Cut& cut,
       if (!isnan(v)) {
         const unsigned int b = order_key(v) >> 20;
         atomicAdd(&count[b], 1u);
-        atomicAdd(&mass[b], wi);
+        if (r.k == 0) atomicAdd(&mass[b], wi);  // the weights only for a top_p cut
       }
     }
   }
@@ -382,7 +380,7 @@ __global__ void __launch_bounds__(kThreads) sample_pass1(Row r, const ArgmaxResu
     for (int b = threadIdx.x; b < kBins; b += kThreads)
       if (count[b] != 0u) {
         atomicAdd(&w->count[b], count[b]);
-        atomicAdd(&w->mass[b], static_cast<double>(mass[b]));
+        if (r.k == 0) atomicAdd(&w->mass[b], static_cast<double>(mass[b]));
       }
   }
   if (!last_block(w)) return;
@@ -414,39 +412,54 @@ __global__ void __launch_bounds__(kThreads) sample_pass2(Row r, const ArgmaxResu
     if ((k >> 20) == prefix) {
       const unsigned int b = (k >> 8) & (kBins - 1);
       atomicAdd(&count[b], 1u);
-      atomicAdd(&mass[b], weight(v, m, a.inv_t));
+      if (r.k == 0) atomicAdd(&mass[b], weight(v, m, a.inv_t));
     }
   }
   __syncthreads();
   for (int b = threadIdx.x; b < kBins; b += kThreads)
     if (count[b] != 0u) {
       atomicAdd(&w->count[b], count[b]);
-      atomicAdd(&w->mass[b], static_cast<double>(mass[b]));
+      if (r.k == 0) atomicAdd(&w->mass[b], static_cast<double>(mass[b]));
     }
   if (!last_block(w)) return;
   choose(r, a, w, 2, w->total, out, io);
 }
 
 // The candidates, sorted; then top_k / top_p and the draw, as sample_logits does them.
-__global__ void __launch_bounds__(kThreads) sample_collect(Row r, const ArgmaxResult* best, SampleArgs a, Work* w,
-                                                           SampleResult* out, DecodeIO* io) {
+__global__ void __launch_bounds__(kCollectThreads) sample_collect(Row r, const ArgmaxResult* best, SampleArgs a,
+                                                                  Work* w, SampleResult* out, DecodeIO* io) {
   __shared__ unsigned long long c[kMaxCands];
   __shared__ double dsm[32];
   __shared__ int ism[32];
   __shared__ double s_run_last, s_kept;
+  __shared__ unsigned int s_n, s_base;
   if (w->stage != kStageCollect) return;
   const unsigned int key_lo = w->key_lo, key_hi = w->key_hi;
   const int lo = blockIdx.x * r.chunk, hi = min(r.n, lo + r.chunk);
-  for (int i = lo + threadIdx.x; i < hi; i += kThreads) {
-    const float v = r.x[i];
-    if (isnan(v)) continue;
-    const unsigned int k = order_key(v);
-    if (k >= key_lo && k <= key_hi) {
-      const unsigned int slot = atomicAdd(&w->n_cand, 1u);
-      // Ascending order of (~key, id): larger logit first, the lower id among equal ones.
-      if (slot < kMaxCands) w->cand[slot] = (static_cast<unsigned long long>(~k) << 32) | static_cast<unsigned int>(i);
-    }
+  auto is_cand = [&](float v, unsigned int* key) {
+    if (isnan(v)) return false;
+    *key = order_key(v);
+    return *key >= key_lo && *key <= key_hi;
+  };
+  // The block's candidates counted first, then one list slot range taken for all (one global atomic a block: a
+  // counter that every candidate bumps serializes thousands of them at one L2 address).
+  if (threadIdx.x == 0) s_n = 0u;
+  __syncthreads();
+  unsigned int key;
+  for (int i = lo + threadIdx.x; i < hi; i += blockDim.x)
+    if (is_cand(r.x[i], &key)) atomicAdd(&s_n, 1u);
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    s_base = s_n != 0u ? atomicAdd(&w->n_cand, s_n) : 0u;
+    s_n = 0u;
   }
+  __syncthreads();
+  for (int i = lo + threadIdx.x; i < hi; i += blockDim.x)
+    if (is_cand(r.x[i], &key)) {
+      const unsigned int slot = s_base + atomicAdd(&s_n, 1u);
+      // Ascending order of (~key, id): larger logit first, the lower id among equal ones.
+      if (slot < kMaxCands) w->cand[slot] = (static_cast<unsigned long long>(~key) << 32) | static_cast<unsigned int>(i);
+    }
   if (!last_block(w)) return;
   const int count = min(static_cast<int>(__ldcg(&w->n_cand)), kMaxCands);
   const bool band = w->band_only != 0;
@@ -454,7 +467,7 @@ __global__ void __launch_bounds__(kThreads) sample_collect(Row r, const ArgmaxRe
   const double base_mass = band ? w->mass_above : 0.0;
   int size = 32;
   while (size < count) size <<= 1;
-  for (int j = threadIdx.x; j < size; j += kThreads) c[j] = j < count ? __ldcg(&w->cand[j]) : ~0ull;
+  for (int j = threadIdx.x; j < size; j += blockDim.x) c[j] = j < count ? __ldcg(&w->cand[j]) : ~0ull;
   __syncthreads();
   if (threadIdx.x == 0) {
     w->n_cand = 0u;
@@ -462,7 +475,7 @@ __global__ void __launch_bounds__(kThreads) sample_collect(Row r, const ArgmaxRe
   }
   for (int k = 2; k <= size; k <<= 1)  // bitonic sort
     for (int j = k >> 1; j > 0; j >>= 1) {
-      for (int i = threadIdx.x; i < size; i += kThreads) {
+      for (int i = threadIdx.x; i < size; i += blockDim.x) {
         const int p = i ^ j;
         if (p > i) {
           const unsigned long long x = c[i], y = c[p];
@@ -489,7 +502,7 @@ __global__ void __launch_bounds__(kThreads) sample_collect(Row r, const ArgmaxRe
     mine += wj[q];
   }
   const double before = base_mass + block_scan(mine, dsm) - mine;
-  if (threadIdx.x == kThreads - 1) s_run_last = before + mine;
+  if (threadIdx.x == blockDim.x - 1) s_run_last = before + mine;
   __syncthreads();
   const double total = top_k ? s_run_last : w->total;
   // top_p: the fewest candidates whose weight (with the logits above the list) reaches top_p of the total.
@@ -572,7 +585,7 @@ void launch_sample(const float* logits, int n, const ArgmaxResult* best, const S
   if (!r.filtered) return;
   sample_pass2<<<grid, kThreads, 0, s>>>(r, best, a, w, out, io);
   CUDA_CHECK(cudaGetLastError());
-  sample_collect<<<grid, kThreads, 0, s>>>(r, best, a, w, out, io);
+  sample_collect<<<grid, kCollectThreads, 0, s>>>(r, best, a, w, out, io);
   CUDA_CHECK(cudaGetLastError());
   if (r.k > 0) return;
   sample_index_draw<<<grid, kThreads, 0, s>>>(r, best, a, w, out, io);

@@ -42,9 +42,12 @@ def test_bench_json_reports_prefill_and_decode(synthetic_factory):
     d = r["decode"]
     assert d["n_gen"] == 8 and d["tokens_per_second"]["median"] > 0
     assert 0 < d["fraction_of_bandwidth_floor"]
+    s = d["sampled_tokens_per_second"]
+    assert 0 < s["min"] <= s["median"] <= s["max"] and s["runs"] == 2
+    assert d["sampled_settings"] == {"temperature": 1.0, "top_k": 0, "top_p": 0.95}
     table = cli("bench", "-m", path, "-d", "cpu", "--prompt-lengths", "8", "--gen-length", "4", "--iterations", "1",
                 "-q").stdout
-    assert "pp8" in table and "tg4" in table
+    assert "pp8" in table and "tg4" in table and "tg4 sampled (T 1, top_p 0.95)" in table
 
 
 def test_bench_decode_at_depth(synthetic_factory):
