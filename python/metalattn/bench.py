@@ -67,10 +67,8 @@ def _decode_rates(model, prompt: np.ndarray, gen_length: int, iterations: int, l
         token = model.forward_prompt(prompt)
         t1 = time.perf_counter()
         if sampled:
-            draw = model._engine.forward_token_sample
-            temp, top_k, top_p = SAMPLED["temperature"], SAMPLED["top_k"], SAMPLED["top_p"]
             for u in rng.random(gen_length):
-                token = draw(int(token), temp, top_k, top_p, float(u))
+                token = model.forward_token_sample(token, float(u), **SAMPLED)
         elif ahead:
             left = gen_length
             while left > 0:

@@ -17,6 +17,7 @@ import numpy as np
 
 from .errors import (BackendUnsupportedError, ContextChangedError, ContextOverflowError, DeviceError, GGUFError,
                      InvalidArgumentError, MetalattnError, ModelClosedError, NonFiniteError, TokenError)
+from .sampling import check_args as check_sampling_args
 from .sampling import sample
 
 _INT32 = np.dtype(np.int32)  # the engine's token array type (a builtin dtype: compared by identity)
@@ -359,6 +360,21 @@ class Model:
             return self._engine.forward_token(token)
         except TypeError:
             return self._engine.forward_token(self._check_token(token))
+
+    @_serialized
+    def forward_token_sample(self, token: int, u: float, temperature: float = 1.0, top_k: int = 0,
+                             top_p: float = 1.0) -> int:
+        """Runs one token; returns the next token that the uniform u in [0, 1) draws from its logits, as
+        metalattn.sampling.sample draws (temperature, top_k 0 = off, top_p 1 = off). On CUDA the draw runs on the
+        device (8 bytes back); sampled generate/stream decode this way, u from their seeded generator."""
+        check_sampling_args(temperature, top_k, top_p)
+        if not 0.0 <= u < 1.0:
+            raise InvalidArgumentError(f"u must be in [0, 1), got {u}")
+        try:
+            return self._engine.forward_token_sample(token, float(temperature), int(top_k), float(top_p), float(u))
+        except TypeError:
+            return self._engine.forward_token_sample(self._check_token(token), float(temperature), int(top_k),
+                                                     float(top_p), float(u))
 
     @_serialized
     def forward_token_debug(self, token: int):

@@ -157,6 +157,16 @@ def test_log_probs_match_the_float64_log_softmax():
         _core.log_probs(np.full(4, np.nan, dtype=np.float32), 0, 2)
 
 
+class FixedUniform:
+    """A stand-in generator whose random() returns the given uniform."""
+
+    def __init__(self, u):
+        self.u = u
+
+    def random(self):
+        return self.u
+
+
 def replay_sampled(model, ids, seed, max_tokens, temperature, top_k=0, top_p=1.0):
     """What stream(..., seed) samples, step by step the long way: the prompt's and every step's logits on the host
     (forward_prompt_logits, forward_token) and sample() with the same generator's uniforms."""
@@ -193,3 +203,13 @@ def test_forward_token_sample_checks_its_arguments(synthetic_factory):
         with pytest.raises(ValueError, match="sampling: "):
             model._engine.forward_token_sample(1, *bad)
         assert model._engine.pos == 0, "a refused draw runs no step"
+        t, k, p, u = bad
+        with pytest.raises(InvalidArgumentError):
+            model.forward_token_sample(1, u, temperature=t, top_k=k, top_p=p)
+        assert model.pos == 0
+    # The public call draws what sample() draws from forward_token's logits with the same uniform.
+    model.reset()
+    logits = model.forward_token(5)
+    model.reset()
+    assert model.forward_token_sample(5, 0.4, temperature=0.8, top_k=30) == sample(
+        logits, FixedUniform(0.4), 0.8, 30, 1.0)
