@@ -27,6 +27,8 @@ namespace {
 using ByteMatrix = nb::ndarray<const uint8_t, nb::ndim<2>, nb::c_contig, nb::device::cpu>;
 using FloatVector = nb::ndarray<const float, nb::ndim<1>, nb::c_contig, nb::device::cpu>;
 using TokenArray = nb::ndarray<const int32_t, nb::ndim<1>, nb::c_contig, nb::device::cpu>;
+using DoubleVector = nb::ndarray<const double, nb::ndim<1>, nb::c_contig, nb::device::cpu>;
+using Int64Vector = nb::ndarray<const int64_t, nb::ndim<1>, nb::c_contig, nb::device::cpu>;
 using FloatArray = nb::ndarray<nb::numpy, float>;
 
 FloatArray new_float_array(std::initializer_list<size_t> shape) {
@@ -270,6 +272,29 @@ NB_MODULE(_core, m) {
            "tokens"_a, "slots"_a, "want_logits"_a = false,
            "One decode step for several sequences: row i feeds tokens[i] to slot slots[i] (distinct). Returns "
            "(argmax token per row, logits [n, vocab] or None).")
+      .def("forward_batch_sample",
+           [](PyEngine& p, TokenArray tokens, TokenArray slots, DoubleVector temperature, Int64Vector top_k,
+              DoubleVector top_p, DoubleVector u, bool want_logits) {
+             const size_t n = tokens.shape(0);
+             if (slots.shape(0) != n || temperature.shape(0) != n || top_k.shape(0) != n || top_p.shape(0) != n ||
+                 u.shape(0) != n)
+               throw EngineError("forward_batch_sample: every argument needs one entry a row");
+             std::vector<metalattn::SamplingParams> params(n);
+             for (size_t i = 0; i < n; ++i) params[i] = {temperature(i), top_k(i), top_p(i)};
+             auto [logits, out] = optional_float_array(want_logits && n > 0, {n, static_cast<size_t>(p.e().spec().vocab)});
+             std::vector<metalattn::ArgmaxResult> r(n);
+             {
+               nb::gil_scoped_release release;
+               p.e().forward_batch_sample(tokens.data(), slots.data(), static_cast<int>(n), params.data(), u.data(),
+                                          out, r.data());
+             }
+             nb::list ids;
+             for (const auto& x : r) ids.append(x.token);
+             return std::make_tuple(ids, logits);
+           },
+           "tokens"_a, "slots"_a, "temperature"_a, "top_k"_a, "top_p"_a, "u"_a, "want_logits"_a = false,
+           "forward_batch, each row with temperature > 0 drawn by its uniform u from its logits (as sample_logits; "
+           "on CUDA on the device); the others greedy. Returns (token per row, logits [n, vocab] or None).")
       .def_prop_ro("vocab_size", [](PyEngine& p) { return p.e().spec().vocab; })
       .def_prop_ro("kernels_per_token", [](PyEngine& p) { return p.e().kernels_per_token(); })
       .def("reset", [](PyEngine& p) { p.e().reset(); })

@@ -234,7 +234,7 @@ CudaBackend::CudaBackend(const ModelSpec& spec, const ModelWeights& w, bool debu
   result_dev_ = device_alias(result_host_);
   sample_work_ = device_alloc<uint8_t>(sample_work_bytes(), mem_.scratch);
   CUDA_CHECK(cudaMemsetAsync(sample_work_, 0, sample_work_bytes(), res_.stream));
-  sample_host_ = pinned_alloc<SampleResult>(1, cudaHostAllocMapped);
+  sample_host_ = pinned_alloc<SampleResult>(std::max(1, spec.n_seq), cudaHostAllocMapped);
   sample_dev_ = device_alias(sample_host_);
 
   // Prefill scratch.
@@ -436,7 +436,7 @@ int64_t CudaBackend::forward_token_sample(int32_t token, int pos, const Sampling
   run_decode(pos);
   SampleArgs a;
   a.inv_t = static_cast<float>(1.0 / p.temperature);
-  a.top_k = static_cast<int>(std::min<int64_t>(p.top_k, vocab));
+  a.top_k = p.top_k < vocab ? static_cast<int>(p.top_k) : 0;  // a top_k of the whole vocabulary or more is off
   a.top_p = p.top_p;
   a.u = u;
   launch_sample(logits_, spec_.vocab, result_dev_ + pos % kResultRing, a, sample_work_, sample_dev_, io_dev_,

@@ -114,6 +114,9 @@ class CudaBackend final : public Backend {
   void forward_token(int32_t token, int pos, float* logits) override;
   int64_t forward_token_sample(int32_t token, int pos, const SamplingParams& p, double u, float* logits,
                                int64_t vocab) override;
+  void forward_batch_sample(const int32_t* tokens, const int32_t* slots, const int32_t* pos, int n,
+                            const SamplingParams* params, const double* u, float* logits, bool copy_logits,
+                            int64_t vocab, ArgmaxResult* out) override;
   void forward_token_debug(int32_t token, int pos, float* hidden, float* logits) override;
   ArgmaxResult forward_prompt(const int32_t* tokens, int n, int pos, float* last_logits, float* all_logits,
                               int slot) override;
@@ -222,6 +225,9 @@ class CudaBackend final : public Backend {
   // their own streams, on the long-prompt path (chunk_ rows, the prefill scratch) one after the other.
   static constexpr int kBatchChainRows = 8;
   void setup_batch();
+  // forward_batch in two halves: the step (and the logits' copy when `logits` is set) queued; the wait and the argmax.
+  void enqueue_forward_batch(const int32_t* tokens, const int32_t* slots, const int32_t* pos, int n, float* logits);
+  void finish_forward_batch(int n, ArgmaxResult* out);
   void enqueue_batch(int n, const int32_t* io);
   void enqueue_batch_group_mma(int m, int g0, int n, const int32_t* io, cudaStream_t st);
   void enqueue_batch_lm_head(int m, int g0, const float* x, cudaStream_t st);
@@ -292,7 +298,7 @@ class CudaBackend final : public Backend {
   ArgmaxResult* result_host_ = nullptr;
   ArgmaxResult* result_dev_ = nullptr;   // its device alias
   void* sample_work_ = nullptr;          // forward_token_sample's device scratch (launch_sample)
-  SampleResult* sample_host_ = nullptr;  // mapped pinned: the draw's token and status
+  SampleResult* sample_host_ = nullptr;  // mapped pinned [n_seq]: each draw's token and status (batch row i's in i)
   SampleResult* sample_dev_ = nullptr;
   float *x_ = nullptr, *q_ = nullptr, *logits_ = nullptr, *hidden_ = nullptr;
   float* ffn_act_ = nullptr;  // [d_ff]: silu(gate) * up, the down projection's input

@@ -3,6 +3,7 @@
 #include <cstring>
 
 #include "cuda/cuda_backend.h"
+#include "engine/sampling.h"
 
 namespace metalattn {
 namespace cuda {
@@ -141,6 +142,60 @@ void CudaBackend::enqueue_batch_lm_head(int m, int g0, const float* x, cudaStrea
 
 void CudaBackend::forward_batch(const int32_t* tokens, const int32_t* slots, const int32_t* pos, int n, float* logits,
                                 ArgmaxResult* out) {
+  enqueue_forward_batch(tokens, slots, pos, n, logits);
+  finish_forward_batch(n, out);
+}
+
+// The batch step, then the draw of each sampled row on the device (launch_sample over the row's logits and argmax,
+// one row after another: they share the draw's scratch), one wait for all; a row the device leaves to the host (and
+// a top_k past kSampleMaxTopK) is drawn from its logits copied back.
+void CudaBackend::forward_batch_sample(const int32_t* tokens, const int32_t* slots, const int32_t* pos, int n,
+                                       const SamplingParams* params, const double* u, float* logits, bool copy_logits,
+                                       int64_t vocab, ArgmaxResult* out) {
+  bool host_rows = false;
+  for (int i = 0; i < n; ++i)
+    if (params[i].temperature > 0) {
+      check_sampling_args(params[i], u[i]);
+      host_rows |= params[i].top_k > kSampleMaxTopK && params[i].top_k < vocab;
+    }
+  const bool copied = copy_logits || host_rows;
+  enqueue_forward_batch(tokens, slots, pos, n, copied ? logits : nullptr);
+  for (int i = 0; i < n; ++i) {
+    const SamplingParams& p = params[i];
+    if (!(p.temperature > 0) || (p.top_k > kSampleMaxTopK && p.top_k < vocab)) continue;
+    SampleArgs a;
+    a.inv_t = static_cast<float>(1.0 / p.temperature);
+    a.top_k = p.top_k < vocab ? static_cast<int>(p.top_k) : 0;
+    a.top_p = p.top_p;
+    a.u = u[i];
+    launch_sample(batch_logits_ + static_cast<size_t>(i) * spec_.vocab, spec_.vocab, batch_result_dev_ + i, a,
+                  sample_work_, sample_dev_ + i, nullptr, res_.stream);
+    after_launch();
+  }
+  finish_forward_batch(n, out);
+  for (int i = 0; i < n; ++i) {
+    const SamplingParams& p = params[i];
+    if (!(p.temperature > 0)) continue;
+    float* row = logits + static_cast<size_t>(i) * vocab;
+    if (p.top_k > kSampleMaxTopK && p.top_k < vocab) {
+      out[i].token = static_cast<uint32_t>(sample_logits(row, vocab, p, u[i]));
+      continue;
+    }
+    const SampleResult r = sample_host_[i];
+    if (r.status == kSampleNoCandidate) throw NonFiniteLogits("sampling: every logit is NaN or -inf: nothing to sample");
+    if (r.status == kSampleOnHost) {
+      if (!copied)
+        CUDA_CHECK(cudaMemcpy(row, batch_logits_ + static_cast<size_t>(i) * spec_.vocab, vocab * sizeof(float),
+                              cudaMemcpyDefault));
+      out[i].token = static_cast<uint32_t>(sample_logits(row, vocab, p, u[i]));
+      continue;
+    }
+    out[i].token = static_cast<uint32_t>(r.token);
+  }
+}
+
+void CudaBackend::enqueue_forward_batch(const int32_t* tokens, const int32_t* slots, const int32_t* pos, int n,
+                                        float* logits) {
   const ModelSpec& s = spec_;
   if (n <= 0 || n > s.n_seq) throw EngineError("forward_batch: 1 to n_seq rows");
   for (int i = 0; i < n; ++i) {
@@ -158,7 +213,10 @@ void CudaBackend::forward_batch(const int32_t* tokens, const int32_t* slots, con
   if (logits != nullptr)
     CUDA_CHECK(cudaMemcpyAsync(logits, batch_logits_, static_cast<size_t>(n) * s.vocab * sizeof(float),
                                cudaMemcpyDeviceToHost, st));
-  CUDA_CHECK(cudaStreamSynchronize(st));
+}
+
+void CudaBackend::finish_forward_batch(int n, ArgmaxResult* out) {
+  CUDA_CHECK(cudaStreamSynchronize(res_.stream));
   for (int i = 0; i < n; ++i) {
     out[i] = batch_result_host_[i];
     if (out[i].token == kNoIndex) throw NonFiniteLogits("argmax: every logit is NaN");

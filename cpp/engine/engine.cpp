@@ -97,6 +97,25 @@ ArgmaxResult Engine::forward_prompt_slot(int slot, const int32_t* tokens, int n,
 }
 
 void Engine::forward_batch(const int32_t* tokens, const int32_t* slots, int n, float* logits, ArgmaxResult* out) {
+  check_batch(tokens, slots, n);
+  backend_->forward_batch(tokens, slots, batch_pos_.data(), n, logits, out);
+  for (int i = 0; i < n; ++i) ++pos_[slots[i]];
+}
+
+void Engine::forward_batch_sample(const int32_t* tokens, const int32_t* slots, int n, const SamplingParams* params,
+                                  const double* u, float* logits, ArgmaxResult* out) {
+  check_batch(tokens, slots, n);
+  float* rows = logits;
+  if (rows == nullptr) {
+    sample_logits_.resize(static_cast<size_t>(n) * spec_.vocab);
+    rows = sample_logits_.data();
+  }
+  backend_->forward_batch_sample(tokens, slots, batch_pos_.data(), n, params, u, rows, logits != nullptr, spec_.vocab,
+                                 out);
+  for (int i = 0; i < n; ++i) ++pos_[slots[i]];
+}
+
+void Engine::check_batch(const int32_t* tokens, const int32_t* slots, int n) {
   if (n <= 0) throw TokenRangeError("empty batch: at least one sequence is needed");
   if (n > spec_.n_seq)
     throw TokenRangeError("a batch of " + std::to_string(n) + " rows for " + std::to_string(spec_.n_seq) +
@@ -110,8 +129,6 @@ void Engine::forward_batch(const int32_t* tokens, const int32_t* slots, int n, f
     check_tokens(tokens + i, 1, s);
     batch_pos_[i] = pos_[s];
   }
-  backend_->forward_batch(tokens, slots, batch_pos_.data(), n, logits, out);
-  for (int i = 0; i < n; ++i) ++pos_[slots[i]];
 }
 
 }  // namespace metalattn

@@ -41,11 +41,16 @@ class Engine {
   // One decode step for n sequences: row i feeds tokens[i] to slot slots[i] (distinct slots) at that slot's
   // position, which then advances. out[i]: row i's argmax; logits (n x vocab) may be null.
   void forward_batch(const int32_t* tokens, const int32_t* slots, int n, float* logits, ArgmaxResult* out);
+  // The same step, rows with params[i].temperature > 0 drawn by u[i] (Backend::forward_batch_sample); logits (n x
+  // vocab) may be null.
+  void forward_batch_sample(const int32_t* tokens, const int32_t* slots, int n, const SamplingParams* params,
+                            const double* u, float* logits, ArgmaxResult* out);
   MemoryInfo memory_info() const { return backend_->memory_info(); }
   int kernels_per_token() const { return backend_->kernels_per_token(); }
 
  private:
   void check_tokens(const int32_t* tokens, int n, int slot) const;
+  void check_batch(const int32_t* tokens, const int32_t* slots, int n);  // fills batch_pos_
   int check_slot(int slot) const;
   ModelSpec spec_;
   ModelWeights weights_;

@@ -185,6 +185,18 @@ int64_t Backend::forward_token_sample(int32_t token, int pos, const SamplingPara
   return sample_logits(logits, vocab, p, u);
 }
 
+void Backend::forward_batch_sample(const int32_t* tokens, const int32_t* slots, const int32_t* pos, int n,
+                                   const SamplingParams* params, const double* u, float* logits, bool copy_logits,
+                                   int64_t vocab, ArgmaxResult* out) {
+  (void)copy_logits;  // the host draws need every row anyway
+  for (int i = 0; i < n; ++i)
+    if (params[i].temperature > 0) check_sampling_args(params[i], u[i]);
+  forward_batch(tokens, slots, pos, n, logits, out);
+  for (int i = 0; i < n; ++i)
+    if (params[i].temperature > 0)
+      out[i].token = static_cast<uint32_t>(sample_logits(logits + static_cast<size_t>(i) * vocab, vocab, params[i], u[i]));
+}
+
 int64_t sample_logits(const float* x, int64_t n, const SamplingParams& p, double u) {
   if (n < 1 || n > INT32_MAX) throw EngineError("sampling: expected 1 to 2^31 - 1 logits");
   check_sampling_args(p, u);

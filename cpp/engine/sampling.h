@@ -1,6 +1,8 @@
-// Drawing the next token from a logits row on the host, for sampled decoding on either backend (greedy decoding never
-// comes here: its argmax runs where the logits are), and the row's log-probabilities. metalattn.sampling.sample
-// validates the arguments, draws the uniform from the caller's seeded generator and calls sample_logits.
+// Drawing the next token from a logits row on the host, and the row's log-probabilities. sample_logits is the CPU
+// backend's draw (Backend::forward_token_sample's default) and the reference of the CUDA backend's device draw
+// (shaders/cuda/sampling.cu), which falls back to it for the rows it leaves to the host; greedy decoding never comes
+// here (its argmax runs where the logits are). metalattn.sampling.sample validates the arguments, draws the uniform
+// from the caller's seeded generator and calls sample_logits.
 #pragma once
 #include <cstdint>
 #include <vector>

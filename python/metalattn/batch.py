@@ -242,14 +242,32 @@ class BatchGenerator:
         cached = self._cached
         for slot, tok in zip(slots, toks):
             cached[slot].append(tok)
+        drawn = [not s.greedy and s.logprobs is None for s in rows]  # sampled rows the step itself draws
         try:
             if len(rows) == 1 and slots[0] == 0:
                 # One sequence, in slot 0: the single-sequence step (on CUDA the captured decode graph, ~1.6x the
-                # one-row batch step), which reads and writes slot 0 as forward_batch would.
-                if rows[0].needs_logits:
+                # one-row batch step), which reads and writes slot 0 as forward_batch would. A sampled one draws
+                # where the logits are (forward_token_sample: on CUDA on the device, 8 bytes back), from the same
+                # uniform sample() would take; _emit then takes the drawn token as it is.
+                s0 = rows[0]
+                if s0.logprobs is not None:
                     ids, logits = [None], [engine.forward_token(toks[0])]
+                elif not s0.greedy:
+                    ids = [engine.forward_token_sample(toks[0], float(s0.temperature), int(s0.top_k),
+                                                       float(s0.top_p), float(s0.rng.random()))]
+                    logits = None
                 else:
                     ids, logits = [engine.forward_token_greedy(toks[0])], None
+            elif any(drawn):
+                # The sampled rows drawn where the logits are (on CUDA on the device), each from its own
+                # generator's next uniform, as sample() would take it; logits come back only for logprobs.
+                ids, logits = engine.forward_batch_sample(
+                    np.array(toks, dtype=np.int32), np.array(slots, dtype=np.int32),
+                    np.array([s.temperature if d else 0.0 for s, d in zip(rows, drawn)], dtype=np.float64),
+                    np.array([s.top_k for s in rows], dtype=np.int64),
+                    np.array([s.top_p for s in rows], dtype=np.float64),
+                    np.array([s.rng.random() if d else 0.0 for s, d in zip(rows, drawn)], dtype=np.float64),
+                    any(s.logprobs is not None for s in rows))
             else:
                 ids, logits = engine.forward_batch(np.array(toks, dtype=np.int32), np.array(slots, dtype=np.int32),
                                                    any(s.needs_logits for s in rows))
@@ -262,16 +280,17 @@ class BatchGenerator:
         now = time.perf_counter()
         for i, s in enumerate(rows):
             s.pos += 1
-            self._emit(s, ids[i], None if logits is None else logits[i], now, events)
+            self._emit(s, ids[i], None if logits is None or drawn[i] else logits[i], now, events)
 
     def _emit(self, seq: Sequence, argmax: int, logits, now: float, events) -> None:
-        """Chooses seq's next token from the step's output and reports it."""
+        """Chooses seq's next token from the step's output and reports it: `argmax` is the step's argmax, or the
+        token it drew already where a sampled step came without logits (forward_token_sample)."""
         lp = top = None
         try:
             if seq.logprobs is not None:
                 token, lp, top = _choose(logits, seq.greedy, seq.rng, seq.temperature, seq.top_k, seq.top_p,
                                          seq.logprobs)
-            elif seq.greedy:
+            elif seq.greedy or logits is None:
                 token = int(argmax)
             else:
                 token = sample(logits, seq.rng, seq.temperature, seq.top_k, seq.top_p)

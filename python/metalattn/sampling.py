@@ -1,7 +1,9 @@
 """Token sampling from a logits row: temperature, top-k, top-p (nucleus). Greedy decoding never comes here:
 its argmax runs on the device. The draw itself is C++ (`_core.sample_logits`, cpp/engine/sampling.h): the numpy
 form it replaced took 1.6-9.6 ms a token over 49k-262k-token vocabularies (42 ms for a flat row's top_p), longer
-than a CUDA decode step."""
+than a CUDA decode step. Sampled decoding steps draw where the logits are instead (Model.forward_token_sample: on
+CUDA on the device, with these semantics, from the same uniform); sample() serves prompts' first tokens, batches and
+logprobs."""
 
 from __future__ import annotations
 

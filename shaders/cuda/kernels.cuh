@@ -737,9 +737,9 @@ int argmax_partials_needed(const DevMatrix& lm_head);
 // Sampled decoding's draw (sampling.cu): the token that uniform u draws from x[0..n) under sample_logits's semantics
 // (cpp/engine/sampling.h), given the row's argmax `best` (as launch_argmax or the lm_head leave it; device or mapped
 // memory). Writes *out (token and status) and, where drawn, io->token (io may be null). Status kSampleOnHost: the host
-// draws from the row instead (a top_p nucleus past the 1,024 largest logits, or more than 4,096 near-equal logits at
-// the cut); kSampleNoCandidate: every logit NaN or -inf. Up to three launches; `work` is sample_work_bytes() of device
-// memory, zeroed once before the first launch (every launch leaves it so). top_k up to kSampleMaxTopK.
+// draws from the row instead (more than 4,096 logits within 2^-15 of each other at the top_k / top_p cut);
+// kSampleNoCandidate: every logit NaN or -inf. Up to four launches; `work` is sample_work_bytes() of device memory,
+// zeroed once before the first launch (every launch leaves it so). top_k up to kSampleMaxTopK (0 or >= n: off).
 constexpr int kSampleMaxTopK = 1024;
 enum SampleStatus : int32_t { kSampleDrawn = 0, kSampleOnHost = 1, kSampleNoCandidate = 2 };
 struct SampleArgs {

@@ -147,6 +147,8 @@ def test_generator_streams_stop_strings_sampling_and_prefix_reuse(real_batch_mod
     while again.busy:
         out += [ch.text for s, ch in again.step() if ch is not None]
     assert "".join(out) == sampled and b2.stats.generated_tokens == 16  # same seed, same draws
+    # (b2 ran alone in slot 0: the single-sequence step, drawn by forward_token_sample, as Model.stream draws)
+    assert m.generate("Once upon a time", max_tokens=16, temperature=0.8, top_p=0.9, seed=5) == sampled
 
 
 def test_slot_choice_keeps_conversations_apart(synthetic_factory, monkeypatch):
@@ -232,6 +234,93 @@ def test_cuda_batch_rows_equal_cpu(synthetic_factory):
         for r in range(3):
             assert rel_l2(gl[r], cl[r]) <= 1e-3
         assert gi == [int(np.argmax(x)) for x in gl]
+
+
+def check_batch_draws(engine, rows, rounding):
+    """Five batch steps over the engine's slots (prompted), rows = [(temperature, top_k, top_p)] one a slot in
+    reverse slot order: forward_batch_sample's greedy rows are their logits' argmax and its sampled rows what
+    sample_logits draws from the same logits and uniform (where `rounding`, a differing draw must lie between the host's
+    draws at (u, top_p) -/+ 1e-6 in the draw's order, as tests/python/test_cuda.py checks a single step)."""
+    n = len(rows)
+    rng = np.random.default_rng(8)
+    temps = np.array([r[0] for r in rows], np.float64)
+    ks = np.array([r[1] for r in rows], np.int64)
+    ps = np.array([r[2] for r in rows], np.float64)
+    differ = 0
+    for _ in range(5):
+        toks = rng.integers(0, engine.vocab_size, size=n).astype(np.int32)
+        slots = np.arange(n, dtype=np.int32)[::-1].copy()
+        us = rng.random(n)
+        ids, logits = engine.forward_batch_sample(toks, slots, temps, ks, ps, us, True)
+        for i, (t, k, p) in enumerate(rows):
+            if t <= 0:
+                assert ids[i] == int(np.argmax(logits[i]))
+                continue
+            want = _core.sample_logits(logits[i], t, k, p, us[i])
+            if ids[i] == want:
+                continue
+            assert rounding, f"row {i}: drew {ids[i]}, the host {want}"
+            differ += 1
+            lo = _core.sample_logits(logits[i], t, k, p - 1e-6 if p < 1 else p, max(0.0, us[i] - 1e-6))
+            hi = _core.sample_logits(logits[i], t, k, min(1.0, p + 1e-6), min(0.9999999, us[i] + 1e-6))
+            if (k == 0 or k >= len(logits[i])) and p == 1.0:
+                place = {x: x for x in (lo, ids[i], hi)}
+            else:
+                rank = np.empty(len(logits[i]), np.int64)
+                rank[np.lexsort((np.arange(len(logits[i])), -logits[i]))] = np.arange(len(logits[i]))
+                place = {x: rank[x] for x in (lo, ids[i], hi)}
+            assert place[lo] <= place[ids[i]] <= place[hi], f"row {i}: drew {ids[i]}, the host {want}"
+    assert differ <= 2
+
+
+BATCH_DRAWS = [(0.0, 0, 1.0), (1.0, 0, 1.0), (0.8, 40, 1.0), (1.0, 0, 0.9), (0.7, 2000, 0.95), (1.2, 30, 0.8)]
+
+
+def test_batch_rows_draw_what_sample_draws(synthetic_factory):
+    m = metalattn.load(synthetic_factory(quant="q4_0", seed=15, head_dim=32), device="cpu", n_ctx=64, n_seq=6)
+    rng = np.random.default_rng(3)
+    for s in range(6):
+        m._engine.forward_prompt_slot(s, rng.integers(0, m.vocab_size, size=2 + s).astype(np.int32), False)
+    check_batch_draws(m._engine, BATCH_DRAWS, rounding=False)
+    # Bad sampling settings of a drawn row are refused before the step runs; a greedy row's are not read.
+    before = [m._engine.slot_pos(s) for s in range(6)]
+    one = np.ones(1)
+    for t, k, p, u in [(1.0, -1, 1.0, 0.5), (1.0, 0, 1.5, 0.5), (1.0, 0, 1.0, 1.0)]:
+        with pytest.raises(ValueError, match="sampling: "):
+            m._engine.forward_batch_sample(np.array([1], np.int32), np.array([0], np.int32), t * one,
+                                           np.array([k], np.int64), p * one, u * one)
+    assert [m._engine.slot_pos(s) for s in range(6)] == before
+    m._engine.forward_batch_sample(np.array([1], np.int32), np.array([0], np.int32), 0 * one,
+                                   np.array([-1], np.int64), 5 * one, 3 * one)
+    with pytest.raises(ValueError, match="one entry a row"):
+        m._engine.forward_batch_sample(np.array([1, 2], np.int32), np.array([0, 1], np.int32), one,
+                                       np.array([0], np.int64), one, 0.5 * one)
+
+
+@pytest.mark.skipif(not (_core.cuda_compiled() and _core.cuda_device_count() > 0), reason="no CUDA device")
+def test_cuda_batch_rows_draw_on_the_device(synthetic_factory):
+    path = synthetic_factory(quant="q4_0", embd_quant="q8_0", seed=15, head_dim=32)
+    try:
+        g = metalattn.load(path, device="cuda", n_ctx=64, n_seq=6)
+    except MetalattnError as e:
+        pytest.skip(f"CUDA batching: {e}")
+    rng = np.random.default_rng(3)
+    for s in range(6):
+        g._engine.forward_prompt_slot(s, rng.integers(0, g.vocab_size, size=2 + s).astype(np.int32), False)
+    check_batch_draws(g._engine, BATCH_DRAWS, rounding=True)
+    # Without logits back the same draws: the device's (the host's for the top_k past 1,024).
+    for s in range(6):
+        g._engine.truncate_slot(s, 0)
+        g._engine.forward_prompt_slot(s, np.array([5, 6 + s], np.int32), False)
+    args = [np.array(x) for x in zip(*BATCH_DRAWS)]
+    toks, slots, us = np.array([7] * 6, np.int32), np.arange(6, dtype=np.int32), np.linspace(0.05, 0.95, 6)
+    with_logits, _ = g._engine.forward_batch_sample(toks, slots, args[0].astype(np.float64), args[1].astype(np.int64),
+                                                    args[2].astype(np.float64), us, True)
+    for s in range(6):
+        g._engine.truncate_slot(s, 2)
+    without, none = g._engine.forward_batch_sample(toks, slots, args[0].astype(np.float64), args[1].astype(np.int64),
+                                                   args[2].astype(np.float64), us, False)
+    assert none is None and without == with_logits
 
 
 def test_serve_default_slots_fit_the_cuda_cache_budget(synthetic_factory, monkeypatch):

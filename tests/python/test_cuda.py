@@ -65,7 +65,9 @@ def test_sampled_decoding_draws_on_the_device(pair):
     greedy = [c.token for c in gpu.stream(prompt, max_tokens=64)]
     assert [c.token for c in gpu.stream(prompt, max_tokens=64, temperature=0.8, top_k=1, seed=3)] == greedy
     for kw in [{"temperature": 1.0}, {"temperature": 0.8, "top_k": 40}, {"temperature": 1.0, "top_p": 0.9},
-               {"temperature": 0.5, "top_k": 300, "top_p": 0.7}]:
+               {"temperature": 0.5, "top_k": 300, "top_p": 0.7},
+               {"temperature": 1.0, "top_k": 2000},  # past the device's 1,024: drawn on the host
+               {"temperature": 1.0, "top_k": gpu.vocab_size + 5}]:  # the whole vocabulary or more: no filter
         got = [c.token for c in gpu.stream(prompt, max_tokens=48, seed=4, **kw)]
         assert len(got) == 48
         args = (kw["temperature"], kw.get("top_k", 0), kw.get("top_p", 1.0))
@@ -83,7 +85,7 @@ def test_sampled_decoding_draws_on_the_device(pair):
                 t, k, p = args
                 lo = _core.sample_logits(logits, t, k, p - 1e-6 if p < 1 else p, max(0.0, u - 1e-6))
                 hi = _core.sample_logits(logits, t, k, min(1.0, p + 1e-6), min(0.9999999, u + 1e-6))
-                if args[1:] == (0, 1.0):
+                if (args[1] == 0 or args[1] >= len(logits)) and args[2] == 1.0:  # no filter: token-id order
                     place = {t: t for t in (lo, tok, hi)}
                 else:
                     rank = np.empty(len(logits), np.int64)

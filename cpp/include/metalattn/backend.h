@@ -67,6 +67,14 @@ class Backend {
   virtual void forward_batch(const int32_t* tokens, const int32_t* slots, const int32_t* pos, int n, float* logits,
                              ArgmaxResult* out) = 0;
 
+  // forward_batch, and each row with params[i].temperature > 0 drawn by the uniform u[i] from its logits
+  // (sample_logits's semantics; arguments as it checks them): out[i].token is that row's draw, the others' their
+  // argmax. `logits`: n x vocab host floats, every row's logits when copy_logits, else scratch for draws made on the
+  // host. This default draws on the host; the CUDA backend on the device.
+  virtual void forward_batch_sample(const int32_t* tokens, const int32_t* slots, const int32_t* pos, int n,
+                                    const SamplingParams* params, const double* u, float* logits, bool copy_logits,
+                                    int64_t vocab, ArgmaxResult* out);
+
   // For tests and debugging: the K and V cache rows [pos0, pos0 + n) of `layer` in KV slot `slot`, as the cache holds
   // them (fp16 values widened exactly; K after RoPE), row-major [n][kv_dim] into k and into v.
   virtual void read_kv_rows(int layer, int slot, int pos0, int n, float* k, float* v) const = 0;
