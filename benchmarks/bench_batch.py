@@ -11,6 +11,9 @@ Per batch size B, after a warm-up, median of --repeats runs:
              bookkeeping and detokenizing included); the baseline is Model.stream of one such prompt. Tokens are
              counted as generated (an end-of-text token may end a sequence early).
 Speedup = aggregate tok/s of B streams / tok/s of one stream.
+--temperature T (> 0) samples instead (top_p --top-p), every figure alike: engine steps through
+Engine.forward_batch_sample / Model.forward_token_sample (drawn where the logits are: on CUDA on the device), or with
+--draw host the logits copied back and drawn by sample_logits row by row (the batch path before 2026-11-29).
 """
 
 from __future__ import annotations
@@ -26,6 +29,7 @@ from pathlib import Path
 import numpy as np
 
 import metalattn
+from metalattn import _core
 
 
 def synthetic_model(shape: str, quant: str) -> Path:
@@ -58,8 +62,14 @@ def main(argv=None) -> int:
     ap.add_argument("--steps", type=int, default=64, help="decode steps per run (default 64)")
     ap.add_argument("--repeats", type=int, default=3, help="timed runs per figure (default 3)")
     ap.add_argument("--no-generator", action="store_true", help="engine figures only")
+    ap.add_argument("--temperature", type=float, default=0.0, help="sample at this temperature (default 0: greedy)")
+    ap.add_argument("--top-p", type=float, default=1.0, help="nucleus mass when sampling (default 1: off)")
+    ap.add_argument("--draw", default="engine", choices=["engine", "host"],
+                    help="sampled engine steps: drawn by the engine (default) or on the host from copied logits")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args(argv)
+    sampled = args.temperature > 0
+    urng = np.random.default_rng(1)
     sizes = sorted({int(b) for b in args.batch_sizes.split(",")})
     path = synthetic_model(args.synthetic, "q4_0") if args.synthetic else args.model
     prompt_len, steps = 32, args.steps
@@ -75,7 +85,12 @@ def main(argv=None) -> int:
         model.reset()
         tok = model.forward_prompt(prompts[0])
         for _ in range(steps):
-            tok = model.forward_token_greedy(tok)
+            if not sampled:
+                tok = model.forward_token_greedy(tok)
+            elif args.draw == "host":
+                tok = _core.sample_logits(model.forward_token(tok), args.temperature, 0, args.top_p, urng.random())
+            else:
+                tok = model.forward_token_sample(tok, urng.random(), temperature=args.temperature, top_p=args.top_p)
 
     def single_decode():  # the decode steps alone
         return median_time(single, args.repeats) - median_time(lambda: (model.reset(), model.forward_prompt(prompts[0])),
@@ -94,8 +109,15 @@ def main(argv=None) -> int:
             for s in range(b):
                 e.truncate_slot(s, prompt_len)
             toks = np.full(b, 7, np.int32)
+            temps, ks, ps = np.full(b, args.temperature), np.zeros(b, np.int64), np.full(b, args.top_p)
             for _ in range(steps):
-                ids, _ = e.forward_batch(toks, slots, False)
+                if not sampled:
+                    ids, _ = e.forward_batch(toks, slots, False)
+                elif args.draw == "host":
+                    _, logits = e.forward_batch(toks, slots, True)
+                    ids = [_core.sample_logits(x, args.temperature, 0, args.top_p, urng.random()) for x in logits]
+                else:
+                    ids, _ = e.forward_batch_sample(toks, slots, temps, ks, ps, urng.random(b), False)
                 toks = np.asarray(ids, np.int32)
 
         agg = b * steps / median_time(batch, args.repeats)
@@ -114,8 +136,10 @@ def main(argv=None) -> int:
                 count[0] = fn()
             return median_time(run, args.repeats), count[0]
 
+        kw = {"temperature": args.temperature, "top_p": args.top_p} if sampled else {}
+
         def one():
-            return sum(1 for _ in model.stream(ids[0], max_tokens=steps))
+            return sum(1 for _ in model.stream(ids[0], max_tokens=steps, seed=0, **kw))
 
         t1, n1 = timed(one)
         base_gen = n1 / t1
@@ -126,7 +150,7 @@ def main(argv=None) -> int:
             def many():
                 gen = BatchGenerator(model)
                 for i in range(b):
-                    gen.submit(ids[i], max_tokens=steps)
+                    gen.submit(ids[i], max_tokens=steps, seed=i, **kw)
                 n = 0
                 while gen.busy:
                     n += sum(1 for _, ch in gen.step() if ch is not None)
@@ -137,6 +161,7 @@ def main(argv=None) -> int:
             row.update(generator_tok_s=round(agg, 1), generator_speedup=round(agg / base_gen, 2), generator_tokens=nb)
             log(f"B={b:3d} generator {agg:9.1f} tok/s  x{agg / base_gen:5.2f} ({nb} tokens)")
     result = {"model": str(model.path.name), "device": model.device, "threads": model.n_threads, "steps": steps,
+              "sampling": {"temperature": args.temperature, "top_p": args.top_p, "draw": args.draw} if sampled else None,
               "prompt_tokens": prompt_len, "single_engine_tok_s": round(base_engine, 1),
               "single_generate_tok_s": None if args.no_generator else round(base_gen, 1), "rows": rows,
               "date": time.strftime("%Y-%m-%d")}
