@@ -114,23 +114,27 @@ int64_t draw_flat_nucleus(const float* x, int64_t n, const float* w, double tota
   double above = 0;  // the weight of the tokens before the band
   std::vector<Cand> band;
   {
-    std::vector<double> mass(kBuckets, 0.0);
-    std::vector<int64_t> count(kBuckets, 0);
-    auto bucket = [&](float v) {
-      const float d = (m - v) * inv_t * 8.f;
-      return d < kBuckets - 1 ? static_cast<int>(d) : kBuckets - 1;
-    };
-    for (int64_t i = 0; i < n; ++i)
+    // Each token's bucket is kept (one byte) for the band's collection; the sums run in four interleaved sets so
+    // that neighbouring tokens of one bucket do not wait on each other's add through memory.
+    thread_local std::vector<uint8_t> bk;
+    bk.resize(static_cast<size_t>(n));
+    double mass[4][kBuckets] = {};
+    int64_t count[4][kBuckets] = {};
+    for (int64_t i = 0; i < n; ++i) {
+      const float d = (m - x[i]) * inv_t * 8.f;
+      const int b = d < kBuckets - 1 ? static_cast<int>(d) : kBuckets - 1;  // NaN: the last (its weight is 0)
+      bk[i] = static_cast<uint8_t>(b);
       if (w[i] > 0.f) {
-        const int b = bucket(x[i]);
-        mass[b] += w[i];
-        ++count[b];
+        mass[i & 3][b] += w[i];
+        ++count[i & 3][b];
       }
+    }
     int b = 0;
-    for (; b < kBuckets - 1 && above + mass[b] < need; ++b) above += mass[b];
-    band.reserve(static_cast<size_t>(count[b]));
+    auto mass_of = [&](int j) { return (mass[0][j] + mass[1][j]) + (mass[2][j] + mass[3][j]); };
+    for (; b < kBuckets - 1 && above + mass_of(b) < need; ++b) above += mass_of(b);
+    band.reserve(static_cast<size_t>(count[0][b] + count[1][b] + count[2][b] + count[3][b]));
     for (int64_t i = 0; i < n; ++i)
-      if (w[i] > 0.f && bucket(x[i]) == b) band.push_back({x[i], i});
+      if (bk[i] == b && w[i] > 0.f) band.push_back({x[i], i});
   }
   while (band.size() > kSortable) {
     float lo = band.front().v, hi = lo;
@@ -158,15 +162,30 @@ int64_t draw_flat_nucleus(const float* x, int64_t n, const float* w, double tota
   }
   if (band.empty()) kept = total;
   const double target = u * kept;
+  const float lv = last_in.v;
+  const int64_t li = last_in.i;
+  auto in = [&](int64_t i) { return w[i] > 0.f && (x[i] > lv || (x[i] == lv && i <= li)); };
+  // In token-id order: whole chunks while the running weight stays at or below the target (the nucleus's weights
+  // summed in four lanes), then token by token, as the unfiltered draw does.
+  constexpr int64_t kChunk = 256;
   double run = 0;
-  int64_t last = -1;
-  for (int64_t i = 0; i < n; ++i)
-    if (w[i] > 0.f && (x[i] > last_in.v || (x[i] == last_in.v && i <= last_in.i))) {
+  int64_t i = 0;
+  for (; i + kChunk <= n; i += kChunk) {
+    double lanes[4] = {0, 0, 0, 0};
+    for (int64_t j = 0; j < kChunk; j += 4)
+      for (int l = 0; l < 4; ++l) lanes[l] += in(i + j + l) ? w[i + j + l] : 0.f;
+    const double chunk = (lanes[0] + lanes[1]) + (lanes[2] + lanes[3]);
+    if (run + chunk > target) break;
+    run += chunk;
+  }
+  for (; i < n; ++i)
+    if (in(i)) {
       run += w[i];
-      last = i;
       if (run > target) return i;
     }
-  return last;
+  for (i = n - 1; i > 0 && !in(i); --i) {  // rounding left the sum at the target: the nucleus's last token
+  }
+  return i;
 }
 
 }  // namespace
