@@ -428,32 +428,39 @@ void CudaBackend::forward_token(int32_t token, int pos, float* logits) {
 // The step's graph, then the draw on the device (sampling.cu) from the logits the lm_head left and its argmax: 8 bytes
 // come back, and the drawn token is already in io_dev_ for the next step. A draw the device leaves to the host (a
 // top_k past kSampleMaxTopK, a flat row's top_p) copies the row back, as forward_token does.
+SampleArgs CudaBackend::device_sample_args(const SamplingParams& p, double u, int64_t vocab) {
+  SampleArgs a;
+  a.inv_t = static_cast<float>(1.0 / p.temperature);
+  a.top_k = p.top_k < vocab ? static_cast<int>(p.top_k) : 0;
+  a.top_p = p.top_p;
+  a.u = u;
+  return a;
+}
+
+int64_t CudaBackend::draw_result(const SampleResult& r, const SamplingParams& p, double u, const float* dev_row,
+                                 float* row, bool row_copied, int64_t vocab) {
+  if (r.status == kSampleNoCandidate) throw NonFiniteLogits("sampling: every logit is NaN or -inf: nothing to sample");
+  if (r.status != kSampleOnHost) return r.token;
+  if (!row_copied) CUDA_CHECK(cudaMemcpy(row, dev_row, vocab * sizeof(float), cudaMemcpyDefault));
+  return sample_logits(row, vocab, p, u);
+}
+
 int64_t CudaBackend::forward_token_sample(int32_t token, int pos, const SamplingParams& p, double u, float* logits,
                                           int64_t vocab) {
   check_sampling_args(p, u);
-  if (p.top_k > kSampleMaxTopK && p.top_k < vocab) return Backend::forward_token_sample(token, pos, p, u, logits, vocab);
+  if (!device_draws(p, vocab)) return Backend::forward_token_sample(token, pos, p, u, logits, vocab);
   set_io(token, pos);
   run_decode(pos);
-  SampleArgs a;
-  a.inv_t = static_cast<float>(1.0 / p.temperature);
-  a.top_k = p.top_k < vocab ? static_cast<int>(p.top_k) : 0;  // a top_k of the whole vocabulary or more is off
-  a.top_p = p.top_p;
-  a.u = u;
-  launch_sample(logits_, spec_.vocab, result_dev_ + pos % kResultRing, a, sample_work_, sample_dev_, io_dev_,
-                res_.stream);
+  launch_sample(logits_, spec_.vocab, result_dev_ + pos % kResultRing, device_sample_args(p, u, vocab), sample_work_,
+                sample_dev_, io_dev_, res_.stream);
   after_launch();
   finish_decode(pos);  // the sync; every logit NaN throws here
   const SampleResult r = *sample_host_;
-  if (r.status == kSampleNoCandidate) {
-    io_shadow_valid_ = false;
-    throw NonFiniteLogits("sampling: every logit is NaN or -inf: nothing to sample");
-  }
-  if (r.status == kSampleOnHost) {  // io_dev_ still holds the argmax, as finish_decode's shadow says
-    CUDA_CHECK(cudaMemcpy(logits, logits_, spec_.vocab * sizeof(float), cudaMemcpyDefault));
-    return sample_logits(logits, vocab, p, u);
-  }
-  io_shadow_ = DecodeIO{r.token, pos + 1};
-  return r.token;
+  // A drawn token is in io_dev_ for the next step; otherwise io_dev_ still holds the argmax, as finish_decode's shadow
+  // says (a row of nothing but NaN and -inf leaves the shadow unused).
+  if (r.status == kSampleNoCandidate) io_shadow_valid_ = false;
+  if (r.status == kSampleDrawn) io_shadow_ = DecodeIO{r.token, pos + 1};
+  return draw_result(r, p, u, logits_, logits, false, vocab);
 }
 
 void CudaBackend::forward_token_debug(int32_t token, int pos, float* hidden, float* logits) {

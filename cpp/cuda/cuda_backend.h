@@ -228,6 +228,16 @@ class CudaBackend final : public Backend {
   // forward_batch in two halves: the step (and the logits' copy when `logits` is set) queued; the wait and the argmax.
   void enqueue_forward_batch(const int32_t* tokens, const int32_t* slots, const int32_t* pos, int n, float* logits);
   void finish_forward_batch(int n, ArgmaxResult* out);
+  // Sampled draws on the device (sampling.cu): whether the device takes p (every top_k up to kSampleMaxTopK; one of
+  // the whole vocabulary or more is off), launch_sample's arguments for it, and a finished draw's token: its own, or
+  // sample_logits over the row where the device left the draw to the host (the row copied from dev_row into `row`
+  // unless row_copied); every logit NaN or -inf throws.
+  static bool device_draws(const SamplingParams& p, int64_t vocab) {
+    return p.top_k <= kSampleMaxTopK || p.top_k >= vocab;
+  }
+  static SampleArgs device_sample_args(const SamplingParams& p, double u, int64_t vocab);
+  static int64_t draw_result(const SampleResult& r, const SamplingParams& p, double u, const float* dev_row, float* row,
+                             bool row_copied, int64_t vocab);
   void enqueue_batch(int n, const int32_t* io);
   void enqueue_batch_group_mma(int m, int g0, int n, const int32_t* io, cudaStream_t st);
   void enqueue_batch_lm_head(int m, int g0, const float* x, cudaStream_t st);

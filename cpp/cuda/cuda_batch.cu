@@ -156,19 +156,14 @@ void CudaBackend::forward_batch_sample(const int32_t* tokens, const int32_t* slo
   for (int i = 0; i < n; ++i)
     if (params[i].temperature > 0) {
       check_sampling_args(params[i], u[i]);
-      host_rows |= params[i].top_k > kSampleMaxTopK && params[i].top_k < vocab;
+      host_rows |= !device_draws(params[i], vocab);
     }
   const bool copied = copy_logits || host_rows;
   enqueue_forward_batch(tokens, slots, pos, n, copied ? logits : nullptr);
+  auto dev_row = [&](int i) { return batch_logits_ + static_cast<size_t>(i) * spec_.vocab; };
   for (int i = 0; i < n; ++i) {
-    const SamplingParams& p = params[i];
-    if (!(p.temperature > 0) || (p.top_k > kSampleMaxTopK && p.top_k < vocab)) continue;
-    SampleArgs a;
-    a.inv_t = static_cast<float>(1.0 / p.temperature);
-    a.top_k = p.top_k < vocab ? static_cast<int>(p.top_k) : 0;
-    a.top_p = p.top_p;
-    a.u = u[i];
-    launch_sample(batch_logits_ + static_cast<size_t>(i) * spec_.vocab, spec_.vocab, batch_result_dev_ + i, a,
+    if (!(params[i].temperature > 0) || !device_draws(params[i], vocab)) continue;
+    launch_sample(dev_row(i), spec_.vocab, batch_result_dev_ + i, device_sample_args(params[i], u[i], vocab),
                   sample_work_, sample_dev_ + i, nullptr, res_.stream);
     after_launch();
   }
@@ -177,20 +172,9 @@ void CudaBackend::forward_batch_sample(const int32_t* tokens, const int32_t* slo
     const SamplingParams& p = params[i];
     if (!(p.temperature > 0)) continue;
     float* row = logits + static_cast<size_t>(i) * vocab;
-    if (p.top_k > kSampleMaxTopK && p.top_k < vocab) {
-      out[i].token = static_cast<uint32_t>(sample_logits(row, vocab, p, u[i]));
-      continue;
-    }
-    const SampleResult r = sample_host_[i];
-    if (r.status == kSampleNoCandidate) throw NonFiniteLogits("sampling: every logit is NaN or -inf: nothing to sample");
-    if (r.status == kSampleOnHost) {
-      if (!copied)
-        CUDA_CHECK(cudaMemcpy(row, batch_logits_ + static_cast<size_t>(i) * spec_.vocab, vocab * sizeof(float),
-                              cudaMemcpyDefault));
-      out[i].token = static_cast<uint32_t>(sample_logits(row, vocab, p, u[i]));
-      continue;
-    }
-    out[i].token = static_cast<uint32_t>(r.token);
+    out[i].token = static_cast<uint32_t>(device_draws(p, vocab)
+                                             ? draw_result(sample_host_[i], p, u[i], dev_row(i), row, copied, vocab)
+                                             : sample_logits(row, vocab, p, u[i]));
   }
 }
 

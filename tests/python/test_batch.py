@@ -12,6 +12,7 @@ from metalattn.errors import (ContextChangedError, ContextOverflowError, Invalid
                               TokenError)
 
 from test_architectures import CASES, isas, rel_l2
+from test_sampling import host_could_draw
 
 ROW_REL_L2 = 1e-5  # a batch row against the same token decoded alone: same kernels, only summation order differs
 
@@ -216,10 +217,7 @@ def test_single_sequence_calls_between_steps_end_the_slot_zero_sequence(real_mod
 @pytest.mark.skipif(not (_core.cuda_compiled() and _core.cuda_device_count() > 0), reason="no CUDA device")
 def test_cuda_batch_rows_equal_cpu(synthetic_factory):
     path = synthetic_factory(quant="q4_0", embd_quant="q8_0", seed=15, head_dim=32)
-    try:
-        g = metalattn.load(path, device="cuda", n_ctx=64, n_seq=3)
-    except MetalattnError as e:
-        pytest.skip(f"CUDA batching: {e}")
+    g = load_cuda_batching(path, n_ctx=64, n_seq=3)
     c = metalattn.load(path, device="cpu", n_ctx=64, n_seq=3)
     rng = np.random.default_rng(4)
     for s, n in enumerate([3, 9, 1]):
@@ -261,26 +259,31 @@ def check_batch_draws(engine, rows, rounding):
                 continue
             assert rounding, f"row {i}: drew {ids[i]}, the host {want}"
             differ += 1
-            lo = _core.sample_logits(logits[i], t, k, p - 1e-6 if p < 1 else p, max(0.0, us[i] - 1e-6))
-            hi = _core.sample_logits(logits[i], t, k, min(1.0, p + 1e-6), min(0.9999999, us[i] + 1e-6))
-            if (k == 0 or k >= len(logits[i])) and p == 1.0:
-                place = {x: x for x in (lo, ids[i], hi)}
-            else:
-                rank = np.empty(len(logits[i]), np.int64)
-                rank[np.lexsort((np.arange(len(logits[i])), -logits[i]))] = np.arange(len(logits[i]))
-                place = {x: rank[x] for x in (lo, ids[i], hi)}
-            assert place[lo] <= place[ids[i]] <= place[hi], f"row {i}: drew {ids[i]}, the host {want}"
+            assert host_could_draw(logits[i], t, k, p, us[i], ids[i]), f"row {i}: drew {ids[i]}, the host {want}"
     assert differ <= 2
 
 
 BATCH_DRAWS = [(0.0, 0, 1.0), (1.0, 0, 1.0), (0.8, 40, 1.0), (1.0, 0, 0.9), (0.7, 2000, 0.95), (1.2, 30, 0.8)]
 
 
+def prompt_slots(engine, n):
+    """Slots 0 .. n-1 each holding a random prompt of 2 + slot tokens."""
+    rng = np.random.default_rng(3)
+    for s in range(n):
+        engine.forward_prompt_slot(s, rng.integers(0, engine.vocab_size, size=2 + s).astype(np.int32), False)
+
+
+def load_cuda_batching(path, **kw):
+    """The model on CUDA, or a skip where the device cannot hold its sequence slots."""
+    try:
+        return metalattn.load(path, device="cuda", **kw)
+    except MetalattnError as e:
+        pytest.skip(f"CUDA batching: {e}")
+
+
 def test_batch_rows_draw_what_sample_draws(synthetic_factory):
     m = metalattn.load(synthetic_factory(quant="q4_0", seed=15, head_dim=32), device="cpu", n_ctx=64, n_seq=6)
-    rng = np.random.default_rng(3)
-    for s in range(6):
-        m._engine.forward_prompt_slot(s, rng.integers(0, m.vocab_size, size=2 + s).astype(np.int32), False)
+    prompt_slots(m._engine, 6)
     check_batch_draws(m._engine, BATCH_DRAWS, rounding=False)
     # Bad sampling settings of a drawn row are refused before the step runs; a greedy row's are not read.
     before = [m._engine.slot_pos(s) for s in range(6)]
@@ -299,14 +302,9 @@ def test_batch_rows_draw_what_sample_draws(synthetic_factory):
 
 @pytest.mark.skipif(not (_core.cuda_compiled() and _core.cuda_device_count() > 0), reason="no CUDA device")
 def test_cuda_batch_rows_draw_on_the_device(synthetic_factory):
-    path = synthetic_factory(quant="q4_0", embd_quant="q8_0", seed=15, head_dim=32)
-    try:
-        g = metalattn.load(path, device="cuda", n_ctx=64, n_seq=6)
-    except MetalattnError as e:
-        pytest.skip(f"CUDA batching: {e}")
-    rng = np.random.default_rng(3)
-    for s in range(6):
-        g._engine.forward_prompt_slot(s, rng.integers(0, g.vocab_size, size=2 + s).astype(np.int32), False)
+    g = load_cuda_batching(synthetic_factory(quant="q4_0", embd_quant="q8_0", seed=15, head_dim=32), n_ctx=64,
+                           n_seq=6)
+    prompt_slots(g._engine, 6)
     check_batch_draws(g._engine, BATCH_DRAWS, rounding=True)
     # Without logits back the same draws: the device's (the host's for the top_k past 1,024).
     for s in range(6):

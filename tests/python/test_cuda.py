@@ -7,6 +7,8 @@ import pytest
 import metalattn
 from metalattn import _core
 
+from test_sampling import host_could_draw
+
 pytestmark = pytest.mark.skipif(not (_core.cuda_compiled() and _core.cuda_device_count() > 0),
                                 reason="no CUDA device (or this build has no CUDA backend)")
 
@@ -79,19 +81,8 @@ def test_sampled_decoding_draws_on_the_device(pair):
             u = rng.random()
             want = _core.sample_logits(logits, *args, u)
             if want != tok:
-                # Right only between the host's draws at (u, top_p) -/+ 1e-6, in the order of the draw: token ids
-                # without a filter, else larger logit first (the lower id among equal ones).
                 boundary += 1
-                t, k, p = args
-                lo = _core.sample_logits(logits, t, k, p - 1e-6 if p < 1 else p, max(0.0, u - 1e-6))
-                hi = _core.sample_logits(logits, t, k, min(1.0, p + 1e-6), min(0.9999999, u + 1e-6))
-                if (args[1] == 0 or args[1] >= len(logits)) and args[2] == 1.0:  # no filter: token-id order
-                    place = {t: t for t in (lo, tok, hi)}
-                else:
-                    rank = np.empty(len(logits), np.int64)
-                    rank[np.lexsort((np.arange(len(logits)), -logits))] = np.arange(len(logits))
-                    place = {t: rank[t] for t in (lo, tok, hi)}
-                assert place[lo] <= place[tok] <= place[hi], f"step {i}: the device drew {tok}, the host {want} ({kw})"
+                assert host_could_draw(logits, *args, u, tok), f"step {i}: drew {tok}, the host {want} ({kw})"
             if i + 1 < len(got):
                 logits = gpu._engine.forward_token(tok)
         assert boundary <= 2, kw

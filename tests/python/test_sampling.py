@@ -157,14 +157,21 @@ def test_log_probs_match_the_float64_log_softmax():
         _core.log_probs(np.full(4, np.nan, dtype=np.float32), 0, 2)
 
 
-class FixedUniform:
-    """A stand-in generator whose random() returns the given uniform."""
+def host_could_draw(logits, temperature, top_k, top_p, u, token) -> bool:
+    """Whether a device's draw `token` (the GPU sums its weights with expf and in other orders than the host) is one
+    the host's sample_logits draws at (u, top_p) within 1e-6: between its draws at both ends, in the draw's order
+    (token ids without a filter, else larger logit first, the lower id among equal ones); both move the draw one
+    way. A draw equal to the host's at (u, top_p) passes too."""
+    from metalattn import _core
 
-    def __init__(self, u):
-        self.u = u
-
-    def random(self):
-        return self.u
+    x = np.ascontiguousarray(logits, dtype=np.float32)
+    lo = _core.sample_logits(x, temperature, top_k, top_p - 1e-6 if top_p < 1 else top_p, max(0.0, u - 1e-6))
+    hi = _core.sample_logits(x, temperature, top_k, min(1.0, top_p + 1e-6), min(0.9999999, u + 1e-6))
+    if (top_k == 0 or top_k >= x.size) and top_p == 1.0:
+        return lo <= token <= hi
+    rank = np.empty(x.size, np.int64)
+    rank[np.lexsort((np.arange(x.size), -x))] = np.arange(x.size)
+    return rank[lo] <= rank[token] <= rank[hi]
 
 
 def replay_sampled(model, ids, seed, max_tokens, temperature, top_k=0, top_p=1.0):
@@ -212,4 +219,4 @@ def test_forward_token_sample_checks_its_arguments(synthetic_factory):
     logits = model.forward_token(5)
     model.reset()
     assert model.forward_token_sample(5, 0.4, temperature=0.8, top_k=30) == sample(
-        logits, FixedUniform(0.4), 0.8, 30, 1.0)
+        logits, GridRng([0.4]), 0.8, 30, 1.0)
