@@ -232,8 +232,11 @@ CudaBackend::CudaBackend(const ModelSpec& spec, const ModelWeights& w, bool debu
   io_host_ = pinned_alloc<DecodeIO>(1, cudaHostAllocDefault);
   result_host_ = pinned_alloc<ArgmaxResult>(kResultRing, cudaHostAllocMapped);
   result_dev_ = device_alias(result_host_);
-  sample_work_ = device_alloc<uint8_t>(sample_work_bytes(), mem_.scratch);
-  CUDA_CHECK(cudaMemsetAsync(sample_work_, 0, sample_work_bytes(), res_.stream));
+  {
+    const size_t works = static_cast<size_t>(std::max(1, std::min(spec.n_seq, kSampleMaxRows)));  // a batch's rows
+    sample_work_ = device_alloc<uint8_t>(works * sample_work_bytes(), mem_.scratch);
+    CUDA_CHECK(cudaMemsetAsync(sample_work_, 0, works * sample_work_bytes(), res_.stream));
+  }
   sample_host_ = pinned_alloc<SampleResult>(std::max(1, spec.n_seq), cudaHostAllocMapped);
   sample_dev_ = device_alias(sample_host_);
 

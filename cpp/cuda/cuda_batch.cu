@@ -1,6 +1,8 @@
 // CUDA backend: batched decode (forward_batch), rows of several sequences in their own cache slots.
 
+#include <algorithm>
 #include <cstring>
+#include <vector>
 
 #include "cuda/cuda_backend.h"
 #include "engine/sampling.h"
@@ -146,9 +148,9 @@ void CudaBackend::forward_batch(const int32_t* tokens, const int32_t* slots, con
   finish_forward_batch(n, out);
 }
 
-// The batch step, then the draw of each sampled row on the device (launch_sample over the row's logits and argmax,
-// one row after another: they share the draw's scratch), one wait for all; a row the device leaves to the host (and
-// a top_k past kSampleMaxTopK) is drawn from its logits copied back.
+// The batch step, then the draw of every sampled row on the device (launch_sample_rows: up to kSampleMaxRows rows a
+// launch set, a grid row each), one wait for all; a row the device leaves to the host (and a top_k past
+// kSampleMaxTopK) is drawn from its logits copied back.
 void CudaBackend::forward_batch_sample(const int32_t* tokens, const int32_t* slots, const int32_t* pos, int n,
                                        const SamplingParams* params, const double* u, float* logits, bool copy_logits,
                                        int64_t vocab, ArgmaxResult* out) {
@@ -161,10 +163,16 @@ void CudaBackend::forward_batch_sample(const int32_t* tokens, const int32_t* slo
   const bool copied = copy_logits || host_rows;
   enqueue_forward_batch(tokens, slots, pos, n, copied ? logits : nullptr);
   auto dev_row = [&](int i) { return batch_logits_ + static_cast<size_t>(i) * spec_.vocab; };
+  std::vector<SampleArgs> args(n, SampleArgs{0.f, 0, 1.0, 0.0});  // inv_t 0: the row is not drawn on the device
+  bool any = false;
   for (int i = 0; i < n; ++i) {
     if (!(params[i].temperature > 0) || !device_draws(params[i], vocab)) continue;
-    launch_sample(dev_row(i), spec_.vocab, batch_result_dev_ + i, device_sample_args(params[i], u[i], vocab),
-                  sample_work_, sample_dev_ + i, nullptr, res_.stream);
+    args[i] = device_sample_args(params[i], u[i], vocab);
+    any = true;
+  }
+  for (int g0 = 0; any && g0 < n; g0 += kSampleMaxRows) {
+    launch_sample_rows(dev_row(g0), spec_.vocab, spec_.vocab, std::min(kSampleMaxRows, n - g0), batch_result_dev_ + g0,
+                       args.data() + g0, sample_work_, sample_dev_ + g0, nullptr, res_.stream);
     after_launch();
   }
   finish_forward_batch(n, out);

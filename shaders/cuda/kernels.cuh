@@ -737,7 +737,7 @@ int argmax_partials_needed(const DevMatrix& lm_head);
 // Sampled decoding's draw (sampling.cu): the token that uniform u draws from x[0..n) under sample_logits's semantics
 // (cpp/engine/sampling.h), given the row's argmax `best` (as launch_argmax or the lm_head leave it; device or mapped
 // memory). Writes *out (token and status) and, where drawn, io->token (io may be null). Status kSampleOnHost: the host
-// draws from the row instead (more than 4,096 logits within 2^-15 of each other at the top_k / top_p cut);
+// draws from the row instead (more than 4,096 logits within 2^-13 of each other at the top_k / top_p cut);
 // kSampleNoCandidate: every logit NaN or -inf. Up to four launches; `work` is sample_work_bytes() of device memory,
 // zeroed once before the first launch (every launch leaves it so). top_k up to kSampleMaxTopK (0 or >= n: off).
 constexpr int kSampleMaxTopK = 1024;
@@ -755,6 +755,13 @@ struct SampleResult {
 size_t sample_work_bytes();
 void launch_sample(const float* x, int n, const ArgmaxResult* best, const SampleArgs& a, void* work,
                    SampleResult* out, DecodeIO* io, cudaStream_t s);
+// Up to kSampleMaxRows rows drawn in one launch set (a grid row each): row y of x (stride floats apart) with args[y]
+// (inv_t 0: skipped), its argmax best[y], into out[y], with the y-th of `rows` work areas (each sample_work_bytes());
+// io only for a single row. The same draws as launch_sample on each row (the draws do not depend on the order of
+// the kernels' atomics: a seeded draw is the same every run).
+constexpr int kSampleMaxRows = 16;
+void launch_sample_rows(const float* x, int n, int64_t stride, int rows, const ArgmaxResult* best,
+                        const SampleArgs* args, void* work, SampleResult* out, DecodeIO* io, cudaStream_t s);
 
 // ------------------------------------------------------------------ prefill launches (prefill.cu)
 // A prompt chunk runs layer by layer: the projections on tensor cores straight from the quantized weights

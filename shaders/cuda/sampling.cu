@@ -7,10 +7,10 @@
 // part (a done-counter, as the argmax's); the later ones return at once when an earlier one decided:
 //  1. pass1: every chunk's weight exp((x - max) / T) (double) and its last token with weight. No filter: its last
 //     block draws (the chunk where the running weight passes u x total, then the token inside it). With a filter also
-//     a histogram (count and weight) of the top 12 bits of each logit's order key, and its last block finds the bin
+//     a histogram (count and weight) of the top 11 bits of each logit's order key, and its last block finds the bin
 //     where the selection ends: the K-th largest logit (top_k), or the logit where the weight from the top reaches
 //     top_p of the total (top_p alone). The logits from that bin up become the candidates if at most kMaxCands; else
-//  2. pass2 refines that bin by the next 12 key bits, and decides the same way.
+//  2. pass2 refines that bin by the next 11 key bits, and decides the same way.
 //  3. collect: the candidates into a list; its last block sorts them (larger logit first, the lower id among equal
 //     ones) and applies top_k, top_p and the draw in that order, as sample_logits does. A top_p nucleus of more than
 //     the 1,024 largest logits is drawn in token-id order instead (sample_logits's flat-row path): the list then gives
@@ -25,6 +25,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <string>
 
 #include "cuda/cuda_check.h"
 #include "kernels.cuh"
@@ -34,7 +35,14 @@ namespace {
 
 constexpr int kThreads = 256;
 constexpr int kMaxChunks = 128;      // blocks of a pass (one wave)
-constexpr int kBins = 4096;          // 12 key bits a histogram pass
+constexpr int kBinBits = 11;
+constexpr int kBins = 1 << kBinBits;  // 11 key bits a histogram pass (the top 11, then the next 11)
+constexpr int kBinsPerThread = kBins / kThreads;
+constexpr int kShift1 = 32 - kBinBits, kShift2 = 32 - 2 * kBinBits;  // a key's pass-1 bin: key >> kShift1
+// Weights are summed in the histograms as 2^-40 fixed point: integer sums do not depend on the order of the atomic
+// adds, so a seeded draw is the same every run (float atomics changed the cut at rounding boundaries run to run). A
+// weight is at most 1 (the largest logit's), so 2^23 logits sum below 2^63; each loses under 2^-40 of its value.
+constexpr double kMassScale = 1099511627776.0;  // 2^40
 constexpr int kMaxCands = 4096;      // candidates one block sorts in shared memory (32 KB)
 constexpr int kCollectThreads = 1024;  // the collect kernel's blocks: its last one sorts the list
 constexpr int kPerThread = kMaxCands / kCollectThreads;
@@ -48,8 +56,8 @@ enum Stage : int { kStageNone = 0, kStageRefine = 1, kStageCollect = 2, kStageIn
 struct Work {
   double chunk_sum[kMaxChunks];
   int chunk_last[kMaxChunks];
-  unsigned int count[kBins];  // the current pass's histogram: logits a bin
-  double mass[kBins];         // and their weight
+  unsigned int count[kBins];      // the current pass's histogram: logits a bin
+  unsigned long long mass[kBins];  // and their weight, fixed point (kMassScale)
   unsigned long long cand[kMaxCands];
   double total;               // the whole row's weight
   double mass_above;          // the logits above the current bin (all passes so far): their weight
@@ -89,6 +97,9 @@ __device__ __forceinline__ float key_value(unsigned int k) {
 }
 __device__ __forceinline__ float weight(float v, float m, float inv_t) {
   return isnan(v) ? 0.f : expf((v - m) * inv_t);
+}
+__device__ __forceinline__ unsigned long long fixed_mass(float w) {
+  return static_cast<unsigned long long>(static_cast<double>(w) * kMassScale);
 }
 
 // Inclusive scan over the block's threads (thread order); `sm` holds 32 values.
@@ -188,9 +199,9 @@ __device__ __forceinline__ float cut_weight(const Row& r, int i, float m, float 
 
 // The last block of pass1 (level 1) or pass2 (level 2): the cut's bin from this pass's histogram, and what comes next.
 // The bin is where the running count from the top bin first reaches K (top_k), or the running weight reaches top_p of
-// the row's weight `total` (top_p alone); each thread loads 16 bins at once (thread t: bins [kBins - 16 (t + 1),
-// kBins - 16 t), the top first) and the block scans their sums. Where rounding leaves no bin reaching it: the lowest
-// bin holding a logit.
+// the row's weight `total` (top_p alone); each thread loads kBinsPerThread bins at once (thread t: bins
+// [kBins - kBinsPerThread (t + 1), kBins - kBinsPerThread t), the top first) and the block scans their sums. Where
+// rounding leaves no bin reaching it: the lowest bin holding a logit.
 __device__ void choose(const Row& r, const SampleArgs& a, Work* w, int level, double total, SampleResult* out,
                        DecodeIO* io) {
   __shared__ unsigned int usm[32];
@@ -200,15 +211,15 @@ __device__ void choose(const Row& r, const SampleArgs& a, Work* w, int level, do
   const bool by_mass = r.k == 0;
   const unsigned int above0 = level == 1 ? 0u : w->count_above;
   const double mass0 = level == 1 ? 0.0 : w->mass_above;
-  const int hi = kBins - 16 * static_cast<int>(threadIdx.x);
-  unsigned int cnt[16];
-  double ms[16];
+  const int hi = kBins - kBinsPerThread * static_cast<int>(threadIdx.x);
+  unsigned int cnt[kBinsPerThread];
+  double ms[kBinsPerThread];
   unsigned int csum = 0;
   double msum = 0;
 #pragma unroll
-  for (int q = 0; q < 16; ++q) {
+  for (int q = 0; q < kBinsPerThread; ++q) {
     cnt[q] = __ldcg(&w->count[hi - 1 - q]);
-    ms[q] = by_mass ? __ldcg(&w->mass[hi - 1 - q]) : 0.0;
+    ms[q] = by_mass ? static_cast<double>(__ldcg(&w->mass[hi - 1 - q])) / kMassScale : 0.0;
     csum += cnt[q];
     msum += ms[q];
   }
@@ -226,7 +237,7 @@ __device__ void choose(const Row& r, const SampleArgs& a, Work* w, int level, do
   double acc_m = mincl - msum;
   if (by_mass ? (acc_m < want_m && mincl >= want_m) : (acc_c < want_c && cincl >= want_c)) {
 #pragma unroll
-    for (int q = 0; q < 16; ++q) {
+    for (int q = 0; q < kBinsPerThread; ++q) {
       if (by_mass ? acc_m + ms[q] >= want_m : acc_c + cnt[q] >= want_c) {
         s_bin = hi - 1 - q;
         s_above = acc_c;
@@ -242,11 +253,11 @@ __device__ void choose(const Row& r, const SampleArgs& a, Work* w, int level, do
   if (s_bin == kBins) {  // rounding: the lowest bin holding a logit
     int low = kBins;
 #pragma unroll
-    for (int q = 0; q < 16; ++q)
+    for (int q = 0; q < kBinsPerThread; ++q)
       if (cnt[q] != 0u) low = hi - 1 - q;
     low = block_min(low, reinterpret_cast<int*>(usm));
 #pragma unroll
-    for (int q = 0; q < 16; ++q)
+    for (int q = 0; q < kBinsPerThread; ++q)
       if (hi - 1 - q == low) {
         s_bin = low;
         s_in_bin = cnt[q];
@@ -257,12 +268,12 @@ __device__ void choose(const Row& r, const SampleArgs& a, Work* w, int level, do
   }
   for (int b = threadIdx.x; b < kBins; b += kThreads) {
     w->count[b] = 0u;
-    w->mass[b] = 0.0;
+    w->mass[b] = 0ull;
   }
   if (threadIdx.x != 0) return;
   const unsigned int bin = s_bin, above = s_above, in_bin = s_in_bin;
-  const unsigned int lo = level == 1 ? bin << 20 : (w->prefix << 20) | (bin << 8);
-  const unsigned int hi_key = lo | (level == 1 ? 0xfffffu : 0xffu);
+  const unsigned int lo = level == 1 ? bin << kShift1 : (w->prefix << kShift1) | (bin << kShift2);
+  const unsigned int hi_key = lo | ((1u << (level == 1 ? kShift1 : kShift2)) - 1u);
   w->count_above = above0 + above;
   w->mass_above = mass0 + s_mass_above;
   if (above0 + above + in_bin <= kMaxCands) {  // every candidate in the list
@@ -278,7 +289,7 @@ __device__ void choose(const Row& r, const SampleArgs& a, Work* w, int level, do
   } else if (level == 1) {
     w->stage = kStageRefine;
     w->prefix = bin;
-  } else {  // thousands of logits within 2^-15 of each other at the cut: the host orders them
+  } else {  // thousands of logits within 2^-13 of each other at the cut: the host orders them
     w->stage = kStageNone;
     finish(out, io, -1, kSampleOnHost);
   }
@@ -310,7 +321,7 @@ __device__ int walk_chunk(const Row& r, int c, float m, float inv_t, const Cut& 
 
 // Each block's chunk: its weight (under the cut) and last token with weight, into the work area.
 __device__ void chunk_weight(const Row& r, float m, float inv_t, const Cut& cut, Work* w, unsigned int* count,
-                             float* mass) {
+                             unsigned long long* mass) {
   __shared__ double dsm[32];
   __shared__ int ism[32];
   const int lo = blockIdx.x * r.chunk, hi = min(r.n, lo + r.chunk);
@@ -323,9 +334,9 @@ __device__ void chunk_weight(const Row& r, float m, float inv_t, const Cut& cut,
     if (count != nullptr) {
       const float v = r.x[i];
       if (!isnan(v)) {
-        const unsigned int b = order_key(v) >> 20;
+        const unsigned int b = order_key(v) >> kShift1;
         atomicAdd(&count[b], 1u);
-        if (r.k == 0) atomicAdd(&mass[b], wi);  // the weights only for a top_p cut
+        if (r.k == 0) atomicAdd(&mass[b], fixed_mass(wi));  // the weights only for a top_p cut
       }
     }
   }
@@ -360,16 +371,15 @@ __device__ double index_draw(const Row& r, float m, float inv_t, const Cut& cut,
   return total;
 }
 
-__global__ void __launch_bounds__(kThreads) sample_pass1(Row r, const ArgmaxResult* best, SampleArgs a, Work* w,
-                                                          SampleResult* out, DecodeIO* io) {
+__device__ void pass1_row(Row r, const ArgmaxResult* best, SampleArgs a, Work* w, SampleResult* out, DecodeIO* io) {
   __shared__ unsigned int count[kBins];
-  __shared__ float mass[kBins];
+  __shared__ unsigned long long mass[kBins];
   float m;
   if (!row_max(best, out, io, &m)) return;
   if (r.filtered) {
     for (int b = threadIdx.x; b < kBins; b += kThreads) {
       count[b] = 0u;
-      mass[b] = 0.f;
+      mass[b] = 0ull;
     }
     __syncthreads();
   }
@@ -380,7 +390,7 @@ __global__ void __launch_bounds__(kThreads) sample_pass1(Row r, const ArgmaxResu
     for (int b = threadIdx.x; b < kBins; b += kThreads)
       if (count[b] != 0u) {
         atomicAdd(&w->count[b], count[b]);
-        if (r.k == 0) atomicAdd(&w->mass[b], static_cast<double>(mass[b]));
+        if (r.k == 0) atomicAdd(&w->mass[b], mass[b]);
       }
   }
   if (!last_block(w)) return;
@@ -391,17 +401,16 @@ __global__ void __launch_bounds__(kThreads) sample_pass1(Row r, const ArgmaxResu
   choose(r, a, w, 1, total, out, io);
 }
 
-// The logits of pass1's bin by their next 12 key bits.
-__global__ void __launch_bounds__(kThreads) sample_pass2(Row r, const ArgmaxResult* best, SampleArgs a, Work* w,
-                                                          SampleResult* out, DecodeIO* io) {
+// The logits of pass1's bin by their next 11 key bits.
+__device__ void pass2_row(Row r, const ArgmaxResult* best, SampleArgs a, Work* w, SampleResult* out, DecodeIO* io) {
   __shared__ unsigned int count[kBins];
-  __shared__ float mass[kBins];
+  __shared__ unsigned long long mass[kBins];
   if (w->stage != kStageRefine) return;  // every block alike: no counter to keep
   const unsigned int prefix = w->prefix;
   const float m = best->value;
   for (int b = threadIdx.x; b < kBins; b += kThreads) {
     count[b] = 0u;
-    mass[b] = 0.f;
+    mass[b] = 0ull;
   }
   __syncthreads();
   const int lo = blockIdx.x * r.chunk, hi = min(r.n, lo + r.chunk);
@@ -409,25 +418,24 @@ __global__ void __launch_bounds__(kThreads) sample_pass2(Row r, const ArgmaxResu
     const float v = r.x[i];
     if (isnan(v)) continue;
     const unsigned int k = order_key(v);
-    if ((k >> 20) == prefix) {
-      const unsigned int b = (k >> 8) & (kBins - 1);
+    if ((k >> kShift1) == prefix) {
+      const unsigned int b = (k >> kShift2) & (kBins - 1);
       atomicAdd(&count[b], 1u);
-      if (r.k == 0) atomicAdd(&mass[b], weight(v, m, a.inv_t));
+      if (r.k == 0) atomicAdd(&mass[b], fixed_mass(weight(v, m, a.inv_t)));
     }
   }
   __syncthreads();
   for (int b = threadIdx.x; b < kBins; b += kThreads)
     if (count[b] != 0u) {
       atomicAdd(&w->count[b], count[b]);
-      if (r.k == 0) atomicAdd(&w->mass[b], static_cast<double>(mass[b]));
+      if (r.k == 0) atomicAdd(&w->mass[b], mass[b]);
     }
   if (!last_block(w)) return;
   choose(r, a, w, 2, w->total, out, io);
 }
 
 // The candidates, sorted; then top_k / top_p and the draw, as sample_logits does them.
-__global__ void __launch_bounds__(kCollectThreads) sample_collect(Row r, const ArgmaxResult* best, SampleArgs a,
-                                                                  Work* w, SampleResult* out, DecodeIO* io) {
+__device__ void collect_row(Row r, const ArgmaxResult* best, SampleArgs a, Work* w, SampleResult* out, DecodeIO* io) {
   __shared__ unsigned long long c[kMaxCands];
   __shared__ double dsm[32];
   __shared__ int ism[32];
@@ -552,8 +560,8 @@ __global__ void __launch_bounds__(kCollectThreads) sample_collect(Row r, const A
 }
 
 // A large top_p nucleus, in token-id order (sample_logits's flat-row path).
-__global__ void __launch_bounds__(kThreads) sample_index_draw(Row r, const ArgmaxResult* best, SampleArgs a, Work* w,
-                                                              SampleResult* out, DecodeIO* io) {
+__device__ void index_draw_row(Row r, const ArgmaxResult* best, SampleArgs a, Work* w, SampleResult* out,
+                               DecodeIO* io) {
   if (w->stage != kStageIndexDraw) return;
   const float m = best->value;
   const Cut cut{true, w->key_cut, w->id_cut};
@@ -563,33 +571,86 @@ __global__ void __launch_bounds__(kThreads) sample_index_draw(Row r, const Argma
   if (threadIdx.x == 0) w->stage = kStageNone;
 }
 
+// A launch's rows: grid row y draws from x + y * stride with a[y] (inv_t 0: the row is skipped), its argmax best[y],
+// into out[y], with work[y]; io (single-row launches) takes the drawn token.
+struct Launch {
+  const float* x;
+  int64_t stride;
+  int n;
+  int chunk;
+  const ArgmaxResult* best;
+  Work* work;
+  SampleResult* out;
+  DecodeIO* io;
+  SampleArgs a[kSampleMaxRows];
+};
+
+template <void (*F)(Row, const ArgmaxResult*, SampleArgs, Work*, SampleResult*, DecodeIO*)>
+__device__ __forceinline__ void for_row(const Launch& L) {
+  const int y = blockIdx.y;
+  const SampleArgs a = L.a[y];
+  if (!(a.inv_t > 0.f)) return;
+  Row r;
+  r.x = L.x + y * L.stride;
+  r.n = L.n;
+  r.chunk = L.chunk;
+  r.k = a.top_k > 0 && a.top_k < L.n ? a.top_k : 0;
+  r.filtered = r.k > 0 || a.top_p < 1.0;
+  F(r, L.best + y, a, L.work + y, L.out + y, L.io);
+}
+
+__global__ void __launch_bounds__(kThreads) sample_pass1(Launch L) { for_row<pass1_row>(L); }
+__global__ void __launch_bounds__(kThreads) sample_pass2(Launch L) { for_row<pass2_row>(L); }
+__global__ void __launch_bounds__(kCollectThreads) sample_collect(Launch L) { for_row<collect_row>(L); }
+__global__ void __launch_bounds__(kThreads) sample_index_draw(Launch L) { for_row<index_draw_row>(L); }
+
 }  // namespace
 
 size_t sample_work_bytes() { return sizeof(Work); }
 
-void launch_sample(const float* logits, int n, const ArgmaxResult* best, const SampleArgs& a, void* work,
-                   SampleResult* out, DecodeIO* io, cudaStream_t s) {
-  if (n < 1 || !(a.inv_t > 0.f) || !(a.top_p > 0.0 && a.top_p <= 1.0) || !(a.u >= 0.0 && a.u < 1.0) || a.top_k < 0 ||
-      a.top_k > kSampleMaxTopK)
-    throw EngineError("launch_sample: bad arguments");
-  Row r;
-  r.x = logits;
-  r.n = n;
-  r.chunk = kThreads * std::max(4, (n + kThreads * kMaxChunks - 1) / (kThreads * kMaxChunks));
-  r.k = a.top_k > 0 && a.top_k < n ? a.top_k : 0;
-  r.filtered = r.k > 0 || a.top_p < 1.0;
-  const int grid = (n + r.chunk - 1) / r.chunk;
-  Work* w = static_cast<Work*>(work);
-  sample_pass1<<<grid, kThreads, 0, s>>>(r, best, a, w, out, io);
+void launch_sample_rows(const float* x, int n, int64_t stride, int rows, const ArgmaxResult* best,
+                        const SampleArgs* args, void* work, SampleResult* out, DecodeIO* io, cudaStream_t s) {
+  if (n < 1 || rows < 1 || rows > kSampleMaxRows || (io != nullptr && rows != 1))
+    throw EngineError("launch_sample: 1 to " + std::to_string(kSampleMaxRows) + " rows (io with one row only)");
+  Launch L;
+  L.x = x;
+  L.stride = stride;
+  L.n = n;
+  L.chunk = kThreads * std::max(4, (n + kThreads * kMaxChunks - 1) / (kThreads * kMaxChunks));
+  L.best = best;
+  L.work = static_cast<Work*>(work);
+  L.out = out;
+  L.io = io;
+  bool filtered = false, nucleus = false;  // some row with top_k or top_p; some with top_p alone
+  for (int y = 0; y < kSampleMaxRows; ++y) L.a[y] = SampleArgs{0.f, 0, 1.0, 0.0};
+  for (int y = 0; y < rows; ++y) {
+    const SampleArgs& a = args[y];
+    L.a[y] = a;
+    if (a.inv_t == 0.f) continue;  // skipped
+    if (!(a.inv_t > 0.f) || !(a.top_p > 0.0 && a.top_p <= 1.0) || !(a.u >= 0.0 && a.u < 1.0) || a.top_k < 0 ||
+        a.top_k > kSampleMaxTopK)
+      throw EngineError("launch_sample: bad arguments");
+    const bool top_k = a.top_k > 0 && a.top_k < n;
+    filtered |= top_k || a.top_p < 1.0;
+    nucleus |= !top_k && a.top_p < 1.0;
+  }
+  const dim3 grid((n + L.chunk - 1) / L.chunk, rows);
+  sample_pass1<<<grid, kThreads, 0, s>>>(L);
   CUDA_CHECK(cudaGetLastError());
-  if (!r.filtered) return;
-  sample_pass2<<<grid, kThreads, 0, s>>>(r, best, a, w, out, io);
+  if (!filtered) return;
+  sample_pass2<<<grid, kThreads, 0, s>>>(L);
   CUDA_CHECK(cudaGetLastError());
-  sample_collect<<<grid, kCollectThreads, 0, s>>>(r, best, a, w, out, io);
+  sample_collect<<<grid, kCollectThreads, 0, s>>>(L);
   CUDA_CHECK(cudaGetLastError());
-  if (r.k > 0) return;
-  sample_index_draw<<<grid, kThreads, 0, s>>>(r, best, a, w, out, io);
+  if (!nucleus) return;
+  sample_index_draw<<<grid, kThreads, 0, s>>>(L);
   CUDA_CHECK(cudaGetLastError());
+}
+
+void launch_sample(const float* x, int n, const ArgmaxResult* best, const SampleArgs& a, void* work, SampleResult* out,
+                   DecodeIO* io, cudaStream_t s) {
+  if (!(a.inv_t > 0.f)) throw EngineError("launch_sample: bad arguments");
+  launch_sample_rows(x, n, 0, 1, best, &a, work, out, io, s);
 }
 
 }  // namespace metalattn::cuda

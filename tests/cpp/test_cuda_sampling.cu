@@ -141,6 +141,62 @@ TEST(CudaSampling, DrawsWhatTheHostDraws) {
   EXPECT_GT(large_nucleus, 100) << "the rows should take the token-id-order nucleus often";
 }
 
+TEST(CudaSampling, RowsInOneLaunchDrawAsOneByOne) {
+  REQUIRE_GPU();
+  // Ten rows of a 151,936-token vocabulary in one launch set (a grid row each, as a batch step draws them) against
+  // each row drawn alone: the same kernels on the same data, so the same tokens; a row with inv_t 0 is not touched.
+  constexpr int kRows = 10, n = 151936;
+  std::vector<float> x;
+  for (int y = 0; y < kRows; ++y) {
+    std::vector<float> row = y % 3 == 1 ? random_vec(n, -0.01f, 0.01f) : llm_like_row(n);
+    if (y % 3 == 2)
+      for (float& v : row) v = std::round(v * 4.f) / 4.f;
+    x.insert(x.end(), row.begin(), row.end());
+  }
+  DevBuf<float> dx(x);
+  ArgmaxScratch am;
+  DevBuf<ArgmaxPartial> partials(static_cast<size_t>(kArgmaxMaxBlocks));
+  DevBuf<unsigned int> counter(1);
+  CUDA_CHECK(cudaMemset(counter.p, 0, sizeof(unsigned int)));
+  am.partials = partials.p;
+  am.counter = counter.p;
+  am.capacity = kArgmaxMaxBlocks;
+  DevBuf<ArgmaxResult> best(kRows);
+  for (int y = 0; y < kRows; ++y) launch_argmax(dx.p + static_cast<size_t>(y) * n, n, am, best.p + y, nullptr, nullptr);
+  const SampleArgs cases[] = {{1.f, 0, 1.0, 0.3},  {1.f / 0.7f, 40, 1.0, 0.6}, {1.f, 0, 0.9, 0.2},
+                              {1.f, 0, 0.95, 0.8}, {1.f / 1.3f, 5, 0.5, 0.9},  {0.f, 0, 1.0, 0.0},
+                              {1.f, 1024, 1.0, 0.5}, {1.f / 1.6f, 0, 0.9, 0.45}, {1.f, 1, 1.0, 0.99},
+                              {1.f, 40, 0.7, 0.05}};
+  std::vector<SampleArgs> args(cases, cases + kRows);
+  DevBuf<uint8_t> work(kRows * sample_work_bytes()), one_work(sample_work_bytes());
+  CUDA_CHECK(cudaMemset(work.p, 0, kRows * sample_work_bytes()));
+  CUDA_CHECK(cudaMemset(one_work.p, 0, sample_work_bytes()));
+  DevBuf<SampleResult> rows_out(kRows), one_out(1);
+  rows_out.poison();
+  launch_sample_rows(dx.p, n, n, kRows, best.p, args.data(), work.p, rows_out.p, nullptr, nullptr);
+  const std::vector<SampleResult> got = rows_out.download();
+  for (int y = 0; y < kRows; ++y) {
+    SCOPED_TRACE("row " + std::to_string(y));
+    if (args[y].inv_t == 0.f) {
+      EXPECT_EQ(got[y].token, -1) << "a skipped row's result must stay as it was";
+      continue;
+    }
+    launch_sample(dx.p + static_cast<size_t>(y) * n, n, best.p + y, args[y], one_work.p, one_out.p, nullptr, nullptr);
+    const SampleResult alone = one_out.download()[0];
+    EXPECT_EQ(got[y].status, alone.status);
+    EXPECT_EQ(got[y].token, alone.token);
+    EXPECT_EQ(got[y].status, kSampleDrawn);
+  }
+  // Rows from a second launch set reuse the work areas as the first left them.
+  launch_sample_rows(dx.p, n, n, kRows, best.p, args.data(), work.p, rows_out.p, nullptr, nullptr);
+  const std::vector<SampleResult> again = rows_out.download();
+  for (int y = 0; y < kRows; ++y)
+    if (args[y].inv_t != 0.f) EXPECT_EQ(again[y].token, got[y].token) << "row " << y;
+  EXPECT_THROW(launch_sample_rows(dx.p, n, n, kSampleMaxRows + 1, best.p, args.data(), work.p, rows_out.p, nullptr,
+                                  nullptr),
+               EngineError);
+}
+
 TEST(CudaSampling, SpecialRows) {
   REQUIRE_GPU();
   Sampler s;
