@@ -348,6 +348,24 @@ NB_MODULE(_core, m) {
            "token"_a, "temperature"_a, "top_k"_a, "top_p"_a, "u"_a,
            "Runs one token; returns the next token that the uniform u in [0, 1) draws from its logits (as "
            "sample_logits does; the CUDA backend draws on the GPU, 8 bytes back).")
+      .def("forward_tokens_sample",
+           [](PyEngine& p, int32_t token, int n, double temperature, int64_t top_k, double top_p, DoubleVector u) {
+             if (n < 1 || static_cast<size_t>(n) != u.shape(0))
+               throw EngineError("forward_tokens_sample: one uniform a step");
+             std::vector<int64_t> out(n);
+             int done = 0;
+             {
+               nb::gil_scoped_release release;
+               done = p.e().forward_tokens_sample(token, n, {temperature, top_k, top_p}, u.data(), out.data());
+             }
+             nb::list ids;
+             for (int i = 0; i < done; ++i) ids.append(out[i]);
+             return ids;
+           },
+           "token"_a, "n"_a, "temperature"_a, "top_k"_a, "top_p"_a, "u"_a,
+           "Up to n sampled steps from token, u[i] drawing step i's token (as forward_token_sample), each drawn token "
+           "fed to the next step on the device; returns the tokens of the steps done (n, or fewer where a draw had to "
+           "be made on the host: go on from the last one).")
       .def("forward_token_debug",
            [](PyEngine& p, int32_t token) {
              const auto& s = p.e().spec();

@@ -237,7 +237,7 @@ CudaBackend::CudaBackend(const ModelSpec& spec, const ModelWeights& w, bool debu
     sample_work_ = device_alloc<uint8_t>(works * sample_work_bytes(), mem_.scratch);
     CUDA_CHECK(cudaMemsetAsync(sample_work_, 0, works * sample_work_bytes(), res_.stream));
   }
-  sample_host_ = pinned_alloc<SampleResult>(std::max(1, spec.n_seq), cudaHostAllocMapped);
+  sample_host_ = pinned_alloc<SampleResult>(std::max(spec.n_seq, kResultRing), cudaHostAllocMapped);
   sample_dev_ = device_alias(sample_host_);
 
   // Prefill scratch.
@@ -464,6 +464,53 @@ int64_t CudaBackend::forward_token_sample(int32_t token, int pos, const Sampling
   if (r.status == kSampleNoCandidate) io_shadow_valid_ = false;
   if (r.status == kSampleDrawn) io_shadow_ = DecodeIO{r.token, pos + 1};
   return draw_result(r, p, u, logits_, logits, false, vocab);
+}
+
+// Every step's graph and draw queued before the first is waited on: step i's draw writes its token into io_dev_,
+// which step i + 1's graph reads, and its result into slot (pos + i) % kResultRing, so nothing crosses the bus between
+// the steps (as forward_tokens_greedy). A draw left to the host voids the steps after it: that step is run again on
+// its own (the same input at the same position writes the same K/V) and its token drawn from the row copied back.
+int CudaBackend::forward_tokens_sample(int32_t token, int pos, int n, const SamplingParams& p, const double* u,
+                                       float* logits, int64_t vocab, int64_t* out) {
+  if (n < 1 || n > kMaxGreedyRun)
+    throw EngineError("forward_tokens_sample: 1 to " + std::to_string(kMaxGreedyRun) + " steps at a time, not " +
+                      std::to_string(n));
+  if (pos + n > spec_.n_ctx)
+    throw EngineError("forward_tokens_sample: positions past the context of " + std::to_string(spec_.n_ctx));
+  for (int i = 0; i < n; ++i) check_sampling_args(p, u[i]);
+  if (p.top_k > kSampleMaxTopK && p.top_k < vocab)
+    return Backend::forward_tokens_sample(token, pos, n, p, u, logits, vocab, out);
+  set_io(token, pos);
+  io_shadow_valid_ = false;
+  SampleArgs a;
+  a.inv_t = static_cast<float>(1.0 / p.temperature);
+  a.top_k = p.top_k < vocab ? static_cast<int>(p.top_k) : 0;
+  a.top_p = p.top_p;
+  for (int i = 0; i < n; ++i) {
+    run_decode(pos + i);
+    a.u = u[i];
+    launch_sample(logits_, spec_.vocab, result_dev_ + (pos + i) % kResultRing, a, sample_work_,
+                  sample_dev_ + (pos + i) % kResultRing, io_dev_, res_.stream);
+    after_launch();
+  }
+  CUDA_CHECK(cudaStreamSynchronize(res_.stream));
+  for (int i = 0; i < n; ++i) {
+    const int slot = (pos + i) % kResultRing;
+    if (result_host_[slot].token == kNoIndex)  // the steps after it decoded a stale token: the whole run is void
+      throw NonFiniteLogits("argmax: every logit is NaN (decode step at position " + std::to_string(pos + i) + ")");
+    const SampleResult r = sample_host_[slot];
+    if (r.status == kSampleNoCandidate)
+      throw NonFiniteLogits("sampling: every logit is NaN or -inf: nothing to sample (decode step at position " +
+                            std::to_string(pos + i) + ")");
+    if (r.status == kSampleOnHost) {
+      out[i] = forward_token_sample(i == 0 ? token : static_cast<int32_t>(out[i - 1]), pos + i, p, u[i], logits, vocab);
+      return i + 1;
+    }
+    out[i] = r.token;
+  }
+  io_shadow_ = DecodeIO{static_cast<int32_t>(out[n - 1]), pos + n};
+  io_shadow_valid_ = true;
+  return n;
 }
 
 void CudaBackend::forward_token_debug(int32_t token, int pos, float* hidden, float* logits) {

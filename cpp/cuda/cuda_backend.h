@@ -114,6 +114,8 @@ class CudaBackend final : public Backend {
   void forward_token(int32_t token, int pos, float* logits) override;
   int64_t forward_token_sample(int32_t token, int pos, const SamplingParams& p, double u, float* logits,
                                int64_t vocab) override;
+  int forward_tokens_sample(int32_t token, int pos, int n, const SamplingParams& p, const double* u, float* logits,
+                            int64_t vocab, int64_t* out) override;
   void forward_batch_sample(const int32_t* tokens, const int32_t* slots, const int32_t* pos, int n,
                             const SamplingParams* params, const double* u, float* logits, bool copy_logits,
                             int64_t vocab, ArgmaxResult* out) override;
@@ -308,7 +310,9 @@ class CudaBackend final : public Backend {
   ArgmaxResult* result_host_ = nullptr;
   ArgmaxResult* result_dev_ = nullptr;   // its device alias
   void* sample_work_ = nullptr;          // forward_token_sample's device scratch (launch_sample)
-  SampleResult* sample_host_ = nullptr;  // mapped pinned [n_seq]: each draw's token and status (batch row i's in i)
+  // mapped pinned [max(n_seq, kResultRing)]: each draw's token and status (batch row i's in i; a run's step at position
+  // p in p % kResultRing)
+  SampleResult* sample_host_ = nullptr;
   SampleResult* sample_dev_ = nullptr;
   float *x_ = nullptr, *q_ = nullptr, *logits_ = nullptr, *hidden_ = nullptr;
   float* ffn_act_ = nullptr;  // [d_ff]: silu(gate) * up, the down projection's input

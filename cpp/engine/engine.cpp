@@ -82,6 +82,20 @@ int64_t Engine::forward_token_sample(int32_t token, const SamplingParams& p, dou
   return next;
 }
 
+int Engine::forward_tokens_sample(int32_t token, int n, const SamplingParams& p, const double* u, int64_t* out) {
+  check_tokens(&token, 1, 0);
+  if (n < 1 || n > Backend::kMaxGreedyRun)
+    throw TokenRangeError("forward_tokens_sample: n must be 1 to " + std::to_string(Backend::kMaxGreedyRun) +
+                          ", got " + std::to_string(n) + " (out of range)");
+  if (pos_[0] + n > spec_.n_ctx)
+    throw ContextOverflow(std::to_string(n) + " sampled steps at position " + std::to_string(pos_[0]) +
+                          " exceed the context of " + std::to_string(spec_.n_ctx) + " tokens");
+  sample_logits_.resize(static_cast<size_t>(spec_.vocab));
+  const int done = backend_->forward_tokens_sample(token, pos_[0], n, p, u, sample_logits_.data(), spec_.vocab, out);
+  pos_[0] += done;
+  return done;
+}
+
 void Engine::forward_token_debug(int32_t token, float* hidden, float* logits) {
   check_tokens(&token, 1, 0);
   backend_->forward_token_debug(token, pos_[0], hidden, logits);

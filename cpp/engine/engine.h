@@ -29,6 +29,9 @@ class Engine {
   void forward_token(int32_t token, float* logits);
   // One token, then the next drawn from its logits by the uniform u (Backend::forward_token_sample).
   int64_t forward_token_sample(int32_t token, const SamplingParams& p, double u);
+  // Up to n sampled steps from `token`, u[i] drawing step i (Backend::forward_tokens_sample): returns the steps done,
+  // their tokens in out; the position advances by that many.
+  int forward_tokens_sample(int32_t token, int n, const SamplingParams& p, const double* u, int64_t* out);
   void forward_token_debug(int32_t token, float* hidden, float* logits);
   ArgmaxResult forward_prompt(const int32_t* tokens, int n, float* last_logits, float* all_logits) {
     return forward_prompt_slot(0, tokens, n, last_logits, all_logits);

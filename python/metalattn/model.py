@@ -499,13 +499,15 @@ class Model:
         stats.prefill_seconds = t1 - t0
         out = TextStream(self.tokenizer, stops, max_tokens)
         index = 0
-        # Greedy decoding runs ahead: one engine call queues `run` steps (forward_tokens_greedy), whose tokens are
-        # then handed out one at a time; the run doubles from 4 to 64 so that the first tokens still come at once.
+        # Decoding runs ahead: one engine call queues `run` steps (forward_tokens_greedy, or forward_tokens_sample
+        # with the run's uniforms), whose tokens are then handed out one at a time; the run doubles from 4 to 64 so
+        # that the first tokens still come at once. Only logprobs decode token by token (the logits come back).
         # `hist` stays what the KV cache holds (the run fed all its tokens but the last), so a stream closed between
         # two chunks leaves a cache that reuse_prefix can use; the tokens handed out so far fill
         # len(hist) - len(ahead) positions, and a finished stream truncates the rest (a stop string or end-of-text
         # token inside a run).
         ahead = collections.deque()
+        spare = collections.deque()  # uniforms a sampled run drew and did not use, for the next steps in order
         run = 4
         while True:
             stats.generated_tokens = index + 1
@@ -525,14 +527,22 @@ class Model:
             if logprobs is not None:
                 token, lp, top = _choose(self._engine.forward_token(fed), greedy, rng, temperature, top_k, top_p,
                                          logprobs)
-            elif greedy:
+            else:
                 if not ahead:
                     # Steps that can still be used: the tokens max_tokens allows after this one, and the positions
                     # left in the context (fed goes to position len(hist) - 1).
                     k = min(run, max_tokens - index - 1, self.n_ctx - len(hist) + 1)
                     if k > 1:
                         try:
-                            got = self._engine.forward_tokens_greedy(fed, k)
+                            if greedy:
+                                got = self._engine.forward_tokens_greedy(fed, k)
+                            else:
+                                # A sampled run takes the uniforms the steps would take one by one, in order; a run
+                                # cut short (a draw made on the host) leaves its unused ones for the next steps.
+                                us = np.array([spare.popleft() if spare else rng.random() for _ in range(k)])
+                                got = self._engine.forward_tokens_sample(fed, k, float(temperature), int(top_k),
+                                                                         float(top_p), us)
+                                spare.extend(us[len(got):].tolist())
                             hist.extend(got[:-1])
                         except BaseException:
                             # A Ctrl-C lands as the run returns, before `got` holds its tokens: keep the cache
@@ -542,13 +552,13 @@ class Model:
                             raise
                         ahead.extend(got)
                         run = min(2 * run, 64)
-                    else:
+                    elif greedy:
                         ahead.append(self._engine.forward_token_greedy(fed))
+                    else:  # the draw where the logits are (on the GPU, 8 bytes back), from sample()'s uniform
+                        ahead.append(self._engine.forward_token_sample(fed, float(temperature), int(top_k),
+                                                                       float(top_p),
+                                                                       spare.popleft() if spare else rng.random()))
                 token = ahead.popleft()
-            else:
-                # The draw where the logits are (on the GPU, 8 bytes back), from the same uniform sample() takes.
-                token = self._engine.forward_token_sample(fed, float(temperature), int(top_k), float(top_p),
-                                                          float(rng.random()))
             index += 1
 
     def generate_batch(self, prompts: Sequence[Union[str, Sequence[int]]], max_tokens: int = 128,

@@ -201,6 +201,37 @@ def test_sampled_decoding_draws_what_sample_draws(synthetic_factory, kw):
     assert len(got) == 24  # the synthetic vocabulary has no end-of-text token among its draws here
 
 
+class ShortRuns:
+    """An engine whose sampled runs stop after two steps (as a CUDA run stops at a draw left to the host)."""
+
+    def __init__(self, engine):
+        self._e = engine
+        self.cut = 0
+
+    def forward_tokens_sample(self, token, n, temperature, top_k, top_p, u):
+        if n > 2:
+            self.cut += 1
+        return self._e.forward_tokens_sample(token, min(n, 2), temperature, top_k, top_p, u[:min(n, 2)])
+
+    def __getattr__(self, name):
+        return getattr(self._e, name)
+
+
+def test_sampled_runs_cut_short_keep_the_uniforms_in_order(synthetic_factory):
+    """stream() decodes sampled tokens in runs (forward_tokens_sample); a run that returns fewer steps than asked
+    leaves its unused uniforms to the next steps, so the tokens are still the one-by-one draws."""
+    import metalattn
+
+    model = metalattn.load(synthetic_factory(quant="q4_0", seed=21), device="cpu")
+    ids = model.tokenize("sampled runs")
+    kw = {"temperature": 0.9, "top_k": 50}
+    want = replay_sampled(model, ids, 11, 40, **kw)
+    model._engine = ShortRuns(model._engine)
+    assert [c.token for c in model.stream(ids, max_tokens=40, seed=11, **kw)] == want
+    assert model._engine.cut > 3
+    assert model.pos == len(ids) + 39  # the cache holds the prompt and every fed token
+
+
 def test_forward_token_sample_checks_its_arguments(synthetic_factory):
     import metalattn
 

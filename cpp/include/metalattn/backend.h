@@ -41,6 +41,18 @@ class Backend {
   // This default copies the row back and draws there; the CUDA backend draws on the device (8 bytes back).
   virtual int64_t forward_token_sample(int32_t token, int pos, const SamplingParams& p, double u, float* logits,
                                        int64_t vocab);
+  // n sampled steps (1 <= n <= kMaxGreedyRun, pos + n <= n_ctx): step 0 feeds `token` at `pos`, step i the token step
+  // i - 1 drew; u[i] draws step i's token into out[i]. Returns the steps done: n, or k < n where step k - 1's draw had
+  // to be made on the host (the steps after it are void; the caller goes on from out[k - 1] at pos + k). This default
+  // runs them one by one; the CUDA backend queues all n (each drawn token passed to the next step on the device).
+  virtual int forward_tokens_sample(int32_t token, int pos, int n, const SamplingParams& p, const double* u,
+                                    float* logits, int64_t vocab, int64_t* out) {
+    for (int i = 0; i < n; ++i) {
+      out[i] = forward_token_sample(token, pos + i, p, u[i], logits, vocab);
+      token = static_cast<int32_t>(out[i]);
+    }
+    return n;
+  }
   // Debug path: also writes the residual stream after the embedding and after every layer,
   // (n_layers + 1) x d_model floats, into `hidden`.
   virtual void forward_token_debug(int32_t token, int pos, float* hidden, float* logits) = 0;
