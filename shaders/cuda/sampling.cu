@@ -128,28 +128,30 @@ __device__ T block_scan(T v, T* sm) {
   __syncthreads();
   return v;
 }
-template <class T>
-__device__ T block_min(T v, T* sm) {
-  for (int o = 16; o > 0; o >>= 1) v = min(v, __shfl_xor_sync(0xffffffffu, v, o));
+// The block's min or max (op), in every thread; `sm` holds 32 values.
+struct MinOp {
+  template <class T>
+  __device__ T operator()(T a, T b) const { return min(a, b); }
+};
+struct MaxOp {
+  template <class T>
+  __device__ T operator()(T a, T b) const { return max(a, b); }
+};
+template <class T, class Op>
+__device__ T block_reduce(T v, T* sm, Op op) {
+  for (int o = 16; o > 0; o >>= 1) v = op(v, __shfl_xor_sync(0xffffffffu, v, o));
   __syncthreads();
   if ((threadIdx.x & 31) == 0) sm[threadIdx.x >> 5] = v;
   __syncthreads();
   v = sm[0];
-  for (int w = 1; w < static_cast<int>(blockDim.x >> 5); ++w) v = min(v, sm[w]);
+  for (int w = 1; w < static_cast<int>(blockDim.x >> 5); ++w) v = op(v, sm[w]);
   __syncthreads();
   return v;
 }
 template <class T>
-__device__ T block_max(T v, T* sm) {
-  for (int o = 16; o > 0; o >>= 1) v = max(v, __shfl_xor_sync(0xffffffffu, v, o));
-  __syncthreads();
-  if ((threadIdx.x & 31) == 0) sm[threadIdx.x >> 5] = v;
-  __syncthreads();
-  v = sm[0];
-  for (int w = 1; w < static_cast<int>(blockDim.x >> 5); ++w) v = max(v, sm[w]);
-  __syncthreads();
-  return v;
-}
+__device__ T block_min(T v, T* sm) { return block_reduce(v, sm, MinOp{}); }
+template <class T>
+__device__ T block_max(T v, T* sm) { return block_reduce(v, sm, MaxOp{}); }
 
 // True in every thread of the block that finished the pass last (the others' writes are then visible to it).
 __device__ bool last_block(Work* w) {
