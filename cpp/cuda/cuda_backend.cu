@@ -478,19 +478,13 @@ int CudaBackend::forward_tokens_sample(int32_t token, int pos, int n, const Samp
   if (pos + n > spec_.n_ctx)
     throw EngineError("forward_tokens_sample: positions past the context of " + std::to_string(spec_.n_ctx));
   for (int i = 0; i < n; ++i) check_sampling_args(p, u[i]);
-  if (p.top_k > kSampleMaxTopK && p.top_k < vocab)
-    return Backend::forward_tokens_sample(token, pos, n, p, u, logits, vocab, out);
+  if (!device_draws(p, vocab)) return Backend::forward_tokens_sample(token, pos, n, p, u, logits, vocab, out);
   set_io(token, pos);
   io_shadow_valid_ = false;
-  SampleArgs a;
-  a.inv_t = static_cast<float>(1.0 / p.temperature);
-  a.top_k = p.top_k < vocab ? static_cast<int>(p.top_k) : 0;
-  a.top_p = p.top_p;
   for (int i = 0; i < n; ++i) {
     run_decode(pos + i);
-    a.u = u[i];
-    launch_sample(logits_, spec_.vocab, result_dev_ + (pos + i) % kResultRing, a, sample_work_,
-                  sample_dev_ + (pos + i) % kResultRing, io_dev_, res_.stream);
+    launch_sample(logits_, spec_.vocab, result_dev_ + (pos + i) % kResultRing, device_sample_args(p, u[i], vocab),
+                  sample_work_, sample_dev_ + (pos + i) % kResultRing, io_dev_, res_.stream);
     after_launch();
   }
   CUDA_CHECK(cudaStreamSynchronize(res_.stream));
