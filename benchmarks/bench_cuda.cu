@@ -326,9 +326,11 @@ int bench_types() {
 }
 
 // bench_cuda <n_ctx> sample: sampled decoding's draw on the device (launch_sample after launch_argmax, as a sampled
-// step runs them after the lm_head) per vocabulary, row and filter, replayed 200x in a graph: us a draw, the argmax's
-// own time first. Rows: LLM-like (eight dominant logits over a normal body of sd 2.5) and flat (uniform in +-0.01: the
-// largest candidate lists and top_p nuclei, the token-id-order draw).
+// step runs them after the lm_head, reading and writing memory as the engine's do) per vocabulary, row and
+// filter, replayed 200x in a graph: us a draw, the argmax's own time first. Rows: LLM-like (eight dominant logits
+// over a normal body of sd 2.5), flat (uniform in +-0.01: the largest candidate lists and top_p nuclei, the
+// token-id-order draw) and narrow (uniform in [4, 4.5): every logit in one bin of pass1's histogram, so its atomics
+// all fall on one address).
 int bench_sample() {
   cudaStream_t sm;
   CUDA_CHECK(cudaStreamCreateWithFlags(&sm, cudaStreamNonBlocking));
@@ -337,12 +339,19 @@ int bench_sample() {
   CUDA_CHECK(cudaMalloc(&am.partials, kArgmaxMaxBlocks * sizeof(ArgmaxPartial)));
   CUDA_CHECK(cudaMalloc(&am.counter, sizeof(unsigned int)));
   CUDA_CHECK(cudaMemset(am.counter, 0, sizeof(unsigned int)));
+  CUDA_CHECK(cudaMalloc(&am.last, sizeof(ArgmaxResult)));
+  // As the engine keeps them: the argmax's result and the draw's in mapped host memory (the host reads them without
+  // a copy), the draw reading the argmax's device copy (am.last).
+  ArgmaxResult* best_host = nullptr;
+  SampleResult* out_host = nullptr;
   ArgmaxResult* best = nullptr;
   SampleResult* out = nullptr;
   void* work = nullptr;
   float* x = nullptr;
-  CUDA_CHECK(cudaMalloc(&best, sizeof(ArgmaxResult)));
-  CUDA_CHECK(cudaMalloc(&out, sizeof(SampleResult)));
+  CUDA_CHECK(cudaHostAlloc(&best_host, sizeof(ArgmaxResult), cudaHostAllocMapped));
+  CUDA_CHECK(cudaHostAlloc(&out_host, sizeof(SampleResult), cudaHostAllocMapped));
+  CUDA_CHECK(cudaHostGetDevicePointer(&best, best_host, 0));
+  CUDA_CHECK(cudaHostGetDevicePointer(&out, out_host, 0));
   CUDA_CHECK(cudaMalloc(&work, sample_work_bytes()));
   CUDA_CHECK(cudaMemset(work, 0, sample_work_bytes()));
   CUDA_CHECK(cudaMalloc(&x, 262144 * sizeof(float)));
@@ -357,20 +366,21 @@ int bench_sample() {
                         {"top_p 0.95", 1.f, 0, 0.95},
                         {"top_k 40 top_p 0.9", 1.f, 40, 0.9},
                         {"T 1.5 top_p 0.95", 1.5f, 0, 0.95}};
-  std::printf("%-8s %-5s %8s", "vocab", "row", "argmax");
+  std::printf("%-8s %-6s %8s", "vocab", "row", "argmax");
   for (const Mode& m : modes) std::printf(" %20s", m.name);
   std::printf("   (us a draw, argmax included)\n");
   std::mt19937 g(5);
   for (const int n : {49152, 151936, 262144})
-    for (const bool flat : {false, true}) {
+    for (const char* kind : {"llm", "flat", "narrow"}) {
+      const bool llm = kind[0] == 'l';
       std::vector<float> row(n);
       std::normal_distribution<float> body(0.f, 2.5f);
-      std::uniform_real_distribution<float> uni(-0.01f, 0.01f);
-      for (float& v : row) v = flat ? uni(g) : body(g);
-      if (!flat)
+      std::uniform_real_distribution<float> uni(-0.01f, 0.01f), narrow(4.f, 4.5f);
+      for (float& v : row) v = llm ? body(g) : kind[0] == 'f' ? uni(g) : narrow(g);
+      if (llm)
         for (int j = 0; j < 8; ++j) row[std::uniform_int_distribution<int>(0, n - 1)(g)] = 9.f + j * 0.6f;
       CUDA_CHECK(cudaMemcpy(x, row.data(), n * sizeof(float), cudaMemcpyHostToDevice));
-      std::printf("%-8d %-5s %8.2f", n, flat ? "flat" : "llm",
+      std::printf("%-8d %-6s %8.2f", n, kind,
                   graph_time_us(sm, [&] { launch_argmax(x, n, am, best, nullptr, sm); }));
       for (const Mode& m : modes) {
         SampleArgs a;
@@ -380,17 +390,18 @@ int bench_sample() {
         a.u = 0.61;
         std::printf(" %20.2f", graph_time_us(sm, [&] {
                       launch_argmax(x, n, am, best, nullptr, sm);
-                      launch_sample(x, n, best, a, work, out, nullptr, sm);
+                      launch_sample(x, n, am.last, a, work, out, nullptr, sm);
                     }));
       }
       std::printf("\n");
     }
   cudaFree(x);
   cudaFree(work);
-  cudaFree(out);
-  cudaFree(best);
+  cudaFreeHost(out_host);
+  cudaFreeHost(best_host);
   cudaFree(am.partials);
   cudaFree(am.counter);
+  cudaFree(am.last);
   cudaStreamDestroy(sm);
   return 0;
 }

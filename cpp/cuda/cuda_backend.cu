@@ -222,6 +222,7 @@ CudaBackend::CudaBackend(const ModelSpec& spec, const ModelWeights& w, bool debu
   argmax_.capacity = argmax_partials_needed(lm_head_);
   argmax_.partials = device_alloc<ArgmaxPartial>(argmax_.capacity, mem_.scratch);
   argmax_.counter = device_alloc<unsigned int>(1, mem_.scratch);
+  argmax_.last = device_alloc<ArgmaxResult>(1, mem_.scratch);
   CUDA_CHECK(cudaMemsetAsync(argmax_.counter, 0, sizeof(unsigned int), res_.stream));
   io_dev_ = device_alloc<DecodeIO>(1, mem_.scratch);
   x_ = activation_alloc<float>(d);
@@ -454,7 +455,7 @@ int64_t CudaBackend::forward_token_sample(int32_t token, int pos, const Sampling
   if (!device_draws(p, vocab)) return Backend::forward_token_sample(token, pos, p, u, logits, vocab);
   set_io(token, pos);
   run_decode(pos);
-  launch_sample(logits_, spec_.vocab, result_dev_ + pos % kResultRing, device_sample_args(p, u, vocab), sample_work_,
+  launch_sample(logits_, spec_.vocab, argmax_.last, device_sample_args(p, u, vocab), sample_work_,
                 sample_dev_, io_dev_, res_.stream);
   after_launch();
   finish_decode(pos);  // the sync; every logit NaN throws here
@@ -483,7 +484,7 @@ int CudaBackend::forward_tokens_sample(int32_t token, int pos, int n, const Samp
   io_shadow_valid_ = false;
   for (int i = 0; i < n; ++i) {
     run_decode(pos + i);
-    launch_sample(logits_, spec_.vocab, result_dev_ + (pos + i) % kResultRing, device_sample_args(p, u[i], vocab),
+    launch_sample(logits_, spec_.vocab, argmax_.last, device_sample_args(p, u[i], vocab),
                   sample_work_, sample_dev_ + (pos + i) % kResultRing, io_dev_, res_.stream);
     after_launch();
   }

@@ -174,6 +174,9 @@ struct ArgmaxScratch {
   ArgmaxPartial* partials = nullptr;
   unsigned int* counter = nullptr;
   int capacity = 0;  // number of partials
+  // Where set, each result is also written here (device memory): the sampled draw that follows reads it there, where
+  // the result itself is mapped host memory (a PCIe round trip a read, ~3.5 us on the H200).
+  ArgmaxResult* last = nullptr;
 };
 
 // Decode attention splits the context only when it is long (flash-decoding): up to kAttnSinglePassMax positions one
@@ -532,8 +535,9 @@ __device__ __forceinline__ void argmax_finish(ArgmaxPartial block_best, const Ar
   c = block_argmax(c, red);
   if (threadIdx.x == 0) {
     if (io_next != nullptr && ring > 1) result += io_next->pos & (ring - 1);
-    result->token = c.index;
-    result->value = c.index == kNoIndex ? __int_as_float(0x7fc00000) : c.value;
+    const ArgmaxResult r{c.index, c.index == kNoIndex ? __int_as_float(0x7fc00000) : c.value};
+    *result = r;
+    if (sc.last != nullptr) *sc.last = r;
     if (io_next != nullptr && c.index != kNoIndex) {
       io_next->token = static_cast<int32_t>(c.index);
       io_next->pos += 1;

@@ -9,8 +9,9 @@
 //     block draws (the chunk where the running weight passes u x total, then the token inside it). With a filter also
 //     a histogram (count and weight) of the top 11 bits of each logit's order key, and its last block finds the bin
 //     where the selection ends: the K-th largest logit (top_k), or the logit where the weight from the top reaches
-//     top_p of the total (top_p alone). The logits from that bin up become the candidates if at most kMaxCands; else
-//  2. pass2 refines that bin by the next 11 key bits, and decides the same way.
+//     top_p of the total (top_p alone). The logits from that bin up become the candidates if at most kSortDirect;
+//     else
+//  2. pass2 refines that bin by the next 11 key bits, and decides the same way (candidates up to kMaxCands).
 //  3. collect: the candidates into a list; its last block sorts them (larger logit first, the lower id among equal
 //     ones) and applies top_k, top_p and the draw in that order, as sample_logits does. A top_p nucleus of more than
 //     the 1,024 largest logits is drawn in token-id order instead (sample_logits's flat-row path): the list then gives
@@ -44,6 +45,7 @@ constexpr int kShift1 = 32 - kBinBits, kShift2 = 32 - 2 * kBinBits;  // a key's 
 // weight is at most 1 (the largest logit's), so 2^23 logits sum below 2^63; each loses under 2^-40 of its value.
 constexpr double kMassScale = 1099511627776.0;  // 2^40
 constexpr int kMaxCands = 4096;      // candidates one block sorts in shared memory (32 KB)
+constexpr int kSortDirect = 1024;    // the most candidates pass1 hands to collect (more: pass2 refines first)
 constexpr int kCollectThreads = 1024;  // the collect kernel's blocks: its last one sorts the list
 constexpr int kPerThread = kMaxCands / kCollectThreads;
 constexpr int kNucleusProbe = 1024;  // a top_p nucleus of at most this many logits is drawn in logit order
@@ -60,6 +62,7 @@ struct Work {
   unsigned long long mass[kBins];  // and their weight, fixed point (kMassScale)
   unsigned long long cand[kMaxCands];
   double total;               // the whole row's weight
+  float max;                  // the row's largest logit (pass1 copies it from `best` for the later passes)
   double mass_above;          // the logits above the current bin (all passes so far): their weight
   unsigned int count_above;   // and their number
   unsigned int done;          // blocks finished in the current pass (zero between passes)
@@ -175,8 +178,14 @@ __device__ void finish(SampleResult* out, DecodeIO* io, int token, int status) {
 }
 
 // The largest logit the argmax left (or the row's special cases): false when the step is already decided.
+// `best` is read once a block: it may be mapped host memory (the batch's argmax results; a single sequence's draw
+// reads the lm_head's device copy, ArgmaxScratch::last), where every load is a PCIe round trip; the later passes read
+// pass1's copy in the work area (a read of `best` in every thread cost index_draw 15 of its 23 us at 151,936 logits).
 __device__ bool row_max(const ArgmaxResult* best, SampleResult* out, DecodeIO* io, float* m) {
-  const ArgmaxResult b = *best;
+  __shared__ ArgmaxResult s_best;
+  if (threadIdx.x == 0) s_best = *best;
+  __syncthreads();
+  const ArgmaxResult b = s_best;
   if (b.token == kNoIndex || b.value == -INFINITY) {  // every logit NaN, or NaN or -inf
     if (blockIdx.x == 0 && threadIdx.x == 0) finish(out, io, -1, kSampleNoCandidate);
     return false;
@@ -278,12 +287,15 @@ __device__ void choose(const Row& r, const SampleArgs& a, Work* w, int level, do
   const unsigned int hi_key = lo | ((1u << (level == 1 ? kShift1 : kShift2)) - 1u);
   w->count_above = above0 + above;
   w->mass_above = mass0 + s_mass_above;
-  if (above0 + above + in_bin <= kMaxCands) {  // every candidate in the list
+  // Pass1 hands a list to collect only where it is short: the collect's bitonic sort of up to 4,096 candidates in
+  // one block costs more than pass2's refinement (bins 2^11 times narrower) and a sort of at most 1,024.
+  const unsigned int limit = level == 1 ? kSortDirect : kMaxCands;
+  if (above0 + above + in_bin <= limit) {  // every candidate in the list
     w->stage = kStageCollect;
     w->key_lo = lo;
     w->key_hi = 0xffffffffu;
     w->band_only = 0;
-  } else if (by_mass && in_bin <= kMaxCands && above0 + above >= kNucleusProbe) {  // a large nucleus: its cut's bin
+  } else if (by_mass && in_bin <= limit && above0 + above >= kNucleusProbe) {  // a large nucleus: its cut's bin
     w->stage = kStageCollect;
     w->key_lo = lo;
     w->key_hi = hi_key;
@@ -398,7 +410,10 @@ __device__ void pass1_row(Row r, const ArgmaxResult* best, SampleArgs a, Work* w
   if (!last_block(w)) return;
   const double total = index_draw(r, m, a.inv_t, none, a.u, w, out, io, !r.filtered);
   if (!r.filtered) return;
-  if (threadIdx.x == 0) w->total = total;
+  if (threadIdx.x == 0) {
+    w->total = total;
+    w->max = m;
+  }
   __syncthreads();
   choose(r, a, w, 1, total, out, io);
 }
@@ -409,7 +424,7 @@ __device__ void pass2_row(Row r, const ArgmaxResult* best, SampleArgs a, Work* w
   __shared__ unsigned long long mass[kBins];
   if (w->stage != kStageRefine) return;  // every block alike: no counter to keep
   const unsigned int prefix = w->prefix;
-  const float m = best->value;
+  const float m = w->max;
   for (int b = threadIdx.x; b < kBins; b += kThreads) {
     count[b] = 0u;
     mass[b] = 0ull;
@@ -498,7 +513,7 @@ __device__ void collect_row(Row r, const ArgmaxResult* best, SampleArgs a, Work*
       __syncthreads();
     }
 
-  const float m = best->value;
+  const float m = w->max;
   const bool top_k = r.k > 0, top_p = a.top_p < 1.0;
   const int kc = top_k ? min(r.k, count) : count;  // the candidates the selection keeps
   // kPerThread consecutive candidates a thread: their weights and running weight (from the logits above the list).
@@ -565,7 +580,7 @@ __device__ void collect_row(Row r, const ArgmaxResult* best, SampleArgs a, Work*
 __device__ void index_draw_row(Row r, const ArgmaxResult* best, SampleArgs a, Work* w, SampleResult* out,
                                DecodeIO* io) {
   if (w->stage != kStageIndexDraw) return;
-  const float m = best->value;
+  const float m = w->max;
   const Cut cut{true, w->key_cut, w->id_cut};
   chunk_weight(r, m, a.inv_t, cut, w, nullptr, nullptr);
   if (!last_block(w)) return;

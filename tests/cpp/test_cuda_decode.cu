@@ -2,6 +2,8 @@
 // with poisoned outputs. Tolerances: single kernels and fused kernels vs the composition of the unfused reference ops:
 // max abs error <= 1e-4 on outputs of magnitude ~1 (float accumulation in another order; seen ~1e-6). Every test
 // skips when no CUDA device is present.
+#include <cstring>
+
 #include "cuda_test_util.h"
 
 // ------------------------------------------------------------------ matvec family
@@ -435,13 +437,15 @@ ArgmaxResult gpu_argmax(const std::vector<float>& v, DecodeIO* io_after = nullpt
   DevBuf<float> dx(v);
   DevBuf<ArgmaxPartial> parts(kArgmaxMaxBlocks);
   DevBuf<unsigned> counter(std::vector<unsigned>{0u});
-  DevBuf<ArgmaxResult> res(1);
+  DevBuf<ArgmaxResult> res(1), last(1);
   DevBuf<DecodeIO> io(std::vector<DecodeIO>{{-1, 41}});
   res.poison();
-  ArgmaxScratch sc{parts.p, counter.p, kArgmaxMaxBlocks};
+  last.poison();
+  ArgmaxScratch sc{parts.p, counter.p, kArgmaxMaxBlocks, last.p};
   launch_argmax(dx.p, static_cast<int>(v.size()), sc, res.p, io.p, nullptr);
-  const ArgmaxResult r = res.download()[0];
+  const ArgmaxResult r = res.download()[0], l = last.download()[0];
   EXPECT_EQ(counter.download()[0], 0u) << "counter re-armed";
+  EXPECT_TRUE(std::memcmp(&r, &l, sizeof r) == 0) << "the device copy (ArgmaxScratch::last) is the result";
   if (io_after != nullptr) *io_after = io.download()[0];
   return r;
 }

@@ -1,5 +1,5 @@
 // Sampled decoding's draw on the GPU (shaders/cuda/sampling.cu) against the host's sample_logits (its reference) on the
-// same rows and uniforms: the vocabularies of the real models, LLM-like and flat rows, ties, NaN and infinities.
+// same rows and uniforms: the vocabularies of the real models, LLM-like, flat and narrow rows, ties, NaN and infinities.
 #include "cuda_test_util.h"
 #include "engine/sampling.h"
 
@@ -9,7 +9,7 @@ struct Sampler {
   ArgmaxScratch am;
   DevBuf<ArgmaxPartial> partials{static_cast<size_t>(kArgmaxMaxBlocks)};
   DevBuf<unsigned int> counter{1};
-  DevBuf<ArgmaxResult> best{1};
+  DevBuf<ArgmaxResult> best{1}, last{1};  // the argmax's result and its device copy, which the draw reads
   DevBuf<uint8_t> work{sample_work_bytes()};
   DevBuf<SampleResult> out{1};
   DevBuf<DecodeIO> io{1};
@@ -19,6 +19,7 @@ struct Sampler {
     am.partials = partials.p;
     am.counter = counter.p;
     am.capacity = kArgmaxMaxBlocks;
+    am.last = last.p;
   }
   // The row's argmax, then the draw; the result and the token left in io.
   SampleResult draw(const DevBuf<float>& x, const SamplingParams& p, double u, int32_t* io_token) {
@@ -30,7 +31,7 @@ struct Sampler {
     a.top_k = static_cast<int>(p.top_k);
     a.top_p = p.top_p;
     a.u = u;
-    launch_sample(x.p, static_cast<int>(x.n), best.p, a, work.p, out.p, io.p, nullptr);
+    launch_sample(x.p, static_cast<int>(x.n), am.last, a, work.p, out.p, io.p, nullptr);
     const DecodeIO after = io.download()[0];
     EXPECT_EQ(after.pos, 3) << "the draw changes only the token of io";
     *io_token = after.token;
@@ -68,8 +69,10 @@ TEST(CudaSampling, DrawsWhatTheHostDraws) {
     const char* kind;
     int n;
   };
-  const RowCase rows[] = {{"llm", 49152}, {"llm", 151936}, {"llm", 262144}, {"flat", 262144}, {"ties", 49152},
-                          {"llm", 1000},  {"nan-inf", 151936}, {"llm", 7}};
+  // narrow: every logit in one bin of the first histogram pass (one exponent, the same top mantissa bits), so that
+  // whole warps count into one bin and the second pass refines it.
+  const RowCase rows[] = {{"llm", 49152}, {"llm", 151936}, {"llm", 262144}, {"flat", 262144}, {"narrow", 151936},
+                          {"ties", 49152}, {"llm", 1000}, {"nan-inf", 151936}, {"llm", 7}};
   const double temps[] = {1.0, 0.7, 1.6};
   const int64_t top_ks[] = {0, 1, 40, 1024};
   const double top_ps[] = {1.0, 0.9, 0.5};
@@ -79,6 +82,8 @@ TEST(CudaSampling, DrawsWhatTheHostDraws) {
     std::vector<float> x;
     if (std::string(rc.kind) == "flat") {
       x = random_vec(rc.n, -0.01f, 0.01f);
+    } else if (std::string(rc.kind) == "narrow") {
+      x = random_vec(rc.n, 4.f, 4.5f);
     } else if (std::string(rc.kind) == "ties") {  // logits on a 1/4 grid: equal values at every cut
       x = llm_like_row(rc.n);
       for (float& v : x) v = std::round(v * 4.f) / 4.f;
