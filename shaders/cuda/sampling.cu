@@ -341,6 +341,15 @@ __device__ void chunk_weight(const Row& r, float m, float inv_t, const Cut& cut,
   const int lo = blockIdx.x * r.chunk, hi = min(r.n, lo + r.chunk);
   double sum = 0;
   int last = -1;
+  // A thread holds the bin of its last logits and their count and weight until a logit falls in another bin: rows
+  // whose logits share a few bins (narrow or flat ones) would otherwise serialize a warp's atomics on one address.
+  unsigned int run_bin = kBins, run_count = 0;
+  unsigned long long run_mass = 0;
+  auto flush = [&] {
+    if (run_count == 0) return;
+    atomicAdd(&count[run_bin], run_count);
+    if (r.k == 0) atomicAdd(&mass[run_bin], run_mass);  // the weights only for a top_p cut
+  };
   for (int i = lo + threadIdx.x; i < hi; i += kThreads) {
     const float wi = cut_weight(r, i, m, inv_t, cut);
     sum += wi;
@@ -349,11 +358,18 @@ __device__ void chunk_weight(const Row& r, float m, float inv_t, const Cut& cut,
       const float v = r.x[i];
       if (!isnan(v)) {
         const unsigned int b = order_key(v) >> kShift1;
-        atomicAdd(&count[b], 1u);
-        if (r.k == 0) atomicAdd(&mass[b], fixed_mass(wi));  // the weights only for a top_p cut
+        if (b != run_bin) {
+          flush();
+          run_bin = b;
+          run_count = 0;
+          run_mass = 0;
+        }
+        ++run_count;
+        run_mass += fixed_mass(wi);
       }
     }
   }
+  if (count != nullptr) flush();
   sum = block_scan(sum, dsm);  // the last thread holds the chunk's weight
   last = block_max(last, ism);
   if (threadIdx.x == kThreads - 1) w->chunk_sum[blockIdx.x] = sum;
