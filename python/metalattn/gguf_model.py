@@ -9,6 +9,7 @@ from __future__ import annotations
 import math
 import os
 import stat
+import sys
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional, Tuple
 
@@ -419,7 +420,36 @@ def _make_reader_class(gguf):
                 if count > MAX_METADATA_ARRAY or count * least > len(self.data) - orig_offs - 12:
                     raise _ShortRead(f"a metadata array at offset {orig_offs} claims {count} items, more than "
                                      f"{'the file can hold' if count <= MAX_METADATA_ARRAY else MAX_METADATA_ARRAY}")
+                if getattr(self, "byte_order", None) == "I" and (np_type is not None or
+                                                                 item_type == gguf.GGUFValueType.STRING):
+                    return self._array_parts(orig_offs, item_type, np_type, count)
             return super()._get_field_parts(orig_offs, raw_type)
+
+        def _array_parts(self, orig_offs, item_type, np_type, count):
+            # The stock reader parses an array one item at a time through _get_field_parts (~8 us an item: 3.5 of a
+            # 262,144-token vocabulary's 4.9 s load). The same parts, built in one pass: the items of a scalar array
+            # are 1-item views of one read, a string array's lengths are walked in plain Python. Files in their own
+            # byte order only (byte_order "I"); a byte-swapped file takes the stock path.
+            parts = [self._get(orig_offs, np.uint32), self._get(orig_offs + 4, np.uint64)]
+            offs = orig_offs + 12
+            types = [gguf.GGUFValueType.ARRAY] + ([item_type] if count else [])
+            if np_type is not None:
+                values = self._get(offs, np_type, count)
+                parts += [values[i:i + 1] for i in range(count)]
+                return 12 + int(values.nbytes), parts, list(range(2, 2 + count)), types
+            data, mv, end = self.data, memoryview(self.data), len(self.data)
+            idxs = []
+            for _ in range(count):
+                if offs + 8 > end:
+                    raise _ShortRead(f"a metadata string at offset {offs} runs past the end of the file")
+                n = int.from_bytes(mv[offs:offs + 8], sys.byteorder)  # the file's order is the host's ("I")
+                if n > end - offs - 8:
+                    raise _ShortRead(f"a metadata string at offset {offs} claims {n} bytes, more than the file holds")
+                parts.append(data[offs:offs + 8].view(np.uint64))
+                idxs.append(len(parts))
+                parts.append(data[offs + 8:offs + 8 + n])
+                offs += 8 + n
+            return offs - orig_offs, parts, idxs, types
 
         def _build_tensors(self, start_offs, fields):
             try:
