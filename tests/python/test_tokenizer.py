@@ -512,6 +512,44 @@ def test_spm_specials_split_first_and_restart_the_space_prefix():
     assert 3 not in plain and tok.decode(plain) == " abc<turn>"
 
 
+def test_spm_words_merge_as_the_whole_stretch():
+    # Encoding merges word by word (cached); the stretch merged whole (_spm_merge, llama.cpp's order) is the
+    # reference. "c\u2581a" spans a space marker after "c", so no cut may fall there; "\u2581\u2581" joins runs.
+    fields = _spm_fields(add_space_prefix=False)
+    for text, score in [("c\u2581a", -0.2), ("\u2581\u2581", -3.5), ("c\u2581", -2.5)]:
+        fields["tokenizer.ggml.tokens"].append(text)
+        fields["tokenizer.ggml.scores"].append(score)
+        fields["tokenizer.ggml.token_type"].append(TokenType.NORMAL)
+    tok = Tokenizer.from_gguf_fields(fields)
+    spanning = {tok.token_to_id("c\u2581a"), tok.token_to_id("c\u2581")}
+    rng = random.Random(5)
+    spans = 0
+    for _ in range(300):
+        text = "".join(rng.choice("abcx  \u00e9") for _ in range(rng.randint(1, 40)))
+        whole = list(tok._spm_merge(text.replace(" ", "\u2581")))
+        assert tok.encode(text, add_bos=False) == whole, text
+        assert tok.encode(text, add_bos=False) == whole, text  # again, from the word cache
+        spans += any(i in spanning for i in whole)
+    assert spans > 30, "the texts should often merge across a space marker"
+
+
+def test_special_literals_found_as_a_longest_first_alternation():
+    # The special-token scan (_Literals) against the regex alternation it replaced: leftmost, then the longest literal
+    # starting there, none overlapping; literals that share prefixes, nest, overlap, or start with regex syntax.
+    import regex
+
+    from metalattn.tokenizer import _Literals
+
+    rng = random.Random(11)
+    alphabet = "ab<>|]\\-^\n "
+    for _ in range(200):
+        literals = {"".join(rng.choice(alphabet) for _ in range(rng.randint(1, 4))) for _ in range(rng.randint(1, 12))}
+        alternation = regex.compile("|".join(regex.escape(t) for t in sorted(literals, key=len, reverse=True)))
+        text = "".join(rng.choice(alphabet) for _ in range(rng.randint(0, 60)))
+        want = [(m.start(), m.end()) for m in alternation.finditer(text)]
+        assert list(_Literals(literals).finditer(text)) == want, (sorted(literals), text)
+
+
 def test_spm_needs_its_scores():
     fields = _spm_fields()
     fields["tokenizer.ggml.scores"] = fields["tokenizer.ggml.scores"][:-1]
