@@ -256,7 +256,14 @@ class _Literals:
 
     def __init__(self, texts: Iterable[str]):
         self._texts = frozenset(text for text in texts if text)
-        self._lengths = sorted({len(text) for text in self._texts}, reverse=True)
+        self._singles = frozenset(text for text in self._texts if len(text) == 1)
+        # The lengths of the literals each two-character prefix starts, longest first: at a space (Gemma 3's
+        # whitespace runs make it a first character) only a space run's own prefix is tried.
+        lengths: Dict[str, set] = {}
+        for text in self._texts:
+            if len(text) > 1:
+                lengths.setdefault(text[:2], set()).add(len(text))
+        self._lengths = {prefix: sorted(ls, reverse=True) for prefix, ls in lengths.items()}
         firsts = "".join(sorted({text[0] for text in self._texts}))
         self._first = regex.compile(f"[{regex.escape(firsts)}]") if firsts else None
 
@@ -264,17 +271,20 @@ class _Literals:
         """(start, end) of each match."""
         if self._first is None:
             return
-        texts, lengths, search, n = self._texts, self._lengths, self._first.search, len(text)
+        texts, singles, lengths_of, search, n = self._texts, self._singles, self._lengths, self._first.search, len(text)
         match = search(text)
         while match is not None:
             at = match.start()
-            for length in lengths:
+            end = 0
+            for length in lengths_of.get(text[at : at + 2], ()):
                 if at + length <= n and text[at : at + length] in texts:
-                    yield at, at + length
-                    match = search(text, at + length)
+                    end = at + length
                     break
-            else:
-                match = search(text, at + 1)
+            if not end and text[at] in singles:
+                end = at + 1
+            if end:
+                yield at, end
+            match = search(text, end or at + 1)
 
 
 class Tokenizer:

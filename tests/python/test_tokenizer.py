@@ -542,12 +542,13 @@ def test_special_literals_found_as_a_longest_first_alternation():
 
     rng = random.Random(11)
     alphabet = "ab<>|]\\-^\n "
-    for _ in range(200):
+    for _ in range(500):
         literals = {"".join(rng.choice(alphabet) for _ in range(rng.randint(1, 4))) for _ in range(rng.randint(1, 12))}
         alternation = regex.compile("|".join(regex.escape(t) for t in sorted(literals, key=len, reverse=True)))
         text = "".join(rng.choice(alphabet) for _ in range(rng.randint(0, 60)))
-        want = [(m.start(), m.end()) for m in alternation.finditer(text)]
-        assert list(_Literals(literals).finditer(text)) == want, (sorted(literals), text)
+        for t in (text, text + rng.choice(sorted(literals))[:-1]):  # the second ends inside a longer literal
+            want = [(m.start(), m.end()) for m in alternation.finditer(t)]
+            assert list(_Literals(literals).finditer(t)) == want, (sorted(literals), t)
 
 
 def test_spm_needs_its_scores():
