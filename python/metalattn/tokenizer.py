@@ -22,7 +22,7 @@ import heapq
 import os
 from collections import OrderedDict
 from dataclasses import dataclass
-from typing import Any, Dict, FrozenSet, Iterable, List, Mapping, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, FrozenSet, Iterable, List, Mapping, Optional, Sequence, Tuple
 
 import regex
 
@@ -634,25 +634,30 @@ class Tokenizer:
         if self.add_space_prefix and after_special:
             text = " " + text
         text = text.replace(" ", SPM_SPACE)
-        cache = self._cache
         for word in self._spm_words.split(text):
-            if not word:
-                continue
-            word_ids = cache.get(word)
-            if word_ids is None:  # a miss, or another thread's eviction between the two calls: recomputed
-                word_ids = self._spm_merge(word)
-                cache[word] = word_ids
-                if len(cache) > self._cache_size:
-                    try:
-                        cache.popitem(last=False)
-                    except KeyError:
-                        pass
-            else:
+            if word:
+                ids.extend(self._cached(word, self._spm_merge))
+
+    def _cached(self, key: str, compute: Callable[[str], Tuple[int, ...]]) -> Tuple[int, ...]:
+        """The ids of a pre-token (BPE) or word (SentencePiece) from the LRU cache, computed on a miss. Another
+        thread may evict between two of these calls (each is atomic under the GIL, the pair is not): a miss then
+        only costs a recomputation."""
+        cache = self._cache
+        key_ids = cache.get(key)
+        if key_ids is None:
+            key_ids = compute(key)
+            cache[key] = key_ids
+            if len(cache) > self._cache_size:
                 try:
-                    cache.move_to_end(word)
+                    cache.popitem(last=False)
                 except KeyError:
                     pass
-            ids.extend(word_ids)
+        else:
+            try:
+                cache.move_to_end(key)
+            except KeyError:
+                pass
+        return key_ids
 
     def _spm_merge(self, text: str) -> Tuple[int, ...]:
         """The ids of one word: symbols merged by score (the highest first, the leftmost among equal ones)."""
@@ -707,25 +712,8 @@ class Tokenizer:
     def _encode_ordinary(self, text: str, ids: List[int], after_special: bool = True) -> None:
         if not text:
             return
-        cache = self._cache
         for piece in self._pre_tokenizer.split(text):
-            piece_ids = cache.get(piece)
-            # Another thread may evict between two of these calls (each is atomic under the GIL, the pair is not):
-            # a miss then only costs a recomputation.
-            if piece_ids is None:
-                piece_ids = self._bpe(piece)
-                cache[piece] = piece_ids
-                if len(cache) > self._cache_size:
-                    try:
-                        cache.popitem(last=False)
-                    except KeyError:
-                        pass
-            else:
-                try:
-                    cache.move_to_end(piece)
-                except KeyError:
-                    pass
-            ids.extend(piece_ids)
+            ids.extend(self._cached(piece, self._bpe))
 
     def _bpe(self, piece: str) -> Tuple[int, ...]:
         data = piece.encode("utf-8")
