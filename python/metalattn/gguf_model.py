@@ -437,18 +437,20 @@ def _make_reader_class(gguf):
                 values = self._get(offs, np_type, count)
                 parts += [values[i:i + 1] for i in range(count)]
                 return 12 + int(values.nbytes), parts, list(range(2, 2 + count)), types
-            data, mv, end = self.data, memoryview(self.data), len(self.data)
+            data, end = self.data, len(self.data)
             idxs = []
-            for _ in range(count):
-                if offs + 8 > end:
-                    raise _ShortRead(f"a metadata string at offset {offs} runs past the end of the file")
-                n = int.from_bytes(mv[offs:offs + 8], sys.byteorder)  # the file's order is the host's ("I")
-                if n > end - offs - 8:
-                    raise _ShortRead(f"a metadata string at offset {offs} claims {n} bytes, more than the file holds")
-                parts.append(data[offs:offs + 8].view(np.uint64))
-                idxs.append(len(parts))
-                parts.append(data[offs + 8:offs + 8 + n])
-                offs += 8 + n
+            with memoryview(data) as mv:  # released here, also when a corrupt length raises (the map stays closable)
+                for _ in range(count):
+                    if offs + 8 > end:
+                        raise _ShortRead(f"a metadata string at offset {offs} runs past the end of the file")
+                    n = int.from_bytes(mv[offs:offs + 8], sys.byteorder)  # the file's order is the host's ("I")
+                    if n > end - offs - 8:
+                        raise _ShortRead(f"a metadata string at offset {offs} claims {n} bytes, more than the file "
+                                         f"holds")
+                    parts.append(data[offs:offs + 8].view(np.uint64))
+                    idxs.append(len(parts))
+                    parts.append(data[offs + 8:offs + 8 + n])
+                    offs += 8 + n
             return offs - orig_offs, parts, idxs, types
 
         def _build_tensors(self, start_offs, fields):
