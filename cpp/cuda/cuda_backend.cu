@@ -403,12 +403,16 @@ ArgmaxResult CudaBackend::forward_token_greedy(int32_t token, int pos) {
 // and position into io_dev_ for step i + 1, and its result into its own slot of the mapped ring, so nothing crosses
 // the bus between the steps: the launch, the wait and the wake-up of each forward_token_greedy call cost 7-10 us a
 // token on the H100 (NOTES, "CUDA, session 25").
-void CudaBackend::forward_tokens_greedy(int32_t token, int pos, int n, ArgmaxResult* out) {
+void CudaBackend::check_run(const char* name, int pos, int n) const {
   if (n < 1 || n > kMaxGreedyRun)
-    throw EngineError("forward_tokens_greedy: 1 to " + std::to_string(kMaxGreedyRun) + " steps at a time, not " +
+    throw EngineError(std::string(name) + ": 1 to " + std::to_string(kMaxGreedyRun) + " steps at a time, not " +
                       std::to_string(n));
   if (pos + n > spec_.n_ctx)
-    throw EngineError("forward_tokens_greedy: positions past the context of " + std::to_string(spec_.n_ctx));
+    throw EngineError(std::string(name) + ": positions past the context of " + std::to_string(spec_.n_ctx));
+}
+
+void CudaBackend::forward_tokens_greedy(int32_t token, int pos, int n, ArgmaxResult* out) {
+  check_run("forward_tokens_greedy", pos, n);
   set_io(token, pos);
   io_shadow_valid_ = false;
   for (int i = 0; i < n; ++i) run_decode(pos + i);
@@ -473,11 +477,7 @@ int64_t CudaBackend::forward_token_sample(int32_t token, int pos, const Sampling
 // its own (the same input at the same position writes the same K/V) and its token drawn from the row copied back.
 int CudaBackend::forward_tokens_sample(int32_t token, int pos, int n, const SamplingParams& p, const double* u,
                                        float* logits, int64_t vocab, int64_t* out) {
-  if (n < 1 || n > kMaxGreedyRun)
-    throw EngineError("forward_tokens_sample: 1 to " + std::to_string(kMaxGreedyRun) + " steps at a time, not " +
-                      std::to_string(n));
-  if (pos + n > spec_.n_ctx)
-    throw EngineError("forward_tokens_sample: positions past the context of " + std::to_string(spec_.n_ctx));
+  check_run("forward_tokens_sample", pos, n);
   for (int i = 0; i < n; ++i) check_sampling_args(p, u[i]);
   if (!device_draws(p, vocab)) return Backend::forward_tokens_sample(token, pos, n, p, u, logits, vocab, out);
   set_io(token, pos);

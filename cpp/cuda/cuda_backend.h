@@ -170,6 +170,8 @@ class CudaBackend final : public Backend {
   const float* upload_floats(const float* host, size_t n);
 
   void check_token(int32_t token) const;
+  // A run of n decode steps from pos (forward_tokens_greedy / _sample): 1 <= n <= kMaxGreedyRun, inside the context.
+  void check_run(const char* name, int pos, int n) const;
   void set_io(int32_t token, int pos);
   void after_launch();
   // Decode graphs by context length: while attention runs in one pass, one block per query head with all K/V rows

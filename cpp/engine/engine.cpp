@@ -56,14 +56,18 @@ ArgmaxResult Engine::forward_token_greedy(int32_t token) {
   return r;
 }
 
-void Engine::forward_tokens_greedy(int32_t token, int n, ArgmaxResult* out) {
+void Engine::check_run(int32_t token, int n, const char* name, const char* steps) const {
   check_tokens(&token, 1, 0);
   if (n < 1 || n > Backend::kMaxGreedyRun)
-    throw TokenRangeError("forward_tokens_greedy: n must be 1 to " + std::to_string(Backend::kMaxGreedyRun) +
+    throw TokenRangeError(std::string(name) + ": n must be 1 to " + std::to_string(Backend::kMaxGreedyRun) +
                           ", got " + std::to_string(n) + " (out of range)");
   if (pos_[0] + n > spec_.n_ctx)
-    throw ContextOverflow(std::to_string(n) + " greedy steps at position " + std::to_string(pos_[0]) +
+    throw ContextOverflow(std::to_string(n) + " " + steps + " steps at position " + std::to_string(pos_[0]) +
                           " exceed the context of " + std::to_string(spec_.n_ctx) + " tokens");
+}
+
+void Engine::forward_tokens_greedy(int32_t token, int n, ArgmaxResult* out) {
+  check_run(token, n, "forward_tokens_greedy", "greedy");
   backend_->forward_tokens_greedy(token, pos_[0], n, out);
   pos_[0] += n;
 }
@@ -83,13 +87,7 @@ int64_t Engine::forward_token_sample(int32_t token, const SamplingParams& p, dou
 }
 
 int Engine::forward_tokens_sample(int32_t token, int n, const SamplingParams& p, const double* u, int64_t* out) {
-  check_tokens(&token, 1, 0);
-  if (n < 1 || n > Backend::kMaxGreedyRun)
-    throw TokenRangeError("forward_tokens_sample: n must be 1 to " + std::to_string(Backend::kMaxGreedyRun) +
-                          ", got " + std::to_string(n) + " (out of range)");
-  if (pos_[0] + n > spec_.n_ctx)
-    throw ContextOverflow(std::to_string(n) + " sampled steps at position " + std::to_string(pos_[0]) +
-                          " exceed the context of " + std::to_string(spec_.n_ctx) + " tokens");
+  check_run(token, n, "forward_tokens_sample", "sampled");
   sample_logits_.resize(static_cast<size_t>(spec_.vocab));
   const int done = backend_->forward_tokens_sample(token, pos_[0], n, p, u, sample_logits_.data(), spec_.vocab, out);
   pos_[0] += done;

@@ -53,6 +53,9 @@ class Engine {
 
  private:
   void check_tokens(const int32_t* tokens, int n, int slot) const;
+  // A run of n steps from `token` in slot 0 (forward_tokens_greedy / _sample): 1 <= n <= kMaxGreedyRun, inside the
+  // context; `name` and `steps` ("greedy", "sampled") word the errors.
+  void check_run(int32_t token, int n, const char* name, const char* steps) const;
   void check_batch(const int32_t* tokens, const int32_t* slots, int n);  // fills batch_pos_
   int check_slot(int slot) const;
   ModelSpec spec_;
